@@ -1,0 +1,29 @@
+# geo3k-rl: `make test` and `make train` install the pinned CPU stack into .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-fast train clean
+
+install: $(STAMP)
+
+$(STAMP): requirements-cpu.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Every pip call carries the pins as constraints: an unpinned torch would pull a CUDA build.
+	$(PY) -m pip install -q -c requirements-cpu.txt -r requirements-cpu.txt
+	$(PY) -m pip install -q -c requirements-cpu.txt --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
+
+train: install
+	$(PY) -m geo3k_torch.main --config=configs/cpu.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

@@ -1,0 +1,77 @@
+"""The `Engine` protocol: how the rollout asks for tokens, whatever generates them.
+
+The rollout does not need to know how or where generation runs: an in-process torch engine on
+CPU, SGLang servers on GPUs, or a scripted fake in the tests all take a list of `Request`s and
+return one `Completion` per request, in order.
+
+Token ids are the model's own ids with image placeholders already expanded (one `<|image_pad|>`
+per merged patch), exactly the ids the learner trains on. An engine that expands images itself
+must say so and take care not to expand them twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, Sequence
+
+STOP = "stop"  # a stop token was sampled (it is the last token of `token_ids`)
+LENGTH = "length"  # max_new_tokens reached
+ABORT = "abort"  # the engine gave up on the request; the rollout retries it
+FINISH_REASONS = (STOP, LENGTH, ABORT)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. `top_p` = 1.0 disables nucleus sampling."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation call: continue `input_ids` (all tokens so far, prompt included).
+
+    `images` are the episode's images (PIL), in the order of their placeholders in `input_ids`.
+    `session` names the episode, so an engine may keep its KV cache between turns.
+    """
+
+    input_ids: Sequence[int]
+    images: Sequence[Any]
+    sampling: SamplingParams
+    session: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """New tokens, each with its log-prob under the distribution it was sampled from.
+
+    `logprobs[i]` is log p(token_ids[i]) at the sampling temperature, from raw logits (not the
+    processed scores of top-p/top-k); shapes: both length n_new.
+    """
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float]
+    finish_reason: str
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"unknown finish_reason {self.finish_reason!r}")
+
+
+class Engine(Protocol):
+    """Anything that turns requests into completions (one per request, same order)."""
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]: ...

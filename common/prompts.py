@@ -1,0 +1,39 @@
+"""The scoring tool's schema and the system prompt every Geometry3K prompt starts with.
+
+The schema is in the form chat templates take as `tools=` (OpenAI / Qwen function format), so
+`processor.apply_chat_template(messages, tools=TOOLS)` renders it in the model's own way.
+"""
+
+# Both names are accepted by the environment; the prompt advertises the first.
+TOOL_NAMES = ("calc_score", "calc_geo3k_reward")
+
+SCORE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": TOOL_NAMES[0],
+        "description": (
+            "Check a candidate final answer to the geometry problem. Returns 1.0 if the answer "
+            "is correct and 0.0 otherwise, with feedback."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "answer": {
+                    "type": "string",
+                    "description": "The final answer only: a number or a LaTeX expression, "
+                    "for example 12, 6.5, \\frac{5}{2} or 8\\sqrt{3}.",
+                }
+            },
+            "required": ["answer"],
+        },
+    },
+}
+
+TOOLS = [SCORE_TOOL]
+
+SYSTEM_PROMPT = (
+    "You are solving a geometry problem about the diagram shown. Read the numbers you need from "
+    "the diagram, reason step by step, then check your answer by calling the calc_score tool "
+    "with your final answer. If the tool says the answer is wrong, think again and call it with "
+    "a different answer. Finish with the final answer in \\boxed{}."
+)

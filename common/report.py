@@ -1,0 +1,137 @@
+"""What a run leaves for people: metrics.jsonl, TensorBoard scalars, a reward curve, rollout dumps.
+
+Backend-agnostic (no torch, no jax): TensorBoard events are written with the `tensorboard`
+package's own event writer, the curve with matplotlib (Agg).
+
+Workdir layout written here:
+    metrics.jsonl              one JSON object per step: {"step": N, "train/...": ..., ...}
+    events.out.tfevents.*      the same scalars for TensorBoard
+    curve.png                  reward and accuracy per step (train), accuracy per eval
+    rollouts/step_<N>.jsonl    every trajectory of step N (see `dump_rollouts`)
+    rollouts/images/<uid>_<k>.png   the images those trajectories refer to
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from common.rollout import Trajectory
+
+
+class RunLog:
+    """Appends one line of metrics per step and keeps the TensorBoard file and curve current."""
+
+    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True):
+        self.dir = Path(workdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self._tb = None
+        if tensorboard:
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            self._tb = EventFileWriter(str(self.dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            self._write_tb(step, metrics)
+
+    def _write_tb(self, step: int, metrics: dict[str, float]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self._tb.flush()
+
+    def rows(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows past `step` (a resumed run rewrites the steps after its checkpoint)."""
+        kept = [r for r in self.rows() if r["step"] <= step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def plot(self, name: str = "curve.png") -> Path:
+        """Reward and accuracy against step; eval accuracy as points. Returns the PNG path."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.rows()
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for key, label in (("train/reward_mean", "train reward"),
+                           ("train/accuracy", "train accuracy")):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        for key, label in (("eval/greedy_accuracy", "eval accuracy (greedy)"),
+                           ("eval/sampled_accuracy", "eval accuracy (sampled)")):
+            pts = [(r["step"], r[key]) for r in rows if key in r]
+            if pts:
+                ax.plot(*zip(*pts), "o--", label=label)
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+        ax.set_title("geo3k-rl: reward and accuracy")
+        fig.tight_layout()
+        out = self.dir / name
+        tmp = out.with_suffix(".tmp.png")
+        fig.savefig(tmp)
+        plt.close(fig)
+        os.replace(tmp, out)  # a viewer never sees a half-written picture
+        return out
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def dump_rollouts(path: str | os.PathLike, trajs: Sequence[Trajectory],
+                  decode: Callable[[Sequence[int]], str]) -> None:
+    """One JSON line per trajectory: ids, loss mask, rollout log-probs, reward, status, turns
+    (text, env info, feedback), the full decoded text and the PNG files of its images (saved
+    once per prompt next to the dump, in `images/`)."""
+    path = Path(path)
+    img_dir = path.parent / "images"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for t in trajs:
+            images = []
+            for k, im in enumerate(t.images):
+                name = f"{_safe(t.uid)}_{k}.png"
+                if not (img_dir / name).exists() and hasattr(im, "save"):
+                    im.save(img_dir / name)
+                images.append(f"images/{name}")
+            row = {"uid": t.uid, "group_id": t.group_id, "sample_idx": t.sample_idx,
+                   "answer": t.answer, "status": t.status, "reward": t.reward,
+                   "correct": t.correct, "correct_turn": t.correct_turn,
+                   "prompt_len": t.prompt_len, "token_ids": t.token_ids.tolist(),
+                   "loss_mask": t.loss_mask.tolist(),
+                   "rollout_logprobs": [round(float(x), 6) for x in t.rollout_logprobs],
+                   "turns": [{"text": u.text, "finish_reason": u.finish_reason,
+                              "info": u.info, "feedback": u.observation} for u in t.turns],
+                   "text": decode(t.token_ids.tolist()), "images": images}
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(name))[:80]

@@ -1,0 +1,264 @@
+"""Multi-turn rollout: generations and environment feedback become token-level trajectories.
+
+For every prompt, `n_samples` episodes run turn by turn against an `Engine`:
+
+    prompt ids ──> engine ──> generated ids (loss mask 1, the engine's log-probs)
+                              │ decoded text -> env.step -> feedback message
+                              └> observation ids (loss mask 0, log-prob 0) ──> engine ──> ...
+
+The generated ids are never re-tokenized: the tokens the engine sampled are exactly the tokens the
+learner trains on. Observation ids come from rendering the chat template for the feedback message
+alone (`Renderer.observation_ids`). All active episodes of a turn go to the engine in one call.
+
+Limits: a response budget shared by all turns (generated and observation tokens both count) and
+a context limit (prompt + response). Each episode ends `completed` (the environment said done),
+`truncated` (budget or context reached) or `aborted` (the engine failed a request more than
+`max_retries` times; aborted episodes are excluded from training, the others go on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from common.engine import ABORT, LENGTH, Completion, Engine, Request, SamplingParams
+from common.env import EnvConfig, Geo3kEnv
+from common.scoring import RewardConfig, score_episode
+
+COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
+EXPORT_STYLES = ("concat", "individual")
+
+log = logging.getLogger(__name__)
+
+
+class Renderer(Protocol):
+    """Turns chat messages into the model's token ids (see `common.chat.ChatRenderer`)."""
+
+    stop_token_ids: tuple[int, ...]
+
+    def prompt_ids(self, messages: list[dict], images: Sequence[Any]) -> list[int]: ...
+
+    def observation_ids(self, message: dict, last_token: int) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling and limits. Budgets are in tokens."""
+
+    n_samples: int = 8
+    max_response_tokens: int = 1024
+    max_context_tokens: int = 4096
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_retries: int = 2
+    export_style: str = "concat"
+
+    def __post_init__(self):
+        if self.n_samples < 1 or self.max_response_tokens < 1 or self.max_context_tokens < 1:
+            raise ValueError(f"n_samples and token limits must be >= 1: {self}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.export_style not in EXPORT_STYLES:
+            raise ValueError(f"export_style must be one of {EXPORT_STYLES}, "
+                             f"got {self.export_style!r}")
+
+
+@dataclasses.dataclass
+class Turn:
+    """One assistant turn: its generated span `[start, end)` in the trajectory's token ids."""
+
+    start: int
+    end: int
+    text: str
+    finish_reason: str
+    info: dict
+    observation: str | None = None  # the feedback that followed, if any
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One episode. Token arrays have shape (T,); `prompt_len` tokens come first.
+
+    `loss_mask[t]` is 1 for tokens the model generated, 0 for prompt and observation tokens;
+    `rollout_logprobs[t]` is the engine's log-prob of token t (0 where the mask is 0).
+    """
+
+    uid: str
+    group_id: int
+    sample_idx: int
+    answer: str
+    token_ids: np.ndarray  # (T,) int64
+    loss_mask: np.ndarray  # (T,) int8
+    rollout_logprobs: np.ndarray  # (T,) float32
+    prompt_len: int
+    images: list
+    turns: list[Turn]
+    status: str
+    reward: float = 0.0
+    correct: bool = False
+    correct_turn: int | None = None
+
+    @property
+    def response_len(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclasses.dataclass
+class _Episode:
+    """Mutable state of one episode while it runs."""
+
+    ids: list[int]
+    mask: list[int]
+    logps: list[float]
+    env: Geo3kEnv
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    status: str | None = None
+
+
+def generate_with_retries(engine: Engine, requests: list[Request],
+                          max_retries: int) -> list[Completion | None]:
+    """One completion per request, None for a request that failed `max_retries` + 1 times.
+
+    The first attempt sends all requests in one call; retries go one request at a time, so one
+    bad request cannot sink the others. A raised exception and an `abort` both count as failure.
+    """
+    results: list[Completion | None] = [None] * len(requests)
+    pending = list(range(len(requests)))
+    for attempt in range(max_retries + 1):
+        batches = [pending] if attempt == 0 else [[i] for i in pending]
+        failed = []
+        for batch in batches:
+            try:
+                outs = engine.generate([requests[i] for i in batch])
+                if len(outs) != len(batch):
+                    raise RuntimeError(f"engine returned {len(outs)} completions "
+                                       f"for {len(batch)} requests")
+            except Exception as e:  # noqa: BLE001 - any engine failure is retried, then aborted
+                log.warning("engine call failed (attempt %d): %s", attempt + 1, e)
+                failed.extend(batch)
+                continue
+            for i, out in zip(batch, outs):
+                if out.finish_reason == ABORT:
+                    failed.append(i)
+                else:
+                    results[i] = out
+        pending = failed
+        if not pending:
+            break
+    return results
+
+
+def _close(ep: _Episode, status: str) -> None:
+    ep.status = status
+
+
+def _advance(ep: _Episode, out: Completion, renderer: Renderer, cfg: RolloutConfig,
+             prompt_len: int) -> None:
+    """Append one completion, step the environment and, if the episode goes on, the feedback."""
+    start = len(ep.ids)
+    ep.ids.extend(int(t) for t in out.token_ids)
+    ep.mask.extend([1] * len(out.token_ids))
+    ep.logps.extend(float(x) for x in out.logprobs)
+    gen = list(out.token_ids)
+    if gen and gen[-1] in renderer.stop_token_ids:
+        gen = gen[:-1]
+    text = renderer.decode(gen)
+    obs, done, info = ep.env.step(text)
+    turn = Turn(start, len(ep.ids), text, out.finish_reason, info)
+    ep.turns.append(turn)
+    if done:
+        _close(ep, COMPLETED)
+        return
+    if out.finish_reason == LENGTH or not out.token_ids:
+        _close(ep, TRUNCATED)  # cut off mid-turn: no feedback can follow a half-written turn
+        return
+    message = ep.env.format_observation(obs)
+    obs_ids = renderer.observation_ids(message, int(out.token_ids[-1]))
+    used = len(ep.ids) - prompt_len + len(obs_ids)
+    if used >= cfg.max_response_tokens or len(ep.ids) + len(obs_ids) >= cfg.max_context_tokens:
+        _close(ep, TRUNCATED)  # no room left to answer the feedback
+        return
+    turn.observation = message["content"]
+    ep.ids.extend(obs_ids)
+    ep.mask.extend([0] * len(obs_ids))
+    ep.logps.extend([0.0] * len(obs_ids))
+
+
+def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: RolloutConfig,
+            env_config: EnvConfig = EnvConfig(), reward_config: RewardConfig = RewardConfig(),
+            group_offset: int = 0) -> list[Trajectory]:
+    """Run `cfg.n_samples` episodes for each prompt; returns them grouped, prompt by prompt.
+
+    `prompts` are `common.data.Prompt`-like objects (`uid`, `messages`, `images`, `answer`).
+    Group ids are `group_offset + prompt index`. Rewards are scored here (`common.scoring`).
+    """
+    episodes: list[tuple[Any, int, int, int, _Episode]] = []
+    for g, prompt in enumerate(prompts):
+        ids = renderer.prompt_ids(prompt.messages, prompt.images)
+        for k in range(cfg.n_samples):
+            ep = _Episode(list(ids), [0] * len(ids), [0.0] * len(ids),
+                          Geo3kEnv(prompt.answer, env_config))
+            episodes.append((prompt, group_offset + g, k, len(ids), ep))
+    while True:
+        active, requests = [], []
+        for prompt, g, k, plen, ep in episodes:
+            if ep.status is not None:
+                continue
+            room = min(cfg.max_response_tokens - (len(ep.ids) - plen),
+                       cfg.max_context_tokens - len(ep.ids))
+            if room <= 0:
+                _close(ep, TRUNCATED)
+                continue
+            sampling = SamplingParams(cfg.temperature, cfg.top_p, room, renderer.stop_token_ids)
+            requests.append(Request(tuple(ep.ids), prompt.images, sampling, f"{g}-{k}"))
+            active.append((plen, ep))
+        if not active:
+            break
+        outs = generate_with_retries(engine, requests, cfg.max_retries)
+        for (plen, ep), out, req in zip(active, outs, requests):
+            if out is None:
+                _close(ep, ABORTED)
+            elif len(out.token_ids) > req.sampling.max_new_tokens:
+                raise ValueError(f"engine returned {len(out.token_ids)} tokens for "
+                                 f"max_new_tokens={req.sampling.max_new_tokens}")
+            else:
+                _advance(ep, out, renderer, cfg, plen)
+    trajectories = []
+    for prompt, g, k, plen, ep in episodes:
+        score = score_episode([t.text for t in ep.turns], [t.info for t in ep.turns],
+                              prompt.answer, reward_config)
+        aborted = ep.status == ABORTED
+        trajectories.append(Trajectory(
+            uid=prompt.uid, group_id=g, sample_idx=k, answer=prompt.answer,
+            token_ids=np.asarray(ep.ids, np.int64), loss_mask=np.asarray(ep.mask, np.int8),
+            rollout_logprobs=np.asarray(ep.logps, np.float32), prompt_len=plen,
+            images=list(prompt.images), turns=ep.turns, status=ep.status,
+            reward=0.0 if aborted else score.reward, correct=score.correct and not aborted,
+            correct_turn=None if aborted else score.correct_turn))
+    return trajectories
+
+
+def split_turns(traj: Trajectory) -> list[Trajectory]:
+    """The `individual` export: one trajectory per assistant turn, sharing the episode's reward.
+
+    Piece k holds everything up to the end of turn k; only turn k's tokens keep loss mask 1
+    (earlier turns and observations are its prompt).
+    """
+    pieces = []
+    for turn in traj.turns:
+        mask = np.zeros(turn.end, np.int8)
+        mask[turn.start:turn.end] = traj.loss_mask[turn.start:turn.end]
+        logps = np.where(mask == 1, traj.rollout_logprobs[:turn.end], 0.0).astype(np.float32)
+        pieces.append(dataclasses.replace(
+            traj, token_ids=traj.token_ids[:turn.end].copy(), loss_mask=mask,
+            rollout_logprobs=logps, prompt_len=turn.start, turns=[turn]))
+    return pieces

@@ -1,0 +1,108 @@
+"""Every config field of geo3k-rl with its default. Other configs start from `get_config()`.
+
+Sections whose keys mirror a dataclass of `common/` (env -> EnvConfig, reward -> RewardConfig,
+rollout -> RolloutConfig, loss -> LossConfig) are converted with `configs.to_dataclass`; a test
+keeps the two in sync. The dict is locked: a misspelled key, here or on the command line
+(`--config.rollout.n_samples=4`), is an error.
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Geometry3K in a public HF layout (parquet or `datasets.save_to_disk`), or the synthetic set.
+    c.data = ml_collections.ConfigDict()
+    c.data.path = ""  # a parquet file or a directory; empty: generate the synthetic set
+    c.data.train_split = "train"
+    c.data.test_split = "test"
+    c.data.skip_bad_rows = False
+    c.data.synthetic_dir = "data/synthetic"  # where the synthetic set is generated when path is ""
+    c.data.synthetic_train_size = 512
+    c.data.synthetic_test_size = 64
+    c.data.synthetic_image_size = "112"  # one size "112" or a range "112,224"
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = ""  # a local HF checkpoint directory (Qwen2.5-VL or Qwen3-VL)
+    # With no path, a tiny checkpoint is built once into `tiny_dir` (geo3k_torch.tiny).
+    c.model.tiny_dir = "data/tiny-qwen3_vl-small"
+    c.model.tiny_arch = "qwen3_vl"
+    c.model.tiny_vocab = "small"
+
+    # The environment (common.env.EnvConfig).
+    c.env = ml_collections.ConfigDict()
+    c.env.max_turns = 3
+    c.env.end_on_correct = True
+    c.env.end_on_no_tool_call = True
+    c.env.rel_tol = 0.0
+    c.env.grade_timeout_s = 5.0
+
+    # The episode reward (common.scoring.RewardConfig).
+    c.reward = ml_collections.ConfigDict()
+    c.reward.source = "tool_or_boxed"
+    c.reward.turn_discount = 1.0
+    c.reward.format_bonus = 0.0
+    c.reward.rel_tol = 0.0
+    c.reward.timeout_s = 5.0
+
+    # Multi-turn sampling (common.rollout.RolloutConfig).
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.n_samples = 8
+    c.rollout.max_response_tokens = 1024
+    c.rollout.max_context_tokens = 4096
+    c.rollout.temperature = 1.0
+    c.rollout.top_p = 1.0
+    c.rollout.max_retries = 2
+    c.rollout.export_style = "concat"
+
+    # GRPO (common.grpo.LossConfig) and the advantage options.
+    c.loss = ml_collections.ConfigDict()
+    c.loss.clip_low = 0.2
+    c.loss.clip_high = 0.28
+    c.loss.dual_clip = placeholder(float)  # None: off
+    c.loss.kl_coef = 0.0
+    c.loss.kl_estimator = "k3"
+    c.loss.tis_cap = placeholder(float)  # None: no truncated importance sampling
+    c.loss.agg = "token-mean"
+    c.advantage = ml_collections.ConfigDict()
+    c.advantage.normalize_std = True
+    c.advantage.filter_equal_groups = True  # dynamic sampling: drop groups with equal rewards
+
+    c.train = ml_collections.ConfigDict()
+    c.train.device = "auto"  # auto | cpu | cuda
+    c.train.steps = 100
+    c.train.prompts_per_step = 16
+    c.train.micro_batch_tokens = 8192
+    c.train.lr = 1e-6
+    c.train.lr_schedule = "constant"  # constant | linear | cosine
+    c.train.warmup_steps = 0
+    c.train.min_lr_ratio = 0.0
+    c.train.beta1 = 0.9
+    c.train.beta2 = 0.98
+    c.train.eps = 1e-8
+    c.train.weight_decay = 0.1
+    c.train.grad_clip = 1.0
+    c.train.bf16 = True  # autocast on CUDA; CPU always trains in fp32
+    c.train.gradient_checkpointing = True  # on CUDA only
+    c.train.resume = False
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.every = 10  # steps; 0 = never
+    c.eval.max_prompts = 64  # of the test split; 0 = all
+    c.eval.n_samples = 1  # sampled episodes per prompt (besides one greedy)
+
+    c.log = ml_collections.ConfigDict()
+    c.log.tensorboard = True
+    c.log.wandb_project = ""  # empty: no wandb
+    c.log.dump_rollouts = True
+    c.log.plot_every = 1
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 10  # steps; the last step is always saved
+    c.checkpoint.keep = 2  # newest complete checkpoints kept
+
+    c.lock()
+    return c

@@ -1,0 +1,29 @@
+"""The anchor recipe on NVIDIA GPUs: Qwen3-VL-2B-Instruct, multi-turn Geometry3K (REFERENCE §3).
+
+    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100.py \
+        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
+
+64 prompts x 8 samples per step, one optimizer step per rollout, response budget 4096 tokens,
+temperature 1.0, clip 0.2 / 0.28, no KL, max_turns 3.
+"""
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.path = "/models/Qwen3-VL-2B-Instruct"
+    c.data.path = "/data/geo3k"
+    c.rollout.n_samples = 8
+    c.rollout.max_response_tokens = 4096
+    c.rollout.max_context_tokens = 8192
+    c.rollout.temperature = 1.0
+    c.env.max_turns = 3
+    c.loss.clip_low = 0.2
+    c.loss.clip_high = 0.28
+    c.loss.kl_coef = 0.0
+    c.loss.agg = "seq-mean-token-mean"
+    c.train.steps = 1000
+    c.train.prompts_per_step = 64
+    c.train.micro_batch_tokens = 16384
+    return c

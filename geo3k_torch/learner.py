@@ -1,0 +1,129 @@
+"""The GRPO learner in torch: one optimizer step on a rollout's packed micro-batches.
+
+    for each micro-batch:  log-probs of its masked tokens -> per-token loss (common.grpo, xp=torch)
+                           -> sum(weight_t * loss_t) -> backward          (gradient accumulation)
+    clip the global grad norm -> skip the step if it is not finite -> AdamW -> LR schedule
+
+Weights come from `common.grpo.token_weights` with the GLOBAL token / sequence counts of the
+whole batch (every rank, every micro-batch), so accumulated gradients equal the full-batch
+gradient. Under FSDP the gradients are averaged over ranks, hence the loss is scaled by the world
+size. One optimizer step per rollout (the anchor recipe): the "old" log-probs are the learner's
+own log-probs at the current weights, detached, and their distance to the engine's rollout
+log-probs is reported (mean and max over trained tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from common.batching import PackedBatch
+from common.grpo import LossConfig, per_token_terms, token_weights
+from geo3k_torch.model import packed_inputs, token_logprobs
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int,
+              min_ratio: float = 0.0) -> float:
+    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup over
+    `warmup_steps`, then constant, linear decay or cosine decay to `min_ratio` at `total_steps`."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    frac = min(max(step - warmup_steps, 0) / max(total_steps - warmup_steps, 1), 1.0)
+    if schedule == "linear":
+        return 1.0 - (1.0 - min_ratio) * frac
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+class Learner:
+    """Owns the policy's optimizer and scheduler. `model` may be FSDP-sharded."""
+
+    def __init__(self, model, processor, loss_cfg: LossConfig, train_cfg, temperature: float,
+                 device: torch.device | str = "cpu", ref_model=None, world_size: int = 1):
+        self.model, self.processor, self.loss_cfg = model, processor, loss_cfg
+        self.cfg, self.temperature = train_cfg, temperature
+        self.device, self.ref_model, self.world_size = torch.device(device), ref_model, world_size
+        if loss_cfg.kl_coef and ref_model is None:
+            raise ValueError("kl_coef > 0 needs a reference model")
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
+            eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, train_cfg.warmup_steps,
+                                                train_cfg.steps, train_cfg.min_lr_ratio))
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                         if self.device.type == "cuda" and train_cfg.bf16 else None)
+
+    def _forward(self, model, batch: PackedBatch, targets: torch.Tensor, entropy: bool):
+        inputs = packed_inputs(batch, self.processor, model.config, self.device)
+        if self.autocast is None:
+            return token_logprobs(model, inputs, targets, self.temperature, entropy)
+        with self.autocast:
+            return token_logprobs(model, inputs, targets, self.temperature, entropy)
+
+    def micro_batch_loss(self, batch: PackedBatch, n_tokens: float, n_seqs: float) -> tuple:
+        """Loss of one micro-batch (already scaled for accumulation) and its metric sums."""
+        idx = np.nonzero(batch.loss_mask)[0]
+        targets = torch.from_numpy(idx).to(self.device)
+        const = lambda a: torch.from_numpy(np.asarray(a, np.float32)[idx]).to(self.device)  # noqa
+        weights = token_weights(batch.loss_mask, self.loss_cfg.agg, seq_ids=batch.seq_ids,
+                                n_tokens=n_tokens, n_seqs=n_seqs)
+        logp, entropy = self._forward(self.model, batch, targets, True)
+        ref = None
+        if self.loss_cfg.kl_coef:
+            with torch.no_grad():
+                ref = self._forward(self.ref_model, batch, targets, False)
+        rollout = const(batch.rollout_logprobs)
+        terms = per_token_terms(logp, logp.detach(), const(batch.advantages), self.loss_cfg,
+                                ref_logp=ref, rollout_logp=rollout, xp=torch)
+        loss = (terms["loss"] * const(weights)).sum() * self.world_size
+        with torch.no_grad():
+            diff = (logp - rollout).abs()
+            sums = {"tokens": float(len(idx)), "entropy": float(entropy.sum()),
+                    "clip_frac": float(terms["clipped"].sum()),
+                    "approx_kl": float(terms["approx_kl"].sum()),
+                    "logp_diff_mean": float(diff.sum()),
+                    "logp_diff_max": float(diff.max()) if len(idx) else 0.0}
+            if "kl" in terms:
+                sums["kl"] = float(terms["kl"].sum())
+            if "tis" in terms:
+                sums["tis_mean"] = float(terms["tis"].sum())
+        return loss, sums
+
+    def train_step(self, batches: list[PackedBatch], n_tokens: float, n_seqs: float) -> dict:
+        """Accumulate over `batches` (this rank's share), then one optimizer step.
+
+        n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns metrics:
+        loss, grad_norm, lr, skipped (1 if the gradients were not finite), and per-token means
+        of entropy, clip_frac, approx_kl, kl, tis_mean, logp_diff_mean, plus logp_diff_max.
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total, sums = 0.0, {}
+        for batch in batches:
+            loss, s = self.micro_batch_loss(batch, n_tokens, n_seqs)
+            loss.backward()
+            total += float(loss.detach()) / self.world_size
+            for k, v in s.items():
+                sums[k] = max(sums.get(k, 0.0), v) if k == "logp_diff_max" else sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                          else grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        n = max(sums.pop("tokens", 0.0), 1.0)
+        out = {"loss": total, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+        out.update({k: (v if k == "logp_diff_max" else v / n) for k, v in sums.items()})
+        return out

@@ -1,0 +1,245 @@
+"""Multi-turn GRPO on Geometry3K with the torch learner: the project's main job.
+
+    python -m geo3k_torch.main --config=configs/cpu.py --workdir=runs/demo
+    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100.py \
+        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
+
+Every step: sample prompts -> multi-turn rollouts in groups (common.rollout) -> rewards ->
+advantages and the dynamic-sampling filter (common.grpo) -> packed micro-batches
+(common.batching) -> one optimizer step (geo3k_torch.learner) -> weights to the engine ->
+metrics, curve, rollout dump -> checkpoint -> periodic evaluation. The workdir layout is in the
+README. With no `model.path` a tiny checkpoint is built, with no `data.path` the synthetic set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from common.batching import pack, packing_efficiency, training_sequences
+from common.chat import ChatRenderer
+from common.env import EnvConfig
+from common.evaluate import evaluate
+from common.grpo import LossConfig, episode_advantages
+from common.metrics import rollout_metrics
+from common.report import RunLog, dump_rollouts
+from common.rollout import ABORTED, RolloutConfig, rollout
+from common.sampler import PromptSampler
+from common.scoring import RewardConfig
+from configs import to_dataclass
+from geo3k_torch import checkpoint, distributed
+from geo3k_torch.engine import LocalEngine
+from geo3k_torch.learner import Learner
+from geo3k_torch.model import load_model
+from geo3k_torch.setup import prepare_data, prepare_model_dir
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
+
+
+def resolve_device(cfg) -> torch.device:
+    """cpu / cuda from `train.device`; asking for CUDA without one stops at once."""
+    want = cfg.train.device
+    if want not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda, got {want!r}")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this config needs a CUDA GPU (train.device=cuda) and none is visible; "
+                         "use --config=configs/cpu.py on a CPU machine")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def train(cfg, workdir: str) -> dict:
+    """Run the configured training; returns the last step's metrics."""
+    # ---- setup: devices, ranks, data, model, engine, learner ------------------------------
+    device = resolve_device(cfg)
+    rank, world = distributed.init(device.type)
+    torch.manual_seed(cfg.seed)
+    workdir = Path(workdir)
+    env_cfg = to_dataclass(EnvConfig, cfg.env)
+    reward_cfg = to_dataclass(RewardConfig, cfg.reward)
+    roll_cfg = to_dataclass(RolloutConfig, cfg.rollout)
+    loss_cfg = to_dataclass(LossConfig, cfg.loss)
+    if cfg.train.prompts_per_step % world:
+        raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
+                         f"multiple of the {world} ranks")
+    model_dir = prepare_model_dir(cfg) if rank == 0 else None
+    model_dir = distributed.gather(model_dir)[0]
+    train_set, test_set = prepare_data(cfg) if rank == 0 else (None, None)
+    train_set, test_set = distributed.gather((train_set, test_set))[0]
+    from common.processor import load_processor
+    processor = load_processor(model_dir)
+    renderer = ChatRenderer(processor)
+    on_gpu = device.type == "cuda"
+    model = load_model(model_dir).to(device)
+    if on_gpu and cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    ref_model = None
+    if loss_cfg.kl_coef:
+        ref_model = load_model(model_dir).to(device).eval().requires_grad_(False)
+    engine_model = model
+    if world > 1:
+        distributed.parallelize(model, mixed_precision=on_gpu and cfg.train.bf16)
+        # Generation runs unsharded on each rank's own prompts: a full copy gets the weights.
+        engine_model = load_model(model_dir).to(device).eval().requires_grad_(False)
+    pad_id = processor.tokenizer.pad_token_id
+    engine = LocalEngine(engine_model, processor, pad_id=pad_id if pad_id is not None else 0,
+                         seed=cfg.seed + rank, device=device)
+    learner = Learner(model, processor, loss_cfg, cfg.train, roll_cfg.temperature, device,
+                      ref_model=ref_model, world_size=world)
+    sampler = PromptSampler(len(train_set), cfg.seed)
+    log = RunLog(workdir, tensorboard=cfg.log.tensorboard and rank == 0) if rank == 0 else None
+    start = 0
+    if cfg.train.resume and (last := checkpoint.latest(workdir / "checkpoints")):
+        state = checkpoint.load(last, model, learner.optimizer, learner.scheduler)
+        start = state["step"]
+        sampler = PromptSampler.from_state(state["sampler"])
+        engine.generator.set_state(state["engine_rng"][rank])
+        if engine_model is not model:
+            engine_model.load_state_dict(checkpoint.full_state_dict(model))
+        if log:
+            log.truncate_after(start)
+        logging.info("resumed from %s at step %d", last, start)
+
+    # ---- the loop --------------------------------------------------------------------------
+    progress = _progress(rank == 0)
+    task = progress.add_task("train", total=cfg.train.steps, completed=start, info="")
+    metrics: dict = {}
+    with progress:
+        for step in range(start + 1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            # rollout: every rank draws the same prompt ids and takes its own slice
+            ids = sampler.next_batch(cfg.train.prompts_per_step)[rank::world]
+            share = len(ids)
+            trajs = rollout([train_set[i] for i in ids], engine, renderer, roll_cfg, env_cfg,
+                            reward_cfg, group_offset=(step - 1) * cfg.train.prompts_per_step
+                            + rank * share)
+            t1 = time.perf_counter()
+            # advantages, filter, packing
+            rewards = np.array([t.reward for t in trajs])
+            groups = np.array([t.group_id for t in trajs])
+            valid = np.array([t.status != ABORTED for t in trajs])
+            adv, keep = episode_advantages(rewards, groups, valid, cfg.advantage.normalize_std,
+                                           cfg.advantage.filter_equal_groups)
+            seqs = training_sequences(trajs, adv, roll_cfg.export_style, keep)
+            batches = pack(seqs, cfg.train.micro_batch_tokens)
+            counts = distributed.sum_scalars(
+                {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
+                 "micro": float(len(batches)), "packed": float(sum(b.num_tokens
+                                                                    for b in batches))},
+                max_keys=("micro",))
+            batches = _even_out(batches, int(counts["micro"]))
+            t2 = time.perf_counter()
+            # update (skipped when no group had a reward spread on any rank)
+            train_m = {}
+            if counts["seqs"] > 0:
+                train_m = learner.train_step(batches, counts["tokens"], counts["seqs"])
+                train_m = distributed.sum_scalars(train_m, max_keys=("logp_diff_max",
+                                                                     "grad_norm", "lr",
+                                                                     "skipped"))
+                if world > 1:  # averaged over ranks (each rank's means cover its tokens)
+                    train_m = {k: v if k in ("loss", "logp_diff_max", "grad_norm", "lr",
+                                             "skipped") else v / world
+                               for k, v in train_m.items()}
+            t3 = time.perf_counter()
+            if engine_model is not model:
+                engine_model.load_state_dict(checkpoint.full_state_dict(model))
+            t4 = time.perf_counter()
+            # metrics, dump, curve (rank 0 sees every rank's trajectories)
+            all_trajs = [t for part in distributed.gather(trajs) for t in part]
+            metrics = {f"train/{k}": v for k, v in rollout_metrics(all_trajs,
+                                                                   env_cfg.max_turns).items()}
+            metrics.update({f"train/{k}": v for k, v in train_m.items()})
+            n_gen = sum(t.num_generated for t in all_trajs)
+            metrics.update({
+                "train/filtered_groups": float(len(set(groups[~keep & valid]))),
+                "train/sequences": counts["seqs"], "train/micro_batches": counts["micro"],
+                "train/packing_efficiency": counts["packed"] / max(
+                    counts["micro"] * world * cfg.train.micro_batch_tokens, 1),
+                "time/rollout": t1 - t0, "time/reward_and_batching": t2 - t1,
+                "time/train": t3 - t2, "time/weight_sync": t4 - t3,
+                "perf/rollout_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
+                "perf/train_tokens_per_s": counts["packed"] / max(t3 - t2, 1e-9)})
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                metrics.update(_evaluate(cfg, test_set, engine, renderer, env_cfg, reward_cfg,
+                                         roll_cfg, rank, world))
+            if log:
+                log.log(step, metrics)
+                if cfg.log.dump_rollouts:
+                    dump_rollouts(workdir / "rollouts" / f"step_{step}.jsonl", all_trajs,
+                                  renderer.decode)
+                if cfg.log.plot_every and step % cfg.log.plot_every == 0:
+                    log.plot()
+            if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
+                rng = distributed.gather(engine.generator.get_state())
+                checkpoint.save(workdir / "checkpoints", step, model, learner.optimizer,
+                                learner.scheduler, model_dir,
+                                {"sampler": sampler.state(), "engine_rng": rng})
+                if rank == 0:
+                    checkpoint.prune(workdir / "checkpoints", cfg.checkpoint.keep)
+            progress.update(task, advance=1, info=_summary(metrics))
+    if log:
+        log.plot()
+        log.close()
+    distributed.shutdown()
+    return metrics
+
+
+def _even_out(batches: list, n: int) -> list:
+    """FSDP needs the same number of forward/backward passes on every rank: pad with copies of
+    a micro-batch whose loss mask is zeroed (no gradient, same collectives)."""
+    if len(batches) >= n or not batches:
+        if not batches and n:
+            raise RuntimeError("a rank has no micro-batch while others do; give every rank "
+                               "more prompts (train.prompts_per_step)")
+        return batches
+    filler = dataclasses.replace(batches[-1], loss_mask=np.zeros_like(batches[-1].loss_mask))
+    return batches + [filler] * (n - len(batches))
+
+
+def _evaluate(cfg, test_set, engine, renderer, env_cfg, reward_cfg, roll_cfg, rank, world):
+    n = len(test_set) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(test_set))
+    prompts = [test_set[i] for i in range(n)][rank::world]
+    out = evaluate(prompts, engine, renderer, roll_cfg, env_cfg, reward_cfg,
+                   n_samples=cfg.eval.n_samples, gather=distributed.gather)
+    return {f"eval/{k}": v for k, v in out.items()}
+
+
+def _progress(enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    disable=not enabled)
+
+
+def _summary(m: dict) -> str:
+    keys = (("train/reward_mean", "reward"), ("train/accuracy", "acc"),
+            ("train/turns_mean", "turns"), ("train/grad_norm", "gnorm"),
+            ("eval/greedy_accuracy", "eval"))
+    return " ".join(f"{name} {m[k]:.3f}" for k, name in keys if k in m)
+
+
+def main(argv):
+    del argv
+    workdir = _WORKDIR.value or os.path.join(
+        "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    metrics = train(_CONFIG.value, workdir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"done: {workdir} " + _summary(metrics))
+
+
+if __name__ == "__main__":
+    app.run(main)

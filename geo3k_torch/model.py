@@ -1,0 +1,72 @@
+"""Qwen-VL models in torch: loading, model inputs for packed micro-batches, per-token log-probs.
+
+A packed micro-batch (`common.batching.PackedBatch`) is one row of T tokens holding S sequences.
+Its position ids are computed per sequence by `common.mrope` (3-D M-RoPE for image tokens) and
+passed in transformers' (4, 1, T) layout: row 0, the text position, restarts at 0 at every
+sequence, which is how the attention mask finds the sequence boundaries (no attention crosses
+them). Log-probs are read only where they are needed (the masked tokens), in fp32 from
+`logits / temperature`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.batching import PackedBatch
+from common.mrope import packed_position_ids
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
+    """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+    kind = model.config.model_type
+    if kind not in ("qwen2_5_vl", "qwen3_vl"):
+        raise ValueError(f"{path}: model_type {kind!r} is not Qwen2.5-VL or Qwen3-VL")
+    return model
+
+
+def image_inputs(processor, images: list) -> dict:
+    """pixel_values (P, C*t*p*p) and image_grid_thw (N, 3) as numpy, or {} without images."""
+    if not images:
+        return {}
+    out = processor.image_processor(images=list(images), return_tensors="np")
+    return {"pixel_values": np.asarray(out["pixel_values"]),
+            "image_grid_thw": np.asarray(out["image_grid_thw"], np.int64)}
+
+
+def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | str = "cpu"
+                  ) -> dict[str, torch.Tensor]:
+    """Keyword arguments for the model's forward on a packed micro-batch (batch dim 1)."""
+    imgs = image_inputs(processor, batch.images)
+    grid = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
+    pos = packed_position_ids(batch.input_ids, batch.cu_seqlens, batch.image_counts, grid,
+                              config.image_token_id, config.vision_config.spatial_merge_size)
+    out = {"input_ids": torch.from_numpy(batch.input_ids).to(device)[None],
+           "position_ids": torch.from_numpy(pos).to(device)[:, None, :]}
+    if imgs:
+        out["pixel_values"] = torch.from_numpy(imgs["pixel_values"]).to(device)
+        out["image_grid_thw"] = torch.from_numpy(grid).to(device)
+    return out
+
+
+def token_logprobs(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
+                   temperature: float = 1.0, with_entropy: bool = False):
+    """log p(token t | tokens < t) at the positions `targets` (K,) of the packed row.
+
+    Every target must have a predecessor in its own sequence (its loss mask is 1, so it is never
+    the first token of a sequence). Only the K needed logits rows are computed (the root forward
+    with `logits_to_keep`, so FSDP's hooks run). Returns (K,) fp32 log-probs and, with
+    `with_entropy`, (K,) detached entropies of the same distributions.
+    """
+    out = model(**inputs, use_cache=False, logits_to_keep=targets - 1)
+    logits = out.logits[0].float() / temperature  # (K, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, inputs["input_ids"][0, targets][:, None])[:, 0]
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy

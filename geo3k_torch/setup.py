@@ -1,0 +1,42 @@
+"""What a run needs on disk before it starts: the data splits and a model directory.
+
+With `data.path` empty the synthetic set is generated into `data.synthetic_dir` (once: an
+existing split is reused); with `model.path` empty a tiny checkpoint is built into
+`model.tiny_dir` (once). Real runs point both at local copies of the downloads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.data import load_split
+from common.synthetic import write_split
+
+
+def prepare_data(cfg):
+    """(train split, test split) as loaded by `common.data.load_split`."""
+    path = cfg.data.path
+    if not path:
+        path = cfg.data.synthetic_dir
+        for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
+                               (cfg.data.test_split, cfg.data.synthetic_test_size,
+                                cfg.seed + 10_000)):
+            if not list(Path(path).glob(f"{split}-*.parquet")):
+                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size)
+    return (load_split(path, split=cfg.data.train_split, skip_bad=cfg.data.skip_bad_rows),
+            load_split(path, split=cfg.data.test_split, skip_bad=cfg.data.skip_bad_rows))
+
+
+def prepare_model_dir(cfg) -> str:
+    """The checkpoint directory to train: `model.path`, or the tiny one (built if missing)."""
+    if cfg.model.path:
+        if not (Path(cfg.model.path) / "config.json").exists():
+            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json: point "
+                                    "it at a local Hugging Face checkpoint directory")
+        return cfg.model.path
+    out = Path(cfg.model.tiny_dir)
+    if not (out / "config.json").exists():
+        from geo3k_torch.tiny import build_tiny_checkpoint
+        build_tiny_checkpoint(out, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab,
+                              seed=cfg.seed)
+    return str(out)

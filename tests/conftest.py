@@ -1,0 +1,97 @@
+"""Shared test fixtures: a character-level renderer and a scripted engine for rollout tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import pytest
+
+from common.engine import ABORT, LENGTH, STOP, Completion, Request
+
+TURN_END, EOS, IMAGE = 1000, 1001, 2000
+IMAGE_TOKENS = 3  # placeholder ids per image
+
+
+class CharRenderer:
+    """A renderer whose ids are character codes: easy to predict exactly in tests."""
+
+    stop_token_ids = (TURN_END, EOS)
+
+    def prompt_ids(self, messages, images):
+        text = "".join(p.get("text", "") for m in messages[1:] for p in m["content"])
+        return [IMAGE] * IMAGE_TOKENS * len(images) + [ord(c) for c in "U:" + text + "|A:"]
+
+    def observation_ids(self, message, last_token):
+        head = [] if last_token == TURN_END else [TURN_END]
+        return head + [ord(c) for c in f"|T:{message['content']}|A:"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(chr(i) if i < 1000 else "" for i in ids)
+
+
+@dataclasses.dataclass
+class Reply:
+    """One scripted engine answer: text, how it ends, or a failure ('raise' / 'abort')."""
+
+    text: str = ""
+    finish: str = STOP
+    fail: str | None = None
+
+
+def logprob(i: int) -> float:
+    """The scripted log-prob of the i-th generated token of a reply."""
+    return -0.01 * (i + 1)
+
+
+class ScriptedEngine:
+    """Answers each session (episode) from its own list of `Reply`s, one per call.
+
+    `script[session]` is consumed in order; a failing reply is consumed too, so a retry gets the
+    next entry. Records every request for inspection.
+    """
+
+    def __init__(self, script: dict[str, list[Reply]]):
+        self.script = {k: list(v) for k, v in script.items()}
+        self.requests: list[Request] = []
+        self.calls = 0
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        self.calls += 1
+        outs = []
+        for req in requests:
+            self.requests.append(req)
+            reply = self.script[req.session].pop(0)
+            if reply.fail == "raise":
+                raise RuntimeError(f"scripted failure for {req.session}")
+            if reply.fail == "abort":
+                outs.append(Completion([], [], ABORT))
+                continue
+            ids = [ord(c) for c in reply.text][: req.sampling.max_new_tokens]
+            finish = reply.finish
+            if len(ids) == req.sampling.max_new_tokens and finish == STOP:
+                finish = LENGTH
+            if finish == STOP:
+                ids.append(TURN_END)
+            outs.append(Completion(ids, [logprob(i) for i in range(len(ids))], finish))
+        return outs
+
+
+@dataclasses.dataclass
+class FakePrompt:
+    uid: str
+    answer: str
+    messages: list
+    images: list
+
+
+def make_prompt(uid="p0", answer="12", text="Find x.", n_images=1):
+    msgs = [{"role": "system", "content": "sys"},
+            {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text",
+                                                                             "text": text}]}]
+    return FakePrompt(uid, answer, msgs, [f"img{i}" for i in range(n_images)])
+
+
+@pytest.fixture
+def renderer():
+    return CharRenderer()

@@ -1,0 +1,57 @@
+"""Configs: every default in base.py, sections match the dataclasses, typos are errors."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from common.env import EnvConfig
+from common.grpo import LossConfig
+from common.rollout import RolloutConfig
+from common.scoring import RewardConfig
+from configs import base, cpu, h100, to_dataclass
+
+SECTIONS = {"env": EnvConfig, "reward": RewardConfig, "rollout": RolloutConfig,
+            "loss": LossConfig}
+
+
+@pytest.mark.parametrize("module", [base, cpu, h100])
+def test_sections_build_their_dataclasses(module):
+    cfg = module.get_config()
+    for name, cls in SECTIONS.items():
+        obj = to_dataclass(cls, cfg[name])
+        assert dataclasses.asdict(obj) == cfg[name].to_dict()
+
+
+def test_base_defaults_equal_dataclass_defaults():
+    cfg = base.get_config()
+    for name, cls in SECTIONS.items():
+        assert dataclasses.asdict(cls()) == cfg[name].to_dict(), name
+
+
+def test_misspelled_key_is_an_error():
+    cfg = cpu.get_config()
+    with pytest.raises(AttributeError):
+        cfg.rollout.n_sample = 3
+    with pytest.raises(ValueError, match="unknown"):
+        to_dataclass(EnvConfig, {**cfg.env.to_dict(), "max_turn": 2})
+
+
+def test_h100_recipe():
+    cfg = h100.get_config()
+    assert (cfg.rollout.n_samples, cfg.train.prompts_per_step) == (8, 64)
+    assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.kl_coef) == (0.2, 0.28, 0.0)
+    assert cfg.rollout.max_response_tokens == 4096 and cfg.env.max_turns == 3
+
+
+def test_command_line_typo_is_rejected(tmp_path):
+    code = ("from absl import app\nfrom ml_collections import config_flags\n"
+            "C = config_flags.DEFINE_config_file('config')\n"
+            "app.run(lambda _: print(C.value.rollout.n_samples))\n")
+    ok = subprocess.run([sys.executable, "-c", code, "--config=configs/cpu.py",
+                         "--config.rollout.n_samples=3"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip() == "3", ok.stderr
+    bad = subprocess.run([sys.executable, "-c", code, "--config=configs/cpu.py",
+                          "--config.rollout.n_sample=3"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "n_sample" in bad.stderr

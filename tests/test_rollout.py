@@ -1,0 +1,186 @@
+"""The multi-turn rollout against a scripted engine: exact tokens, masks, log-probs, statuses."""
+
+import json
+
+import numpy as np
+import pytest
+
+from common.engine import LENGTH, STOP
+from common.env import EnvConfig, FEEDBACK
+from common.rollout import RolloutConfig, generate_with_retries, rollout, split_turns
+from common.scoring import RewardConfig
+from tests.conftest import (IMAGE, IMAGE_TOKENS, TURN_END, Reply, ScriptedEngine, logprob,
+                            make_prompt)
+
+
+def call(answer):
+    return ('<tool_call>{"name": "calc_score", "arguments": {"answer": ' + json.dumps(answer)
+            + '}}</tool_call>')
+
+
+def codes(text):
+    return [ord(c) for c in text]
+
+
+def generated(text, stop=True):
+    ids = codes(text) + ([TURN_END] if stop else [])
+    return ids, [logprob(i) for i in range(len(ids))]
+
+
+def test_two_turn_episode_exact_tokens(renderer):
+    prompt = make_prompt(answer="12", text="Find x.")
+    r1, r2 = "x is 10 " + call("10"), "then 12 " + call("12")
+    engine = ScriptedEngine({"0-0": [Reply(r1), Reply(r2)], "0-1": [Reply("\\boxed{12}")]})
+    cfg = RolloutConfig(n_samples=2, max_response_tokens=1000, max_context_tokens=2000)
+    t0, t1 = rollout([prompt], engine, renderer, cfg)
+
+    feedback = FEEDBACK["wrong"].format(answer="10") + ""
+    obs = codes(f"|T:{feedback}|A:")
+    p = [IMAGE] * IMAGE_TOKENS + codes("U:Find x.|A:")
+    g1, l1 = generated(r1)
+    g2, l2 = generated(r2)
+    assert t0.token_ids.tolist() == p + g1 + obs + g2
+    assert t0.loss_mask.tolist() == [0] * len(p) + [1] * len(g1) + [0] * len(obs) + [1] * len(g2)
+    np.testing.assert_allclose(t0.rollout_logprobs, [0] * len(p) + l1 + [0] * len(obs) + l2,
+                               rtol=1e-6)
+    assert t0.prompt_len == len(p) and t0.status == "completed"
+    assert [t.info["reason"] for t in t0.turns] == ["wrong", "correct"]
+    assert t0.turns[0].observation == feedback and t0.turns[1].observation is None
+    assert (t0.turns[0].start, t0.turns[0].end) == (len(p), len(p) + len(g1))
+    assert t0.reward == 1.0 and t0.correct and t0.correct_turn == 2
+    assert t0.turns[0].text == r1  # the stop token is not part of the text
+
+    # sample 1 answered without the tool: the episode ends, the boxed answer is scored
+    assert t1.token_ids.tolist() == p + generated("\\boxed{12}")[0]
+    assert t1.turns[0].info["reason"] == "no_tool_call"
+    assert t1.reward == 1.0 and t1.correct_turn == 1
+    assert (t0.group_id, t0.sample_idx, t1.sample_idx) == (0, 0, 1)
+
+    # what the engine saw: the episode so far, its images, stop ids, the remaining budget
+    second = [r for r in engine.requests if r.session == "0-0"][1]
+    assert list(second.input_ids) == p + g1 + obs
+    assert second.images == prompt.images
+    assert second.sampling.stop_token_ids == renderer.stop_token_ids
+    assert second.sampling.max_new_tokens == 1000 - len(g1) - len(obs)
+    assert engine.calls == 2  # all active episodes of a turn go in one call
+
+
+def test_turn_discount_and_wrong_rewards(renderer):
+    prompt = make_prompt(answer="12")
+    engine = ScriptedEngine({"0-0": [Reply(call("1")), Reply(call("12"))],
+                             "0-1": [Reply(call("1")), Reply(call("2")), Reply(call("3"))]})
+    cfg = RolloutConfig(n_samples=2)
+    t0, t1 = rollout([prompt], engine, renderer, cfg, EnvConfig(max_turns=3),
+                     RewardConfig(turn_discount=0.5))
+    assert t0.reward == 0.5 and t0.correct_turn == 2
+    assert t1.reward == 0.0 and not t1.correct and len(t1.turns) == 3
+    assert t1.status == "completed"
+
+
+def test_budget_truncates_a_long_turn(renderer):
+    prompt = make_prompt()
+    engine = ScriptedEngine({"0-0": [Reply("a" * 50)]})
+    t, = rollout([prompt], engine, renderer, RolloutConfig(n_samples=1, max_response_tokens=30))
+    assert t.status == "truncated" and t.response_len == 30
+    assert t.loss_mask[t.prompt_len:].tolist() == [1] * 30
+    assert t.turns[0].finish_reason == LENGTH and t.reward == 0.0
+
+
+def test_budget_shared_across_turns_and_observations(renderer):
+    prompt = make_prompt()
+    r1 = call("1")
+    obs_len = len(f"|T:{FEEDBACK['wrong'].format(answer='1')}|A:")
+    budget = len(r1) + 1 + obs_len + 5  # room for 5 tokens in the second turn
+    engine = ScriptedEngine({"0-0": [Reply(r1), Reply("b" * 40)]})
+    t, = rollout([prompt], engine, renderer, RolloutConfig(n_samples=1,
+                                                           max_response_tokens=budget))
+    assert t.status == "truncated" and t.response_len == budget
+    assert engine.requests[1].sampling.max_new_tokens == 5
+
+
+def test_observation_that_does_not_fit_truncates(renderer):
+    prompt = make_prompt()
+    r1 = call("1")
+    engine = ScriptedEngine({"0-0": [Reply(r1)]})
+    t, = rollout([prompt], engine, renderer,
+                 RolloutConfig(n_samples=1, max_response_tokens=len(r1) + 10))
+    assert t.status == "truncated"
+    assert t.token_ids.tolist()[-1] == TURN_END  # no partial feedback appended
+    assert t.turns[0].observation is None and len(engine.requests) == 1
+
+
+def test_context_limit(renderer):
+    prompt = make_prompt(text="Find x.")
+    plen = IMAGE_TOKENS + len("U:Find x.|A:")
+    engine = ScriptedEngine({"0-0": [Reply("c" * 100)]})
+    t, = rollout([prompt], engine, renderer,
+                 RolloutConfig(n_samples=1, max_response_tokens=500, max_context_tokens=plen + 7))
+    assert t.status == "truncated" and len(t.token_ids) == plen + 7
+
+
+def test_failing_request_is_retried_then_succeeds(renderer):
+    prompt = make_prompt()
+    engine = ScriptedEngine({"0-0": [Reply(fail="raise"), Reply(fail="abort"), Reply(call("12"))],
+                             "0-1": [Reply(call("12"))]})
+    t0, t1 = rollout([prompt], engine, renderer, RolloutConfig(n_samples=2, max_retries=2))
+    assert t0.status == t1.status == "completed" and t0.reward == t1.reward == 1.0
+
+
+def test_request_failing_too_often_is_aborted_others_go_on(renderer):
+    prompt = make_prompt()
+    engine = ScriptedEngine({"0-0": [Reply(fail="raise"), Reply(fail="abort")],
+                             "0-1": [Reply(call("5")), Reply(call("12"))]})
+    t0, t1 = rollout([prompt], engine, renderer, RolloutConfig(n_samples=2, max_retries=1))
+    assert t0.status == "aborted" and t0.reward == 0.0 and not t0.correct
+    assert t0.response_len == 0
+    assert t1.status == "completed" and t1.reward == 1.0 and len(t1.turns) == 2
+
+
+def test_generate_with_retries_counts_attempts(renderer):
+    engine = ScriptedEngine({"s": [Reply(fail="abort")] * 3})
+    from common.engine import Request, SamplingParams
+    req = Request((1, 2), (), SamplingParams(), "s")
+    assert generate_with_retries(engine, [req], max_retries=2) == [None]
+    assert engine.calls == 3
+
+
+def test_groups_and_offsets(renderer):
+    prompts = [make_prompt("a", "1"), make_prompt("b", "2")]
+    script = {f"{g}-{k}": [Reply(call(str(g - 6)))] for g in (7, 8) for k in range(3)}
+    trajs = rollout(prompts, ScriptedEngine(script), renderer, RolloutConfig(n_samples=3),
+                    group_offset=7)
+    assert [(t.uid, t.group_id, t.sample_idx) for t in trajs] == [
+        ("a", 7, 0), ("a", 7, 1), ("a", 7, 2), ("b", 8, 0), ("b", 8, 1), ("b", 8, 2)]
+    assert all(t.reward == 1.0 for t in trajs)
+
+
+def test_individual_export_splits_turns(renderer):
+    prompt = make_prompt()
+    engine = ScriptedEngine({"0-0": [Reply(call("1")), Reply(call("12"))]})
+    t, = rollout([prompt], engine, renderer, RolloutConfig(n_samples=1))
+    a, b = split_turns(t)
+    assert a.token_ids.tolist() == t.token_ids[:t.turns[0].end].tolist()
+    assert a.loss_mask.sum() == t.turns[0].end - t.turns[0].start
+    assert b.token_ids.tolist() == t.token_ids.tolist()
+    assert b.loss_mask[:t.turns[1].start].sum() == 0  # turn 1 is prompt for piece 2
+    assert b.loss_mask.sum() == t.turns[1].end - t.turns[1].start
+    assert b.rollout_logprobs[:t.turns[1].start].sum() == 0
+    assert a.reward == b.reward == t.reward
+
+
+def test_engine_returning_too_many_tokens_is_an_error(renderer):
+    class Greedy:
+        def generate(self, requests):
+            from common.engine import Completion
+            n = requests[0].sampling.max_new_tokens + 1
+            return [Completion([65] * n, [0.0] * n, STOP)]
+
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rollout([make_prompt()], Greedy(), renderer, RolloutConfig(n_samples=1))
+
+
+@pytest.mark.parametrize("kw", [dict(n_samples=0), dict(max_retries=-1),
+                                dict(export_style="both")])
+def test_bad_rollout_config(kw):
+    with pytest.raises(ValueError):
+        RolloutConfig(**kw)
