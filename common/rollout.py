@@ -175,11 +175,11 @@ def _advance(ep: _Episode, out: Completion, renderer: Renderer, cfg: RolloutConf
     obs, done, info = ep.env.step(text)
     turn = Turn(start, len(ep.ids), text, out.finish_reason, info)
     ep.turns.append(turn)
-    if done:
-        _close(ep, COMPLETED)
-        return
     if out.finish_reason == LENGTH or not out.token_ids:
         _close(ep, TRUNCATED)  # cut off mid-turn: no feedback can follow a half-written turn
+        return
+    if done:
+        _close(ep, COMPLETED)
         return
     message = ep.env.format_observation(obs)
     obs_ids = renderer.observation_ids(message, int(out.token_ids[-1]))

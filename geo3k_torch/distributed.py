@@ -7,8 +7,10 @@ Launched with `torchrun`, every rank runs the same loop on its share of the prom
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,3 +70,16 @@ def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def even_out(batches: list, n: int) -> list:
+    """FSDP needs the same number of forward/backward passes on every rank: pad this rank's
+    micro-batches to `n` (the maximum over ranks) with copies of one whose loss mask is zeroed
+    (zero loss and gradient, the same collectives)."""
+    if len(batches) >= n:
+        return batches
+    if not batches:
+        raise RuntimeError("a rank has no micro-batch while others do: give every rank more "
+                           "prompts (train.prompts_per_step)")
+    filler = dataclasses.replace(batches[-1], loss_mask=np.zeros_like(batches[-1].loss_mask))
+    return batches + [filler] * (n - len(batches))

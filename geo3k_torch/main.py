@@ -13,7 +13,6 @@ README. With no `model.path` a tiny checkpoint is built, with no `data.path` the
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
@@ -140,7 +139,7 @@ def train(cfg, workdir: str) -> dict:
                  "micro": float(len(batches)), "packed": float(sum(b.num_tokens
                                                                     for b in batches))},
                 max_keys=("micro",))
-            batches = _even_out(batches, int(counts["micro"]))
+            batches = distributed.even_out(batches, int(counts["micro"]))
             t2 = time.perf_counter()
             # update (skipped when no group had a reward spread on any rank)
             train_m = {}
@@ -195,18 +194,6 @@ def train(cfg, workdir: str) -> dict:
         log.close()
     distributed.shutdown()
     return metrics
-
-
-def _even_out(batches: list, n: int) -> list:
-    """FSDP needs the same number of forward/backward passes on every rank: pad with copies of
-    a micro-batch whose loss mask is zeroed (no gradient, same collectives)."""
-    if len(batches) >= n or not batches:
-        if not batches and n:
-            raise RuntimeError("a rank has no micro-batch while others do; give every rank "
-                               "more prompts (train.prompts_per_step)")
-        return batches
-    filler = dataclasses.replace(batches[-1], loss_mask=np.zeros_like(batches[-1].loss_mask))
-    return batches + [filler] * (n - len(batches))
 
 
 def _evaluate(cfg, test_set, engine, renderer, env_cfg, reward_cfg, roll_cfg, rank, world):

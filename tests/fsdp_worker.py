@@ -1,0 +1,66 @@
+"""One learner step on a fixed global batch, with or without FSDP; run by tests/test_fsdp.py.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT.json ARCH AGG
+Rank r trains on sequences r, r + world, ...; rank 0 writes loss, grad norm and a checksum of
+the updated parameters to OUT.json.
+"""
+
+import json
+import sys
+
+import numpy as np
+import torch
+
+from common.batching import TrainSequence, pack
+from common.grpo import LossConfig
+from configs import base
+from geo3k_torch import checkpoint, distributed
+from geo3k_torch.learner import Learner
+from tests.tiny_models import ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+
+
+def global_batch(processor, n=6):
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i in range(n):
+        imgs = [image(int(rng.integers(40, 120)), 56, 10 * i + k) for k in range(1 + i % 2)]
+        p = prompt_ids(processor, imgs, rng)
+        resp = rng.integers(1, 200, 4 + 3 * i)
+        ids = np.r_[p, resp]
+        mask = np.r_[np.zeros(len(p), np.int8), np.ones(len(resp), np.int8)]
+        lps = np.r_[np.zeros(len(p)), rng.normal(-5.5, 0.3, len(resp))].astype(np.float32)
+        seqs.append(TrainSequence(ids, mask, lps, float(rng.normal()), imgs, i))
+    return seqs
+
+
+def main(out, arch, agg):
+    rank, world = distributed.init("cpu")
+    model, patch = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}[arch](seed=0)
+    model.train()
+    processor = ImageOnlyProcessor(patch)
+    seqs = global_batch(processor)
+    n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
+    mine = seqs[rank::world]
+    if world > 1:
+        distributed.parallelize(model)
+    cfg = base.get_config().train
+    with cfg.unlocked():
+        cfg.lr = 1e-3
+    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0), cfg, 1.0,
+                      world_size=world)
+    budget = max(len(s) for s in seqs)  # several micro-batches: accumulation is exercised too
+    batches = pack(mine, budget)
+    n_micro = distributed.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]
+    batches = distributed.even_out(batches, int(n_micro))
+    m = learner.train_step(batches, n_tokens, float(len(seqs)))
+    m = distributed.sum_scalars(m, max_keys=("grad_norm", "lr", "skipped", "logp_diff_max"))
+    sd = checkpoint.full_state_dict(model)
+    if rank == 0:
+        checksum = float(sum(v.double().abs().sum() for v in sd.values()))
+        json.dump({"loss": m["loss"], "grad_norm": m["grad_norm"], "checksum": checksum,
+                   "micro_batches": len(batches)}, open(out, "w"))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,143 @@
+"""Torch learner numerics (CPU, fp32): packed = unpacked log-probs, engine = learner log-probs,
+torch loss = the numpy reference for every option."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from common.batching import TrainSequence, pack
+from common.engine import Request, SamplingParams
+from common.grpo import LossConfig, per_token_terms, policy_loss, token_weights
+from geo3k_torch.engine import LocalEngine
+from geo3k_torch.model import packed_inputs, token_logprobs
+from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+
+ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request):
+    model, patch = ARCHS[request.param]()
+    return model, ImageOnlyProcessor(patch)
+
+
+def sequences(processor, rng, n=3):
+    """n sequences with 1-3 images of different sizes each, a random response after them."""
+    out = []
+    for i in range(n):
+        imgs = [image(int(rng.integers(40, 130)), int(rng.integers(40, 130)), 10 * i + k)
+                for k in range(1 + i % 3)]
+        p = prompt_ids(processor, imgs, rng)
+        resp = rng.integers(1, 200, 6 + 3 * i)
+        ids = np.concatenate([p, resp])
+        mask = np.r_[np.zeros(len(p), np.int8), np.ones(len(resp), np.int8)]
+        out.append(TrainSequence(ids, mask, np.zeros(len(ids), np.float32), 1.0, imgs, i))
+    return out
+
+
+def unpacked_logprobs(model, processor, seq):
+    """Reference: one sequence alone, transformers computing its own M-RoPE positions."""
+    ids = torch.from_numpy(seq.token_ids)[None]
+    enc = processor.image_processor(images=seq.images, return_tensors="np")
+    out = model(input_ids=ids, mm_token_type_ids=(ids == IMG).int(),
+                pixel_values=torch.from_numpy(enc["pixel_values"]),
+                image_grid_thw=torch.from_numpy(enc["image_grid_thw"]))
+    logp = torch.log_softmax(out.logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[np.nonzero(seq.loss_mask[1:])[0]]
+
+
+def test_packed_equals_unpacked(tiny):
+    model, processor = tiny
+    seqs = sequences(processor, np.random.default_rng(0))
+    batch, = pack(seqs, 10_000)
+    assert len(batch.seq_index) == 3 and batch.image_counts.tolist() == [1, 2, 3]
+    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
+    with torch.no_grad():
+        packed = token_logprobs(model, packed_inputs(batch, processor, model.config), targets)
+        ref = torch.cat([unpacked_logprobs(model, processor, seqs[i]) for i in batch.seq_index])
+    assert packed.shape == ref.shape
+    assert (packed - ref).abs().max().item() <= 1e-5
+
+
+def test_plain_positions_would_be_wrong(tiny):
+    """The anchor's defect: 1-D 0..n positions give different log-probs on image sequences."""
+    model, processor = tiny
+    seqs = sequences(processor, np.random.default_rng(1), n=1)
+    batch, = pack(seqs, 10_000)
+    inputs = packed_inputs(batch, processor, model.config)
+    wrong = dict(inputs, position_ids=inputs["position_ids"][:1])  # text positions only
+    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
+    with torch.no_grad():
+        diff = (token_logprobs(model, inputs, targets) - token_logprobs(model, wrong, targets))
+    assert diff.abs().max().item() > 1e-4
+
+
+def test_engine_logprobs_equal_learner(tiny):
+    model, processor = tiny
+    rng = np.random.default_rng(2)
+    engine = LocalEngine(model, processor, pad_id=0, seed=3)
+    reqs = []
+    for i in range(3):
+        imgs = [image(int(rng.integers(40, 120)), 60, 100 + 10 * i + k) for k in range(1 + i)]
+        reqs.append(Request(tuple(prompt_ids(processor, imgs, rng, (3 + 4 * i, 2))), imgs,
+                            SamplingParams(1.0, 1.0, 12, (7,)), f"s{i}"))
+    outs = engine.generate(reqs)
+    seqs = []
+    for i, (r, o) in enumerate(zip(reqs, outs)):
+        assert 1 <= len(o.token_ids) <= 12
+        assert o.finish_reason == ("stop" if o.token_ids[-1] == 7 else "length")
+        ids = np.r_[np.asarray(r.input_ids), o.token_ids]
+        mask = np.r_[np.zeros(len(r.input_ids), np.int8), np.ones(len(o.token_ids), np.int8)]
+        seqs.append(TrainSequence(ids, mask, np.r_[np.zeros(len(r.input_ids)), o.logprobs]
+                                  .astype(np.float32), 0.0, list(r.images), i))
+    batch, = pack(seqs, 10_000)
+    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
+    with torch.no_grad():
+        learner = token_logprobs(model, packed_inputs(batch, processor, model.config), targets)
+    rollout = torch.from_numpy(batch.rollout_logprobs[targets.numpy()])
+    assert (learner - rollout).abs().max().item() <= 1e-5
+
+
+def test_engine_is_seeded_and_greedy_is_deterministic(tiny):
+    model, processor = tiny
+    rng = np.random.default_rng(4)
+    imgs = [image(64, 64, 1)]
+    req = Request(tuple(prompt_ids(processor, imgs, rng)), imgs, SamplingParams(1.0, 0.9, 10), "a")
+    a = LocalEngine(model, processor, 0, seed=5).generate([req])[0]
+    b = LocalEngine(model, processor, 0, seed=5).generate([req])[0]
+    assert a == b
+    greedy = dataclasses.replace(req, sampling=SamplingParams(0.0, 1.0, 10))
+    g1 = LocalEngine(model, processor, 0, seed=1).generate([greedy])[0]
+    g2 = LocalEngine(model, processor, 0, seed=2).generate([greedy])[0]
+    assert g1.token_ids == g2.token_ids and len(g1.token_ids) == 10
+
+
+LOSS_OPTIONS = [LossConfig(), LossConfig(agg="seq-mean-token-mean"), LossConfig(dual_clip=3.0),
+                LossConfig(kl_coef=0.1, kl_estimator="k1"), LossConfig(kl_coef=0.1,
+                                                                       kl_estimator="k2"),
+                LossConfig(kl_coef=0.05, kl_estimator="k3"), LossConfig(tis_cap=2.0),
+                LossConfig(clip_low=0.1, clip_high=0.5, dual_clip=2.0, tis_cap=1.5,
+                           kl_coef=0.2, agg="seq-mean-token-mean")]
+
+
+@pytest.mark.parametrize("cfg", LOSS_OPTIONS)
+def test_torch_loss_equals_numpy_reference(cfg):
+    rng = np.random.default_rng(5)
+    T = 64
+    lp, old, ref, ro = (rng.normal(-1.5, 0.6, T) for _ in range(4))
+    adv = np.repeat(rng.normal(0, 1, 4), T // 4)
+    mask = (rng.random(T) > 0.25).astype(np.float64)
+    seq_ids = np.repeat(np.arange(4), T // 4)
+    expected, _ = policy_loss(lp, old, adv, mask, cfg, ref_logp=ref, rollout_logp=ro,
+                              seq_ids=seq_ids)
+    t = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    logp = t(lp).requires_grad_()
+    terms = per_token_terms(logp, t(old), t(adv), cfg, ref_logp=t(ref), rollout_logp=t(ro),
+                            xp=torch)
+    w = token_weights(mask, cfg.agg, seq_ids=seq_ids)
+    loss = (terms["loss"] * t(w)).sum()
+    assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[mask == 0].abs().max() == 0

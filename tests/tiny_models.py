@@ -1,0 +1,64 @@
+"""Tiny randomly initialised Qwen-VL models built from configs, for numerics tests.
+
+They need no tokenizer: token ids are drawn at random, images go through the PIL image
+processor. The image-token ids sit at the top of the small vocabulary.
+"""
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                          Qwen3VLForConditionalGeneration)
+from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+VOCAB = 300
+IMG, START, END = 250, 252, 253
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB)
+IDS = dict(image_token_id=IMG, video_token_id=251, vision_start_token_id=START,
+           vision_end_token_id=END)
+
+
+def qwen3_vl(seed=0):
+    torch.manual_seed(seed)
+    c = Qwen3VLConfig(text_config=dict(TEXT, head_dim=16, rope_scaling={
+        "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                           deepstack_visual_indexes=[0], num_position_embeddings=64), **IDS)
+    return Qwen3VLForConditionalGeneration(c).float().eval(), 16
+
+
+def qwen2_5_vl(seed=0):
+    torch.manual_seed(seed)
+    c = Qwen2_5_VLConfig(text_config=dict(TEXT, rope_scaling={
+        "rope_type": "default", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                           window_size=56, fullatt_block_indexes=[1]), **IDS)
+    return Qwen2_5_VLForConditionalGeneration(c).float().eval(), 14
+
+
+class ImageOnlyProcessor:
+    """What the learner and engine need of a processor: an image processor."""
+
+    def __init__(self, patch_size):
+        p = patch_size * 2
+        self.image_processor = Qwen2VLImageProcessorPil(
+            patch_size=patch_size, merge_size=2, temporal_patch_size=2,
+            min_pixels=p * p, max_pixels=8 * p * p)
+
+
+def image(w, h, seed):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def prompt_ids(processor, images, rng, n_text=(5, 3)):
+    """Random text with one <start> image <end> block per image, placeholders expanded."""
+    grids = processor.image_processor(images=images, return_tensors="np")["image_grid_thw"]
+    ids = list(rng.integers(1, 200, n_text[0]))
+    for g in grids:
+        ids += [START] + [IMG] * (int(np.prod(g)) // 4) + [END] + list(rng.integers(1, 200,
+                                                                                    n_text[1]))
+    return np.array(ids, np.int64)
