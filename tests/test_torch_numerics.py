@@ -141,3 +141,44 @@ def test_torch_loss_equals_numpy_reference(cfg):
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[mask == 0].abs().max() == 0
+
+
+def two_turns(engine, processor, seed):
+    """Two sessions, two turns each: turn 2 continues turn 1 with random observation tokens."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(2):
+        imgs = [image(int(rng.integers(40, 120)), 64, 200 + 10 * i + k) for k in range(1 + i)]
+        reqs.append(Request(tuple(prompt_ids(processor, imgs, rng)), imgs,
+                            SamplingParams(1.0, 1.0, 6 + 4 * i, (7,)), f"s{i}"))
+    first = engine.generate(reqs)
+    follow = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + tuple(
+        int(x) for x in rng.integers(1, 200, 5 + i))) for i, (r, o) in enumerate(zip(reqs, first))]
+    return follow, first, engine.generate(follow)
+
+
+def test_kv_cache_across_turns_changes_nothing(tiny):
+    model, processor = tiny
+    cached = LocalEngine(model, processor, 0, seed=9, keep_cache=True)
+    fresh = LocalEngine(model, processor, 0, seed=9, keep_cache=False)
+    reqs_a, first_a, second_a = two_turns(cached, processor, 7)
+    assert set(cached._cache) == {"s0", "s1"}
+    assert all(len(e.ids) > 0 for e in cached._cache.values())
+    reqs_b, first_b, second_b = two_turns(fresh, processor, 7)
+    for a, b in zip(first_a + second_a, first_b + second_b):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # and the cached engine's second-turn log-probs equal the learner's on the whole episode
+    seqs = []
+    for i, (r, o) in enumerate(zip(reqs_a, second_a)):
+        ids = np.r_[np.asarray(r.input_ids), o.token_ids]
+        mask = np.r_[np.zeros(len(r.input_ids), np.int8), np.ones(len(o.token_ids), np.int8)]
+        seqs.append(TrainSequence(ids, mask, np.r_[np.zeros(len(r.input_ids)), o.logprobs]
+                                  .astype(np.float32), 0.0, list(r.images), i))
+    batch, = pack(seqs, 10_000)
+    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
+    with torch.no_grad():
+        learner = token_logprobs(model, packed_inputs(batch, processor, model.config), targets)
+    assert (learner - torch.from_numpy(batch.rollout_logprobs[targets.numpy()])).abs().max() <= 1e-5
+    cached.clear_cache()
+    assert cached._cache == {}
