@@ -26,16 +26,21 @@ from geo3k_torch.model import image_inputs
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row. logits: (B, V) fp32 raw; temperature, top_p: (B,).
+           generator: torch.Generator, banned: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. logits: (B, V) fp32 raw; temperature, top_p: (B,); banned:
+    token ids never sampled (image placeholders: a generated one would break the sequence).
 
-    Returns (tokens (B,), log-probs (B,) under log_softmax(logits / T); T = 0 rows are greedy and
-    report log_softmax(logits)).
+    Returns (tokens (B,), log-probs (B,) under log_softmax(logits / T) of the raw logits; T = 0
+    rows are greedy and report log_softmax(logits)).
     """
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits / t[:, None], dim=-1)
     probs = logp.exp()
+    if banned is not None:
+        probs = probs.index_fill(-1, banned, 0.0)
+        logits = logits.index_fill(-1, banned, float("-inf"))
     if bool((top_p < 1).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
@@ -76,6 +81,8 @@ class LocalEngine:
         cfg = model.config
         self.image_token_id = cfg.image_token_id
         self.merge = cfg.vision_config.spatial_merge_size
+        placeholders = {cfg.image_token_id, getattr(cfg, "video_token_id", None)} - {None}
+        self.banned = torch.tensor(sorted(placeholders), device=self.device)
 
     def clear_cache(self) -> None:
         """Forget every session's KV cache (stale once the weights change)."""
@@ -156,7 +163,7 @@ class LocalEngine:
         logits = out.logits[:, -1].float()
         fed = 0
         while True:
-            tok, lp = sample(logits, temperature, top_p, self.generator)
+            tok, lp = sample(logits, temperature, top_p, self.generator, self.banned)
             for b in range(B):
                 if finish[b] is not None:
                     continue

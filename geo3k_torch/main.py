@@ -18,19 +18,17 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from common.batching import pack, packing_efficiency, training_sequences
 from common.chat import ChatRenderer
 from common.env import EnvConfig
 from common.evaluate import evaluate
-from common.grpo import LossConfig, episode_advantages
+from common.grpo import LossConfig
 from common.metrics import rollout_metrics
 from common.report import RunLog, dump_rollouts
-from common.rollout import ABORTED, RolloutConfig, rollout
+from common.rollout import RolloutConfig
 from common.sampler import PromptSampler
 from common.scoring import RewardConfig
 from configs import to_dataclass
@@ -39,6 +37,7 @@ from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model
 from geo3k_torch.setup import prepare_data, prepare_model_dir
+from geo3k_torch.step import StepConfig, grpo_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
                                           lock_config=True)
@@ -98,6 +97,8 @@ def train(cfg, workdir: str) -> dict:
                          seed=cfg.seed + rank, device=device)
     learner = Learner(model, processor, loss_cfg, cfg.train, roll_cfg.temperature, device,
                       ref_model=ref_model, world_size=world)
+    step_cfg = StepConfig(roll_cfg, env_cfg, reward_cfg, cfg.advantage.normalize_std,
+                          cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens)
     sampler = PromptSampler(len(train_set), cfg.seed)
     log = RunLog(workdir, tensorboard=cfg.log.tensorboard and rank == 0) if rank == 0 else None
     start = 0
@@ -118,59 +119,20 @@ def train(cfg, workdir: str) -> dict:
     metrics: dict = {}
     with progress:
         for step in range(start + 1, cfg.train.steps + 1):
-            t0 = time.perf_counter()
-            # rollout: every rank draws the same prompt ids and takes its own slice
+            # rollout and update: every rank draws the same prompt ids and takes its slice
             ids = sampler.next_batch(cfg.train.prompts_per_step)[rank::world]
-            share = len(ids)
-            trajs = rollout([train_set[i] for i in ids], engine, renderer, roll_cfg, env_cfg,
-                            reward_cfg, group_offset=(step - 1) * cfg.train.prompts_per_step
-                            + rank * share)
-            t1 = time.perf_counter()
-            # advantages, filter, packing
-            rewards = np.array([t.reward for t in trajs])
-            groups = np.array([t.group_id for t in trajs])
-            valid = np.array([t.status != ABORTED for t in trajs])
-            adv, keep = episode_advantages(rewards, groups, valid, cfg.advantage.normalize_std,
-                                           cfg.advantage.filter_equal_groups)
-            seqs = training_sequences(trajs, adv, roll_cfg.export_style, keep)
-            batches = pack(seqs, cfg.train.micro_batch_tokens)
-            counts = distributed.sum_scalars(
-                {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
-                 "micro": float(len(batches)), "packed": float(sum(b.num_tokens
-                                                                    for b in batches))},
-                max_keys=("micro",))
-            batches = distributed.even_out(batches, int(counts["micro"]))
-            t2 = time.perf_counter()
-            # update (skipped when no group had a reward spread on any rank)
-            train_m = {}
-            if counts["seqs"] > 0:
-                train_m = learner.train_step(batches, counts["tokens"], counts["seqs"])
-                train_m = distributed.sum_scalars(train_m, max_keys=("logp_diff_max",
-                                                                     "grad_norm", "lr",
-                                                                     "skipped"))
-                if world > 1:  # averaged over ranks (each rank's means cover its tokens)
-                    train_m = {k: v if k in ("loss", "logp_diff_max", "grad_norm", "lr",
-                                             "skipped") else v / world
-                               for k, v in train_m.items()}
-            t3 = time.perf_counter()
-            if engine_model is not model:
+            offset = (step - 1) * cfg.train.prompts_per_step + rank * len(ids)
+            trajs, train_m = grpo_step([train_set[i] for i in ids], engine, renderer, learner,
+                                       step_cfg, offset)
+            t0 = time.perf_counter()
+            if engine_model is not model:  # weight sync to the rollout copy
                 engine_model.load_state_dict(checkpoint.full_state_dict(model))
-            t4 = time.perf_counter()
+            train_m["time_weight_sync"] = time.perf_counter() - t0
             # metrics, dump, curve (rank 0 sees every rank's trajectories)
             all_trajs = [t for part in distributed.gather(trajs) for t in part]
             metrics = {f"train/{k}": v for k, v in rollout_metrics(all_trajs,
                                                                    env_cfg.max_turns).items()}
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
-            n_gen = sum(t.num_generated for t in all_trajs)
-            metrics.update({
-                "train/filtered_groups": float(len(set(groups[~keep & valid]))),
-                "train/sequences": counts["seqs"], "train/micro_batches": counts["micro"],
-                "train/packing_efficiency": counts["packed"] / max(
-                    counts["micro"] * world * cfg.train.micro_batch_tokens, 1),
-                "time/rollout": t1 - t0, "time/reward_and_batching": t2 - t1,
-                "time/train": t3 - t2, "time/weight_sync": t4 - t3,
-                "perf/rollout_tokens_per_s": n_gen / max(t1 - t0, 1e-9),
-                "perf/train_tokens_per_s": counts["packed"] / max(t3 - t2, 1e-9)})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 metrics.update(_evaluate(cfg, test_set, engine, renderer, env_cfg, reward_cfg,
                                          roll_cfg, rank, world))

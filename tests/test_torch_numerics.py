@@ -182,3 +182,15 @@ def test_kv_cache_across_turns_changes_nothing(tiny):
     assert (learner - torch.from_numpy(batch.rollout_logprobs[targets.numpy()])).abs().max() <= 1e-5
     cached.clear_cache()
     assert cached._cache == {}
+
+
+def test_engine_never_samples_image_placeholders():
+    model, patch = qwen3_vl(seed=1)
+    processor = ImageOnlyProcessor(patch)
+    with torch.no_grad():  # make the image placeholder by far the likeliest next token
+        model.lm_head.weight[IMG] = model.lm_head.weight[IMG].sign() * 50.0
+    rng = np.random.default_rng(0)
+    imgs = [image(64, 64, 0)]
+    req = Request(tuple(prompt_ids(processor, imgs, rng)), imgs, SamplingParams(1.0, 1.0, 8), "x")
+    out = LocalEngine(model, processor, 0, seed=0).generate([req])[0]
+    assert IMG not in out.token_ids and len(out.token_ids) == 8

@@ -19,13 +19,20 @@ IDS = dict(image_token_id=IMG, video_token_id=251, vision_start_token_id=START,
            vision_end_token_id=END)
 
 
-def qwen3_vl(seed=0):
+def special_ids(vocab):
+    """Image, video, vision-start and vision-end ids: the top four of the vocabulary."""
+    return dict(image_token_id=vocab - 4, video_token_id=vocab - 3,
+                vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1)
+
+
+def qwen3_vl(seed=0, vocab=VOCAB):
     torch.manual_seed(seed)
-    c = Qwen3VLConfig(text_config=dict(TEXT, head_dim=16, rope_scaling={
+    ids = IDS if vocab == VOCAB else special_ids(vocab)
+    c = Qwen3VLConfig(text_config=dict(TEXT, vocab_size=vocab, head_dim=16, rope_scaling={
         "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                            out_hidden_size=64, patch_size=16, spatial_merge_size=2,
-                           deepstack_visual_indexes=[0], num_position_embeddings=64), **IDS)
+                           deepstack_visual_indexes=[0], num_position_embeddings=64), **ids)
     return Qwen3VLForConditionalGeneration(c).float().eval(), 16
 
 
