@@ -37,10 +37,9 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits / t[:, None], dim=-1)
-    probs = logp.exp()
     if banned is not None:
-        probs = probs.index_fill(-1, banned, 0.0)
         logits = logits.index_fill(-1, banned, float("-inf"))
+    probs = torch.softmax(logits / t[:, None], dim=-1)
     if bool((top_p < 1).any()):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
