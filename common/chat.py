@@ -46,8 +46,12 @@ class ChatRenderer:
             raise ValueError(f"cannot find the turn-end token in {self._after_content!r}")
         stops = [self.turn_end_id]
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        if isinstance(eos, int) and eos not in stops:
-            stops.append(eos)
+        # Qwen models also end generation on <|endoftext|> (their generation_config's eos list).
+        eot = self.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        for t in (eos, eot):
+            if isinstance(t, int) and t != getattr(self.tokenizer, "unk_token_id", None) \
+                    and t not in stops:
+                stops.append(t)
         self.stop_token_ids = tuple(stops)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:

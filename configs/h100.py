@@ -12,6 +12,7 @@ from configs import base
 
 def get_config():
     c = base.get_config()
+    c.train.device = "cuda"
     c.model.path = "/models/Qwen3-VL-2B-Instruct"
     c.data.path = "/data/geo3k"
     c.rollout.n_samples = 8
@@ -26,4 +27,13 @@ def get_config():
     c.train.steps = 1000
     c.train.prompts_per_step = 64
     c.train.micro_batch_tokens = 16384
+    c.train.lr = 1e-6
+    c.train.lr_schedule = "constant"
+    c.train.weight_decay = 0.1
+    c.train.beta1, c.train.beta2 = 0.9, 0.98
+    c.train.grad_clip = 1.0
+    c.train.bf16 = True
+    c.eval.every = 20
+    c.eval.max_prompts = 0  # the whole 601-problem test split
+    c.checkpoint.every = 50
     return c

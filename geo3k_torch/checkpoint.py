@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 _STEP = re.compile(r"^step_(\d+)$")
 # Files of a source checkpoint that the training run rewrites itself.
-_MODEL_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|model\.safetensors\.index\.json|"
-                          r"config\.json|generation_config\.json)$")
+_MODEL_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|^model\.safetensors\.index\.json|"
+                          r"^config\.json|^generation_config\.json)$")
 
 
 def _rank() -> int:

@@ -36,27 +36,12 @@ from geo3k_torch import checkpoint, distributed
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model
-from geo3k_torch.setup import prepare_data, prepare_model_dir
+from geo3k_torch.setup import prepare_data, prepare_model_dir, resolve_device
 from geo3k_torch.step import StepConfig, grpo_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
-
-
-def resolve_device(cfg) -> torch.device:
-    """cpu / cuda from `train.device`; asking for CUDA without one stops at once."""
-    want = cfg.train.device
-    if want not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"train.device must be auto, cpu or cuda, got {want!r}")
-    if want == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("this config needs a CUDA GPU (train.device=cuda) and none is visible; "
-                         "use --config=configs/cpu.py on a CPU machine")
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def train(cfg, workdir: str) -> dict:

@@ -1,4 +1,4 @@
-"""What a run needs on disk before it starts: the data splits and a model directory.
+"""What a run needs before it starts: its device, the data splits and a model directory.
 
 With `data.path` empty the synthetic set is generated into `data.synthetic_dir` (once: an
 existing split is reused); with `model.path` empty a tiny checkpoint is built into
@@ -7,7 +7,10 @@ existing split is reused); with `model.path` empty a tiny checkpoint is built in
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from common.data import load_split
 from common.synthetic import write_split
@@ -40,3 +43,18 @@ def prepare_model_dir(cfg) -> str:
         build_tiny_checkpoint(out, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab,
                               seed=cfg.seed)
     return str(out)
+
+
+def resolve_device(cfg) -> torch.device:
+    """cpu / cuda from `train.device`; asking for CUDA without one stops at once."""
+    want = cfg.train.device
+    if want not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device must be auto, cpu or cuda, got {want!r}")
+    if want == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this config needs a CUDA GPU (train.device=cuda) and none is visible; "
+                         "use --config=configs/cpu.py on a CPU machine")
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -1,0 +1,125 @@
+"""The training loop end to end on CPU: what a run leaves in its workdir, exact resume, and the
+GPU recipe refusing to start without CUDA."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from configs import cpu
+from geo3k_torch import checkpoint
+from geo3k_torch import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared")
+
+
+def small_config(shared, steps):
+    cfg = cpu.get_config()
+    cfg.model.tiny_dir = str(shared / "tiny")
+    cfg.data.synthetic_dir = str(shared / "data")
+    cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 16, 4
+    cfg.train.steps, cfg.train.prompts_per_step = steps, 2
+    cfg.rollout.n_samples, cfg.rollout.max_response_tokens = 3, 24
+    cfg.rollout.max_context_tokens = 512
+    cfg.train.lr = 1e-3
+    cfg.eval.every, cfg.eval.max_prompts, cfg.eval.n_samples = 2, 2, 1
+    cfg.checkpoint.every, cfg.checkpoint.keep = 2, 3
+    # A random tiny model scores 0 everywhere: keep every group and add a k1 KL term so that
+    # every step really changes the weights (and the reference-model and TIS paths run).
+    cfg.advantage.filter_equal_groups = False
+    cfg.loss.kl_coef, cfg.loss.kl_estimator, cfg.loss.tis_cap = 0.05, "k1", 2.0
+    return cfg
+
+
+@pytest.mark.slow
+def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    last = train_main.train(small_config(shared, 4), str(full))
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("train/reward_mean", "train/reward_std", "train/accuracy",
+                "train/tool_call_rate", "train/turns_mean", "train/response_len_mean",
+                "train/truncated", "train/aborted", "train/filtered_groups", "train/time_rollout",
+                "train/time_batching", "train/time_train", "train/time_weight_sync",
+                "train/rollout_tokens_per_s", "train/train_tokens_per_s",
+                "train/packing_efficiency"):
+        assert key in rows[0], key
+    trained = [r for r in rows if "train/loss" in r]
+    for key in ("train/grad_norm", "train/clip_frac", "train/approx_kl", "train/entropy",
+                "train/logp_diff_mean", "train/logp_diff_max", "train/lr"):
+        assert all(key in r for r in trained), key
+    assert "eval/greedy_accuracy" in rows[1] and "eval/greedy_accuracy" not in rows[0]
+    assert last["train/trajectories"] == 6.0
+    assert (full / "curve.png").stat().st_size > 1000
+    assert list(full.glob("events.out.tfevents.*"))
+    dump = [json.loads(x) for x in (full / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert len(dump) == 6
+    d = dump[0]
+    assert len(d["token_ids"]) == len(d["loss_mask"]) == len(d["rollout_logprobs"])
+    assert d["status"] in ("completed", "truncated") and d["turns"] and d["images"]
+    assert (full / "rollouts" / d["images"][0]).exists()
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+    # the run interrupted right after its step-2 checkpoint, then resumed
+    part = tmp_path / "part"
+    real_save = checkpoint.save
+
+    def crash_after_2(root, step, *args, **kw):
+        out = real_save(root, step, *args, **kw)
+        if step == 2:
+            raise KeyboardInterrupt("simulated crash")
+        return out
+
+    monkeypatch.setattr(checkpoint, "save", crash_after_2)
+    with pytest.raises(KeyboardInterrupt):
+        train_main.train(small_config(shared, 4), str(part))
+    monkeypatch.setattr(checkpoint, "save", real_save)
+    cfg = small_config(shared, 4)
+    cfg.train.resume = True
+    train_main.train(cfg, str(part))
+    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows, resumed):
+        for k in ("train/reward_mean", "train/loss", "train/grad_norm", "train/entropy",
+                  "train/response_len_mean"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k)
+    w_full = load_file(str(full / "checkpoints" / "step_4" / "model.safetensors"))
+    w_part = load_file(str(part / "checkpoints" / "step_4" / "model.safetensors"))
+    assert w_full.keys() == w_part.keys()
+    assert max(float(np.abs(w_full[k] - w_part[k]).max()) for k in w_full) == 0.0
+    w0 = load_file(str(shared / "tiny" / "model.safetensors"))
+    assert max(float(np.abs(w_full[k] - w0[k]).max()) for k in w_full) > 1e-4  # it trained
+
+
+@pytest.mark.slow
+def test_checkpoint_is_an_hf_model_directory(shared, tmp_path):
+    from transformers import AutoModelForImageTextToText
+    from common.processor import load_processor
+    cfg = small_config(shared, 1)
+    cfg.eval.every = 0
+    train_main.train(cfg, str(tmp_path))
+    ckpt = checkpoint.latest(tmp_path / "checkpoints")
+    assert ckpt.name == "step_1"
+    model = AutoModelForImageTextToText.from_pretrained(ckpt)
+    processor = load_processor(ckpt)
+    assert model.config.model_type == "qwen3_vl" and processor.image_processor is not None
+    (tmp_path / "checkpoints" / "step_9.tmp").mkdir()  # a crash mid-write is never "latest"
+    assert checkpoint.latest(tmp_path / "checkpoints").name == "step_1"
+
+
+def test_gpu_recipe_without_cuda_stops_with_a_clear_message(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "geo3k_torch.main", "--config=configs/h100.py",
+                           f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0
+    assert "CUDA" in proc.stderr + proc.stdout
