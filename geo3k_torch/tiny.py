@@ -4,14 +4,15 @@
     python -m geo3k_torch.tiny --arch qwen2_5_vl --vocab qwen --out /tmp/tiny --hidden-size 64
 
 The directory holds what `AutoModelForImageTextToText.from_pretrained` and
-`common.processor.load_processor` read from a real Qwen2.5-VL / Qwen3-VL download: config.json and
-generation_config.json, model.safetensors (float32), tokenizer.json + tokenizer_config.json
-(`Qwen2Tokenizer`, eos `<|im_end|>`, pad `<|endoftext|>`), chat_template.jinja
-(`common.chat_template`), processor_config.json and preprocessor_config.json (the PIL image
-processor; the processor class is named as in real checkpoints). Token ids in the configs come
-from the tokenizer (`common.tokenizer`): the small vocabulary has 2,048 ids, the Qwen one
-151,643 + specials padded to 151,936 like the real models. The same arguments and seed give
-byte-identical files.
+`common.processor.load_processor` read from a real Qwen2.5-VL / Qwen3-VL download: config.json,
+generation_config.json, model.safetensors (float32, tied embeddings), tokenizer.json and
+tokenizer_config.json (`Qwen2Tokenizer`, eos `<|im_end|>`, pad `<|endoftext|>`),
+chat_template.jinja (`common.chat_template`), processor_config.json and preprocessor_config.json
+(the PIL image processor's settings; the processor class is named as in real checkpoints), and
+video_preprocessor_config.json (read only where torchvision exists). Token ids in the configs come
+from the tokenizer (`common.tokenizer`): the small vocabulary has 2,048 ids; the Qwen one 151,643
+plus special tokens, with the embedding padded to 151,936 rows like the real models. The same
+arguments and seed give byte-identical files.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ ARCHS = ("qwen3_vl", "qwen2_5_vl")
 QWEN_PADDED_VOCAB = 151936  # vocab_size of Qwen3-VL-2B / Qwen2.5-VL-3B (rows past the tokenizer unused)
 DEFAULT_PATCH = {"qwen3_vl": 16, "qwen2_5_vl": 14}
 PROCESSOR_CLASS = {"qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+VIDEO_PROCESSOR_CLASS = {"qwen3_vl": "Qwen3VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor"}
 # Qwen3-VL normalises pixels to [-1, 1]; Qwen2.5-VL uses CLIP's mean and std.
 IMAGE_MEAN_STD = {"qwen3_vl": ([0.5] * 3, [0.5] * 3),
                   "qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073],
@@ -71,7 +73,7 @@ class TinySizes:
         checks = [
             (out.hidden_size % out.heads == 0, "hidden_size must be a multiple of heads"),
             (out.heads % out.kv_heads == 0, "heads must be a multiple of kv_heads"),
-            ((out.hidden_size // out.heads) % 4 == 0, "head_dim must be a multiple of 4"),
+            ((out.hidden_size // out.heads) % 8 == 0, "head_dim must be a multiple of 8"),
             (out.vision_hidden % out.vision_heads == 0, "vision_hidden must divide by vision_heads"),
             ((out.vision_hidden // out.vision_heads) % 4 == 0, "vision head dim must divide by 4"),
             (out.window_size % unit == 0, f"window_size must be a multiple of {unit}"),
@@ -175,6 +177,12 @@ def save_processor(out: Path, arch: str, tok, s: TinySizes) -> None:
         data = json.loads(path.read_text())
         data.update(extra.get(name, {}), processor_class=PROCESSOR_CLASS[arch])
         path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    # Read only where torchvision exists (AutoProcessor builds the video processor from it).
+    video = {"video_processor_type": VIDEO_PROCESSOR_CLASS[arch], "patch_size": s.patch_size,
+             "temporal_patch_size": 2, "merge_size": s.spatial_merge, "image_mean": mean,
+             "image_std": std, "processor_class": PROCESSOR_CLASS[arch]}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2,
+                                                                   sort_keys=True) + "\n")
 
 
 def build_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen3_vl", vocab: str = "small",

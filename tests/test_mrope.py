@@ -18,7 +18,7 @@ IDS = dict(image_token_id=IMG, video_token_id=251, vision_start_token_id=START,
 
 def qwen3():
     c = Qwen3VLConfig(text_config=dict(TEXT, head_dim=16, rope_scaling={
-        "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                            out_hidden_size=32, patch_size=16, spatial_merge_size=2,
                            deepstack_visual_indexes=[0], num_position_embeddings=64), **IDS)

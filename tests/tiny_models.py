@@ -29,7 +29,7 @@ def qwen3_vl(seed=0, vocab=VOCAB):
     torch.manual_seed(seed)
     ids = IDS if vocab == VOCAB else special_ids(vocab)
     c = Qwen3VLConfig(text_config=dict(TEXT, vocab_size=vocab, head_dim=16, rope_scaling={
-        "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                            out_hidden_size=64, patch_size=16, spatial_merge_size=2,
                            deepstack_visual_indexes=[0], num_position_embeddings=64), **ids)
