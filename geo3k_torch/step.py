@@ -14,6 +14,7 @@ import numpy as np
 from common.batching import pack, training_sequences
 from common.env import EnvConfig
 from common.grpo import episode_advantages
+from common.reward import STATS as reward_stats
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.scoring import RewardConfig
 from geo3k_torch import distributed
@@ -37,8 +38,10 @@ def grpo_step(prompts, engine, renderer, learner, cfg: StepConfig, group_offset:
     """Roll out `prompts`, train once on the result. Returns this rank's trajectories and the
     step's metrics (learner metrics merged over ranks, batch counts, phase times)."""
     world = learner.world_size
+    graded = reward_stats.snapshot()
     t0 = time.perf_counter()
     trajs = rollout(prompts, engine, renderer, cfg.rollout, cfg.env, cfg.reward, group_offset)
+    graded = {k: v - graded[k] for k, v in reward_stats.snapshot().items()}
     t1 = time.perf_counter()
     rewards = np.array([t.reward for t in trajs])
     groups = np.array([t.group_id for t in trajs])
@@ -51,6 +54,7 @@ def grpo_step(prompts, engine, renderer, learner, cfg: StepConfig, group_offset:
         {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
          "micro": float(len(batches)), "packed": float(sum(b.num_tokens for b in batches)),
          "filtered": float(len(set(groups[~keep & valid]))),
+         "grader_timeouts": float(graded["timeouts"]), "grader_calls": float(graded["calls"]),
          "generated": float(sum(t.num_generated for t in trajs))}, max_keys=("micro",))
     batches = distributed.even_out(batches, int(counts["micro"]))
     t2 = time.perf_counter()
@@ -63,6 +67,7 @@ def grpo_step(prompts, engine, renderer, learner, cfg: StepConfig, group_offset:
     t3 = time.perf_counter()
     metrics.update({
         "filtered_groups": counts["filtered"], "sequences": counts["seqs"],
+        "grader_calls": counts["grader_calls"], "grader_timeouts": counts["grader_timeouts"],
         "micro_batches": counts["micro"],
         "packing_efficiency": counts["packed"] / max(counts["micro"] * world
                                                       * cfg.micro_batch_tokens, 1.0),

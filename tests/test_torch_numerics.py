@@ -74,6 +74,23 @@ def test_plain_positions_would_be_wrong(tiny):
     assert diff.abs().max().item() > 1e-4
 
 
+def engine_learner_gap(model, processor, requests, completions) -> float:
+    """Max |engine log-prob - learner log-prob| over the completions' tokens, the learner
+    reading each request + completion as one packed sequence."""
+    seqs = []
+    for i, (r, o) in enumerate(zip(requests, completions)):
+        ids = np.r_[np.asarray(r.input_ids), o.token_ids]
+        mask = np.r_[np.zeros(len(r.input_ids), np.int8), np.ones(len(o.token_ids), np.int8)]
+        seqs.append(TrainSequence(ids, mask, np.r_[np.zeros(len(r.input_ids)), o.logprobs]
+                                  .astype(np.float32), 0.0, list(r.images), i))
+    batch, = pack(seqs, 10_000)
+    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
+    with torch.no_grad():
+        learner = token_logprobs(model, packed_inputs(batch, processor, model.config), targets)
+    rollout = torch.from_numpy(batch.rollout_logprobs[targets.numpy()])
+    return float((learner - rollout).abs().max())
+
+
 def test_engine_logprobs_equal_learner(tiny):
     model, processor = tiny
     rng = np.random.default_rng(2)
@@ -84,20 +101,10 @@ def test_engine_logprobs_equal_learner(tiny):
         reqs.append(Request(tuple(prompt_ids(processor, imgs, rng, (3 + 4 * i, 2))), imgs,
                             SamplingParams(1.0, 1.0, 12, (7,)), f"s{i}"))
     outs = engine.generate(reqs)
-    seqs = []
-    for i, (r, o) in enumerate(zip(reqs, outs)):
+    for r, o in zip(reqs, outs):
         assert 1 <= len(o.token_ids) <= 12
         assert o.finish_reason == ("stop" if o.token_ids[-1] == 7 else "length")
-        ids = np.r_[np.asarray(r.input_ids), o.token_ids]
-        mask = np.r_[np.zeros(len(r.input_ids), np.int8), np.ones(len(o.token_ids), np.int8)]
-        seqs.append(TrainSequence(ids, mask, np.r_[np.zeros(len(r.input_ids)), o.logprobs]
-                                  .astype(np.float32), 0.0, list(r.images), i))
-    batch, = pack(seqs, 10_000)
-    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
-    with torch.no_grad():
-        learner = token_logprobs(model, packed_inputs(batch, processor, model.config), targets)
-    rollout = torch.from_numpy(batch.rollout_logprobs[targets.numpy()])
-    assert (learner - rollout).abs().max().item() <= 1e-5
+    assert engine_learner_gap(model, processor, reqs, outs) <= 1e-5
 
 
 def test_engine_is_seeded_and_greedy_is_deterministic(tiny):
@@ -169,17 +176,7 @@ def test_kv_cache_across_turns_changes_nothing(tiny):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     # and the cached engine's second-turn log-probs equal the learner's on the whole episode
-    seqs = []
-    for i, (r, o) in enumerate(zip(reqs_a, second_a)):
-        ids = np.r_[np.asarray(r.input_ids), o.token_ids]
-        mask = np.r_[np.zeros(len(r.input_ids), np.int8), np.ones(len(o.token_ids), np.int8)]
-        seqs.append(TrainSequence(ids, mask, np.r_[np.zeros(len(r.input_ids)), o.logprobs]
-                                  .astype(np.float32), 0.0, list(r.images), i))
-    batch, = pack(seqs, 10_000)
-    targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0])
-    with torch.no_grad():
-        learner = token_logprobs(model, packed_inputs(batch, processor, model.config), targets)
-    assert (learner - torch.from_numpy(batch.rollout_logprobs[targets.numpy()])).abs().max() <= 1e-5
+    assert engine_learner_gap(model, processor, reqs_a, second_a) <= 1e-5
     cached.clear_cache()
     assert cached._cache == {}
 

@@ -51,7 +51,7 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
                 "train/truncated", "train/aborted", "train/filtered_groups", "train/time_rollout",
                 "train/time_batching", "train/time_train", "train/time_weight_sync",
                 "train/rollout_tokens_per_s", "train/train_tokens_per_s",
-                "train/packing_efficiency"):
+                "train/packing_efficiency", "train/grader_calls", "train/grader_timeouts"):
         assert key in rows[0], key
     trained = [r for r in rows if "train/loss" in r]
     for key in ("train/grad_norm", "train/clip_frac", "train/approx_kl", "train/entropy",
