@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable, Mapping
+import re
+from typing import Any, Callable, Mapping, Sequence
 
 from common.prompts import TOOL_NAMES
 from common.reward import grade_answer
@@ -74,6 +75,7 @@ class EnvConfig:
     end_on_no_tool_call: bool = True
     rel_tol: float = 0.0
     grade_timeout_s: float = 5.0
+    accept_choice_letter: bool = True  # "B" means the second listed choice, when there are choices
 
     def __post_init__(self):
         if self.max_turns < 1:
@@ -146,15 +148,27 @@ def parse_tool_call(text: str) -> ToolCall:
     return ToolCall(name, answer, None)
 
 
+def resolve_choice(answer: str, choices: Sequence[str] | None) -> str:
+    """A choice letter ("B", "(b)", "B.") as the text of that choice; anything else unchanged."""
+    m = re.fullmatch(r"\(?([A-Za-z])[).]?", answer.strip())
+    if not choices or not m:
+        return answer
+    k = ord(m.group(1).upper()) - ord("A")
+    return str(choices[k]) if k < len(choices) else answer
+
+
 class Geo3kEnv:
-    """One Geometry3K episode against a ground-truth answer."""
+    """One Geometry3K episode against a ground-truth answer (and the problem's choices, if any:
+    then a choice letter is accepted as an answer, see `EnvConfig.accept_choice_letter`)."""
 
     def __init__(self, ground_truth: str, config: EnvConfig = EnvConfig(),
-                 grader: Callable[..., bool] = grade_answer):
+                 grader: Callable[..., bool] = grade_answer,
+                 choices: Sequence[str] | None = None):
         if not isinstance(ground_truth, str) or not ground_truth.strip():
             raise ValueError(f"ground truth must be a non-empty string, got {ground_truth!r}")
         self.ground_truth = ground_truth
         self.config = config
+        self.choices = list(choices) if choices and config.accept_choice_letter else None
         self._grader = grader
         self.reset()
 
@@ -186,15 +200,16 @@ class Geo3kEnv:
         score = None
         reason = call.reason
         if reason is None:
-            correct = self._grade(call.answer)
+            answer = resolve_choice(call.answer, self.choices)
+            correct = self._grade(answer)
             score = 1.0 if correct else 0.0
             if correct:
                 reason = CORRECT
                 if self.first_correct_turn is None:
                     self.first_correct_turn = self.turn
             else:
-                reason = REPEATED if call.answer in self.tried else WRONG
-            self.tried.append(call.answer)
+                reason = REPEATED if answer in self.tried else WRONG
+            self.tried.append(answer)
         cfg = self.config
         self.done = (
             self.turn >= cfg.max_turns
@@ -257,4 +272,6 @@ def build_env(sample: Any = None, args: Any = None, **kwargs) -> Geo3kEnv:
         raise TypeError(f"unknown environment options: {sorted(unknown)}")
     if kwargs:
         config = dataclasses.replace(config, **kwargs)
-    return Geo3kEnv(_ground_truth(sample), config)
+    choices = sample.get("choices") if isinstance(sample, Mapping) else getattr(sample, "choices",
+                                                                                None)
+    return Geo3kEnv(_ground_truth(sample), config, choices=choices)

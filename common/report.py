@@ -5,7 +5,7 @@ package's own event writer, the curve with matplotlib (Agg).
 
 Workdir layout written here:
     metrics.jsonl              one JSON object per step: {"step": N, "train/...": ..., ...}
-    events.out.tfevents.*      the same scalars for TensorBoard
+    events.out.tfevents.*      the same scalars for TensorBoard (and wandb, when a project is set)
     curve.png                  reward and accuracy per step (train), accuracy per eval
     rollouts/step_<N>.jsonl    every trajectory of step N (see `dump_rollouts`)
     rollouts/images/<uid>_<k>.png   the images those trajectories refer to
@@ -26,7 +26,8 @@ from common.rollout import Trajectory
 class RunLog:
     """Appends one line of metrics per step and keeps the TensorBoard file and curve current."""
 
-    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True):
+    def __init__(self, workdir: str | os.PathLike, tensorboard: bool = True,
+                 wandb_project: str = "", config: dict | None = None):
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
@@ -34,6 +35,15 @@ class RunLog:
         if tensorboard:
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
             self._tb = EventFileWriter(str(self.dir))
+        self._wandb = None
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise SystemExit("log.wandb_project is set but wandb is not installed: "
+                                 "pip install wandb, or leave log.wandb_project empty") from None
+            self._wandb = wandb.init(project=wandb_project, dir=str(self.dir), config=config,
+                                     name=self.dir.name, resume="allow")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
@@ -41,6 +51,8 @@ class RunLog:
             f.write(json.dumps(row) + "\n")
         if self._tb is not None:
             self._write_tb(step, metrics)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
 
     def _write_tb(self, step: int, metrics: dict[str, float]) -> None:
         from tensorboard.compat.proto.event_pb2 import Event
@@ -95,6 +107,8 @@ class RunLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _jsonable(v):

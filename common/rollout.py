@@ -206,7 +206,8 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
         ids = renderer.prompt_ids(prompt.messages, prompt.images)
         for k in range(cfg.n_samples):
             ep = _Episode(list(ids), [0] * len(ids), [0.0] * len(ids),
-                          Geo3kEnv(prompt.answer, env_config))
+                          Geo3kEnv(prompt.answer, env_config,
+                                   choices=getattr(prompt, "choices", None)))
             episodes.append((prompt, group_offset + g, k, len(ids), ep))
     while True:
         active, requests = [], []
@@ -235,7 +236,7 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
     trajectories = []
     for prompt, g, k, plen, ep in episodes:
         score = score_episode([t.text for t in ep.turns], [t.info for t in ep.turns],
-                              prompt.answer, reward_config)
+                              prompt.answer, reward_config, ep.env.choices)
         aborted = ep.status == ABORTED
         trajectories.append(Trajectory(
             uid=prompt.uid, group_id=g, sample_idx=k, answer=prompt.answer,

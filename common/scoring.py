@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from common.env import resolve_choice
 from common.reward import extract_last_boxed, grade_answer
 
 SOURCES = ("tool", "boxed", "tool_or_boxed")
@@ -46,24 +47,28 @@ class EpisodeScore:
     correct_turn: int | None  # 1-based turn of the first correct answer
 
 
-def _boxed_turn(texts: Sequence[str], answer: str, cfg: RewardConfig) -> int | None:
+def _boxed_turn(texts: Sequence[str], answer: str, cfg: RewardConfig,
+                choices: Sequence[str] | None) -> int | None:
     """1-based turn holding the last box of the model's turns, if that box is correct."""
     for turn in range(len(texts), 0, -1):
         boxed = extract_last_boxed(texts[turn - 1])
         if boxed is not None:
-            ok = grade_answer(boxed, answer, rel_tol=cfg.rel_tol, timeout_s=cfg.timeout_s)
+            ok = grade_answer(resolve_choice(boxed, choices), answer, rel_tol=cfg.rel_tol,
+                              timeout_s=cfg.timeout_s)
             return turn if ok else None
     return None
 
 
 def score_episode(texts: Sequence[str], infos: Sequence[dict], answer: str,
-                  cfg: RewardConfig = RewardConfig()) -> EpisodeScore:
-    """Score an episode from its assistant texts and the environment's per-turn infos."""
+                  cfg: RewardConfig = RewardConfig(),
+                  choices: Sequence[str] | None = None) -> EpisodeScore:
+    """Score an episode from its assistant texts and the environment's per-turn infos.
+    With `choices`, a boxed choice letter stands for that choice."""
     turn = None
     if cfg.source in ("tool", "tool_or_boxed"):
         turn = next((i["turn"] for i in infos if i.get("tool_score") == 1.0), None)
     if turn is None and cfg.source in ("boxed", "tool_or_boxed"):
-        turn = _boxed_turn(texts, answer, cfg)
+        turn = _boxed_turn(texts, answer, cfg, choices)
     correct = turn is not None
     reward = cfg.turn_discount ** (turn - 1) if correct else 0.0
     if cfg.format_bonus and any(i.get("tool_score") is not None for i in infos):

@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_dir = "data/tiny-qwen3_vl-small"
     c.model.tiny_arch = "qwen3_vl"
     c.model.tiny_vocab = "small"
+    c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
 
     # The environment (common.env.EnvConfig).
     c.env = ml_collections.ConfigDict()
@@ -39,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.end_on_no_tool_call = True
     c.env.rel_tol = 0.0
     c.env.grade_timeout_s = 5.0
+    c.env.accept_choice_letter = True
 
     # The episode reward (common.scoring.RewardConfig).
     c.reward = ml_collections.ConfigDict()

@@ -118,11 +118,11 @@ class Learner:
                           else grad_norm)
         skipped = not math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        if skipped:
+        if skipped:  # never applied; the schedule does not advance either
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
         n = max(sums.pop("tokens", 0.0), 1.0)
         out = {"loss": total, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
         out.update({k: (v if k == "logp_diff_max" else v / n) for k, v in sums.items()})

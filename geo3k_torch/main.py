@@ -85,7 +85,8 @@ def train(cfg, workdir: str) -> dict:
     step_cfg = StepConfig(roll_cfg, env_cfg, reward_cfg, cfg.advantage.normalize_std,
                           cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens)
     sampler = PromptSampler(len(train_set), cfg.seed)
-    log = RunLog(workdir, tensorboard=cfg.log.tensorboard and rank == 0) if rank == 0 else None
+    log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
+                 cfg.to_dict()) if rank == 0 else None
     start = 0
     if cfg.train.resume and (last := checkpoint.latest(workdir / "checkpoints")):
         state = checkpoint.load(last, model, learner.optimizer, learner.scheduler)

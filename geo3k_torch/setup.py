@@ -8,6 +8,7 @@ existing split is reused); with `model.path` empty a tiny checkpoint is built in
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -39,9 +40,20 @@ def prepare_model_dir(cfg) -> str:
         return cfg.model.path
     out = Path(cfg.model.tiny_dir)
     if not (out / "config.json").exists():
+        from geo3k_torch.prime import prime_format
         from geo3k_torch.tiny import build_tiny_checkpoint
-        build_tiny_checkpoint(out, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab,
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"model.tiny_dir={str(out)!r} exists but holds no checkpoint "
+                                  "(no config.json): remove it or point tiny_dir elsewhere")
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_tiny_checkpoint(tmp, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab,
                               seed=cfg.seed)
+        if cfg.model.tiny_prime_steps:
+            train_set, _ = prepare_data(cfg)
+            prime_format(str(tmp), train_set.prompts, cfg.model.tiny_prime_steps, cfg.seed)
+        shutil.rmtree(out, ignore_errors=True)  # an empty folder at most
+        tmp.rename(out)  # a half-built checkpoint is never taken for a finished one
     return str(out)
 
 

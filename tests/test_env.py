@@ -190,3 +190,20 @@ def test_build_env_sources_of_truth_and_options():
         build_env({"answer": "  "})
     with pytest.raises(ValueError):
         EnvConfig(max_turns=0)
+
+
+@pytest.mark.parametrize("letter,expected", [("B", True), ("(b)", True), ("B.", True),
+                                             ("A", False), ("E", False)])
+def test_choice_letters(letter, expected):
+    env = build_env({"answer": "12", "choices": ["7", "12", "15", "20"]})
+    _, _, info = env.step(call(letter))
+    assert info["tool_score"] == (1.0 if expected else 0.0)
+    assert info["parsed_answer"] == letter
+
+
+def test_choice_letter_can_be_turned_off_and_repeat_is_by_choice():
+    env = build_env({"answer": "12", "choices": ["7", "12"]}, accept_choice_letter=False)
+    assert env.step(call("B"))[2]["tool_score"] == 0.0
+    env = build_env({"answer": "12", "choices": ["7", "12"]})
+    env.step(call("A"))
+    assert env.step(call("7"))[2]["reason"] == "repeated"  # "7" is choice A again

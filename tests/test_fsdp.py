@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -11,13 +12,20 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(tmp_path, nproc, arch, agg):
     out = tmp_path / f"{arch}-{agg}-{nproc}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--standalone", str(ROOT / "tests" / "fsdp_worker.py"), str(out), arch, agg]
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "fsdp_worker.py"), str(out), arch, agg]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())
 
 

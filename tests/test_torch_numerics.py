@@ -191,3 +191,28 @@ def test_engine_never_samples_image_placeholders():
     req = Request(tuple(prompt_ids(processor, imgs, rng)), imgs, SamplingParams(1.0, 1.0, 8), "x")
     out = LocalEngine(model, processor, 0, seed=0).generate([req])[0]
     assert IMG not in out.token_ids and len(out.token_ids) == 8
+
+
+def test_non_finite_step_is_skipped_and_lr_schedules():
+    from configs import base
+    from geo3k_torch.learner import Learner, lr_factor
+    model, patch = qwen3_vl(seed=2)
+    model.train()
+    processor = ImageOnlyProcessor(patch)
+    seqs = sequences(processor, np.random.default_rng(3), n=2)
+    seqs[0].advantage = float("nan")
+    learner = Learner(model, processor, LossConfig(), base.get_config().train, 1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    m = learner.train_step(pack(seqs, 10_000), 20.0, 2.0)
+    assert m["skipped"] == 1.0 and not np.isfinite(m["grad_norm"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    seqs[0].advantage = 1.0
+    m = learner.train_step(pack(seqs, 10_000), 20.0, 2.0)
+    assert m["skipped"] == 0.0 and np.isfinite(m["grad_norm"])
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # warmup then decay: linear and cosine reach min_ratio at the last step
+    assert [lr_factor(s, "constant", 2, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor(10, "linear", 0, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(5, "cosine", 0, 10) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        lr_factor(0, "step", 0, 10)

@@ -25,6 +25,7 @@ def shared(tmp_path_factory):
 def small_config(shared, steps):
     cfg = cpu.get_config()
     cfg.model.tiny_dir = str(shared / "tiny")
+    cfg.model.tiny_prime_steps = 0
     cfg.data.synthetic_dir = str(shared / "data")
     cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 16, 4
     cfg.train.steps, cfg.train.prompts_per_step = steps, 2
@@ -123,3 +124,21 @@ def test_gpu_recipe_without_cuda_stops_with_a_clear_message(tmp_path):
                           timeout=120)
     assert proc.returncode != 0
     assert "CUDA" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_priming_teaches_the_format_and_only_the_format(shared, tmp_path):
+    from common.data import load_split
+    from common.synthetic import write_split
+    from geo3k_torch.prime import format_target, prime_format
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    write_split(tmp_path / "data", "train", 8, seed=1, image_size="112")
+    prompts = load_split(tmp_path / "data", split="train").prompts
+    out = build_tiny_checkpoint(tmp_path / "tiny", arch="qwen3_vl", vocab="small")
+    w0 = load_file(str(out / "model.safetensors"))
+    losses = prime_format(str(out), prompts, steps=12, seed=0)
+    assert len(losses) == 12 and losses[-1] < 0.5 * losses[0]
+    w1 = load_file(str(out / "model.safetensors"))
+    assert any(float(np.abs(w1[k] - w0[k]).max()) > 0 for k in w0)
+    assert format_target("B") == ('<tool_call>\n{"name": "calc_score", "arguments": '
+                                  '{"answer": "B"}}\n</tool_call>')
