@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
+
 from common.rollout import Trajectory
 
 
@@ -74,27 +76,36 @@ class RunLog:
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def plot(self, name: str = "curve.png") -> Path:
-        """Reward and accuracy against step; eval accuracy as points. Returns the PNG path."""
+        """Train reward (raw and 10-step mean), accuracy when it differs from the reward, tool-call
+        rate, and eval accuracy as points, against step. Returns the PNG path."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         rows = self.rows()
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        for key, label in (("train/reward_mean", "train reward"),
-                           ("train/accuracy", "train accuracy")):
+        pts = [(r["step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r]
+        if pts:
+            steps, reward = map(np.asarray, zip(*pts))
+            ax.plot(steps, reward, color="tab:blue", alpha=0.3, lw=1)
+            ax.plot(steps, _running_mean(reward, 10), color="tab:blue", lw=2.2,
+                    label="train reward (10-step mean)")
+        for key, label, color in (("train/accuracy", "train accuracy (10-step mean)", "tab:cyan"),
+                                  ("train/tool_call_rate", "tool-call rate (10-step mean)",
+                                   "tab:purple")):
             pts = [(r["step"], r[key]) for r in rows if key in r]
-            if pts:
-                ax.plot(*zip(*pts), label=label)
+            if pts and not (key == "train/accuracy" and _same(rows, key, "train/reward_mean")):
+                steps, vals = map(np.asarray, zip(*pts))
+                ax.plot(steps, _running_mean(vals, 10), ":", color=color, lw=1.5, label=label)
         for key, label in (("eval/greedy_accuracy", "eval accuracy (greedy)"),
                            ("eval/sampled_accuracy", "eval accuracy (sampled)")):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
                 ax.plot(*zip(*pts), "o--", label=label)
         ax.set_xlabel("step")
-        ax.set_ylim(-0.02, 1.02)
+        ax.set_ylim(-0.02, 1.12)
         ax.grid(alpha=0.3)
-        ax.legend(loc="best")
+        ax.legend(loc="upper left", fontsize=8, ncol=2)
         ax.set_title("geo3k-rl: reward and accuracy")
         fig.tight_layout()
         out = self.dir / name
@@ -109,6 +120,17 @@ class RunLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _running_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """Mean of the last `window` values at each point (fewer at the start)."""
+    c = np.cumsum(np.insert(np.asarray(x, np.float64), 0, 0.0))
+    n = np.minimum(np.arange(1, len(x) + 1), window)
+    return (c[1:] - c[np.arange(1, len(x) + 1) - n]) / n
+
+
+def _same(rows: list[dict], a: str, b: str) -> bool:
+    return all(r.get(a) == r.get(b) for r in rows)
 
 
 def _jsonable(v):

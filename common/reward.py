@@ -55,7 +55,8 @@ Normalization decision log (applied to answer and label alike)
     FLOAT_DIGITS = 10 places, not its default 6, so the fast path and math-verify agree:
     `\frac{1}{3}` != `0.333333`, `4\pi` != `12.566`). rel_tol is relative to the label,
     |answer - label| <= rel_tol * |label|; a label of 0 needs an exact 0.
-  * Not handled: multiple-choice letters, percentages, angles in radians vs degrees.
+  * Not handled here: percentages, angles in radians vs degrees; choice letters are resolved to
+    their choice by the environment (`common.env.resolve_choice`) before grading.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ disk round trip: after an optimizer step the next `generate` samples from the ne
 
 One `generate` call: the requests' new tokens are left-padded into one batch (each row behind
 its own left-padded KV cache from earlier turns, if any), prefilled once with their images and
-explicit 3-D M-RoPE positions (`common.mrope`), then decoded token by token with the KV cache. Each sampled token's log-prob is read from the raw logits at the request's temperature,
+explicit 3-D M-RoPE positions (`common.mrope`), then decoded token by token with the KV cache.
+Each sampled token's log-prob is read from the raw logits at the request's temperature,
 log_softmax(logits / T), before any top-p truncation (REFERENCE §7: `generate`'s scores are
 processed). Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its
 last token) or at its `max_new_tokens`.

@@ -19,6 +19,9 @@ import json
 import numpy as np
 import torch
 
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn)
+
 from common.batching import TrainSequence, pack
 from common.chat import ChatRenderer
 from common.processor import load_processor
@@ -45,29 +48,39 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
         raise ValueError("priming needs prompts with choices")
     prompt_ids = {}
     losses = []
-    for _ in range(steps):
-        seqs = []
-        for i in rng.choice(len(usable), min(batch, len(usable)), replace=False):
-            p = usable[i]
-            if i not in prompt_ids:
-                prompt_ids[i] = renderer.prompt_ids(p.messages, p.images)
-            letter = chr(ord("A") + int(rng.integers(len(p.choices))))
-            target = renderer.tokenizer.encode(format_target(letter), add_special_tokens=False)
-            target = target + [renderer.turn_end_id]
-            ids = np.r_[prompt_ids[i], target]
-            mask = np.r_[np.zeros(len(prompt_ids[i]), np.int8), np.ones(len(target), np.int8)]
-            seqs.append(TrainSequence(ids, mask, np.zeros(len(ids), np.float32), 0.0, p.images,
-                                      int(i)))
-        n = float(sum(s.loss_mask.sum() for s in seqs))
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for b in pack(seqs, max(len(s) for s in seqs) * len(seqs)):
-            targets = torch.from_numpy(np.nonzero(b.loss_mask)[0])
-            loss = -token_logprobs(model, packed_inputs(b, processor, model.config),
-                                   targets).sum() / n
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        losses.append(total)
+    progress = Progress(TextColumn("[bold]prime tiny model"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
+    task = progress.add_task("prime", total=steps, info="")
+    with progress:
+        for _ in range(steps):
+            losses.append(_step(model, processor, renderer, opt, usable, prompt_ids, rng, batch))
+            progress.update(task, advance=1, info=f"loss {losses[-1]:.3f}")
     model.save_pretrained(model_dir, safe_serialization=True)
     return losses
+
+
+def _step(model, processor, renderer, opt, usable, prompt_ids, rng, batch) -> float:
+    """One supervised step on `batch` random prompts; returns the mean token loss."""
+    seqs = []
+    for i in rng.choice(len(usable), min(batch, len(usable)), replace=False):
+        p = usable[i]
+        if i not in prompt_ids:
+            prompt_ids[i] = renderer.prompt_ids(p.messages, p.images)
+        letter = chr(ord("A") + int(rng.integers(len(p.choices))))
+        target = renderer.tokenizer.encode(format_target(letter), add_special_tokens=False)
+        target = target + [renderer.turn_end_id]
+        ids = np.r_[prompt_ids[i], target]
+        mask = np.r_[np.zeros(len(prompt_ids[i]), np.int8), np.ones(len(target), np.int8)]
+        seqs.append(TrainSequence(ids, mask, np.zeros(len(ids), np.float32), 0.0, p.images,
+                                  int(i)))
+    n = float(sum(s.loss_mask.sum() for s in seqs))
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for b in pack(seqs, max(len(s) for s in seqs) * len(seqs)):
+        targets = torch.from_numpy(np.nonzero(b.loss_mask)[0])
+        loss = -token_logprobs(model, packed_inputs(b, processor, model.config),
+                               targets).sum() / n
+        loss.backward()
+        total += float(loss.detach())
+    opt.step()
+    return total
