@@ -1,0 +1,60 @@
+"""Run outputs: metrics lines, TensorBoard scalars, the curve, rollout dumps."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from common.report import RunLog, dump_rollouts
+from common.rollout import Trajectory, Turn
+
+
+def test_metrics_tensorboard_and_curve(tmp_path):
+    log = RunLog(tmp_path)
+    for step in range(1, 6):
+        log.log(step, {"train/reward_mean": step / 10, "train/accuracy": step / 10,
+                       "train/tool_call_rate": 0.5, "eval/greedy_accuracy": 0.2,
+                       "train/grad_norm": float("nan")})
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[2]["train/reward_mean"] == 0.3 and rows[0]["train/grad_norm"] == "nan"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    scalars = events.Scalars("train/reward_mean")
+    assert [(s.step, round(s.value, 6)) for s in scalars] == [(i, i / 10) for i in range(1, 6)]
+    assert "train/grad_norm" not in events.Tags()["scalars"]  # non-finite values are not plotted
+    png = log.plot()
+    assert Image.open(png).size == (700, 400)
+    log.truncate_after(3)
+    assert [r["step"] for r in log.rows()] == [1, 2, 3]
+
+
+def test_wandb_requested_but_missing_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_wandb(name, *a, **k):
+        if name == "wandb":
+            raise ImportError("no wandb")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(SystemExit, match="wandb"):
+        RunLog(tmp_path, tensorboard=False, wandb_project="geo3k")
+
+
+def test_dump_rollouts(tmp_path):
+    img = Image.new("RGB", (20, 10), "red")
+    t = Trajectory("train-3", 7, 1, "12", np.array([5, 6, 7, 8]), np.array([0, 0, 1, 1], np.int8),
+                   np.array([0, 0, -0.5, -0.25], np.float32), 2, [img],
+                   [Turn(2, 4, "hi", "stop", {"reason": "wrong", "tool_score": 0.0}, "Wrong")],
+                   "completed", 0.0)
+    dump_rollouts(tmp_path / "rollouts" / "step_1.jsonl", [t], lambda ids: "".join(map(str, ids)))
+    row = json.loads((tmp_path / "rollouts" / "step_1.jsonl").read_text())
+    assert row["token_ids"] == [5, 6, 7, 8] and row["loss_mask"] == [0, 0, 1, 1]
+    assert row["rollout_logprobs"] == [0, 0, -0.5, -0.25] and row["text"] == "5678"
+    assert row["turns"][0]["feedback"] == "Wrong" and row["group_id"] == 7
+    assert Image.open(tmp_path / "rollouts" / row["images"][0]).size == (20, 10)
