@@ -55,6 +55,10 @@ def train(cfg, workdir: str) -> dict:
     reward_cfg = to_dataclass(RewardConfig, cfg.reward)
     roll_cfg = to_dataclass(RolloutConfig, cfg.rollout)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
+    if cfg.train.micro_batch_tokens < roll_cfg.max_context_tokens:
+        raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
+                         f"whole episode: at least rollout.max_context_tokens="
+                         f"{roll_cfg.max_context_tokens}")
     if cfg.train.prompts_per_step % world:
         raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
                          f"multiple of the {world} ranks")

@@ -142,3 +142,11 @@ def test_priming_teaches_the_format_and_only_the_format(shared, tmp_path):
     assert any(float(np.abs(w1[k] - w0[k]).max()) > 0 for k in w0)
     assert format_target("B") == ('<tool_call>\n{"name": "calc_score", "arguments": '
                                   '{"answer": "B"}}\n</tool_call>')
+
+
+def test_micro_batch_smaller_than_an_episode_is_refused_up_front(shared, tmp_path):
+    cfg = small_config(shared, 1)
+    cfg.train.micro_batch_tokens = 100
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        train_main.train(cfg, str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
