@@ -60,6 +60,20 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.max_retries = 2
     c.rollout.export_style = "concat"
 
+    # Where rollouts come from: the in-process engine, or SGLang servers (GPU machines).
+    c.engine = ml_collections.ConfigDict()
+    c.engine.backend = "local"  # local | sglang
+    c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
+    c.engine.sglang_servers = 1
+    c.engine.sglang_gpus_per_server = 1
+    c.engine.sglang_mem_fraction = 0.6
+    c.engine.sglang_attention_backend = ""  # empty: SGLang's default
+    c.engine.sglang_port_base = 30000
+    c.engine.sglang_timeout_s = 600.0
+    c.engine.sglang_max_retries = 3
+    c.engine.sglang_max_concurrency = 256
+    c.engine.sglang_colocated = False  # release the servers' memory during training
+
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()
     c.loss.clip_low = 0.2

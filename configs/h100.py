@@ -4,7 +4,10 @@
         --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
 
 64 prompts x 8 samples per step, one optimizer step per rollout, response budget 4096 tokens,
-temperature 1.0, clip 0.2 / 0.28, no KL, max_turns 3.
+temperature 1.0, clip 0.2 / 0.28, no KL, max_turns 3. Rollouts come from an SGLang server
+launched on the same GPUs (colocated: its memory is released during training), weights synced
+through /update_weights_from_disk after every step, truncated importance sampling (cap 2).
+Needs `pip install -e .[gpu]` (SGLang) and CUDA.
 """
 
 from configs import base
@@ -24,6 +27,12 @@ def get_config():
     c.loss.clip_high = 0.28
     c.loss.kl_coef = 0.0
     c.loss.agg = "seq-mean-token-mean"
+    # SGLang generates; its bf16 kernels drift from the learner: truncated importance sampling.
+    c.engine.backend = "sglang"
+    c.engine.sglang_servers = 1
+    c.engine.sglang_mem_fraction = 0.5
+    c.engine.sglang_colocated = True
+    c.loss.tis_cap = 2.0
     c.train.steps = 1000
     c.train.prompts_per_step = 64
     c.train.micro_batch_tokens = 16384

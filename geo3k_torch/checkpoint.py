@@ -58,18 +58,38 @@ def save(root: str | os.PathLike, step: int, model, optimizer, scheduler, source
     final = Path(root) / f"step_{step}"
     if _rank() == 0:
         tmp = Path(root) / f"step_{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp, state_dict=model_sd, safe_serialization=True)
-        for f in Path(source_dir).iterdir():  # tokenizer, processor, chat template
-            if f.is_file() and not _MODEL_FILES.search(f.name):
-                shutil.copy2(f, tmp / f.name)
+        _write_hf(tmp, model, model_sd, source_dir)
         torch.save({"step": step, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
                     "torch_rng": torch.get_rng_state(), **extra}, tmp / "train_state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     _barrier()
     return final
+
+
+def _write_hf(out: Path, model, state_dict: dict, source_dir: str) -> None:
+    """An HF model directory: weights and config from `model`, the rest copied from source."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    for f in Path(source_dir).iterdir():  # tokenizer, processor, chat template
+        if f.is_file() and not _MODEL_FILES.search(f.name):
+            shutil.copy2(f, out / f.name)
+
+
+def export_hf(out: str | os.PathLike, model, source_dir: str) -> Path:
+    """Write the current weights as an HF model directory (all ranks call this; rank 0 writes,
+    into `out.tmp`, renamed into place). Used to hand the weights to an inference server."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                              cpu_offload=True))
+    out = Path(out)
+    if _rank() == 0:
+        tmp = out.with_name(out.name + ".tmp")
+        _write_hf(tmp, model, sd, source_dir)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    _barrier()
+    return out
 
 
 def load(path: str | os.PathLike, model, optimizer, scheduler) -> dict:

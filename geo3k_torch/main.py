@@ -33,7 +33,7 @@ from common.sampler import PromptSampler
 from common.scoring import RewardConfig
 from configs import to_dataclass
 from geo3k_torch import checkpoint, distributed
-from geo3k_torch.engine import LocalEngine
+from geo3k_torch.backends import build_backend
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model
 from geo3k_torch.setup import prepare_data, prepare_model_dir, resolve_device
@@ -76,14 +76,9 @@ def train(cfg, workdir: str) -> dict:
     ref_model = None
     if loss_cfg.kl_coef:
         ref_model = load_model(model_dir).to(device).eval().requires_grad_(False)
-    engine_model = model
     if world > 1:
         distributed.parallelize(model, mixed_precision=on_gpu and cfg.train.bf16)
-        # Generation runs unsharded on each rank's own prompts: a full copy gets the weights.
-        engine_model = load_model(model_dir).to(device).eval().requires_grad_(False)
-    pad_id = processor.tokenizer.pad_token_id
-    engine = LocalEngine(engine_model, processor, pad_id=pad_id if pad_id is not None else 0,
-                         seed=cfg.seed + rank, device=device)
+    backend = build_backend(cfg, model, model_dir, processor, device, rank, world, workdir)
     learner = Learner(model, processor, loss_cfg, cfg.train, roll_cfg.temperature, device,
                       ref_model=ref_model, world_size=world)
     step_cfg = StepConfig(roll_cfg, env_cfg, reward_cfg, cfg.advantage.normalize_std,
@@ -96,9 +91,8 @@ def train(cfg, workdir: str) -> dict:
         state = checkpoint.load(last, model, learner.optimizer, learner.scheduler)
         start = state["step"]
         sampler = PromptSampler.from_state(state["sampler"])
-        engine.generator.set_state(state["engine_rng"][rank])
-        if engine_model is not model:
-            engine_model.load_state_dict(checkpoint.full_state_dict(model))
+        backend.set_rng_state(state["engine_rng"][rank])
+        backend.sync(model)
         if log:
             log.truncate_after(start)
         logging.info("resumed from %s at step %d", last, start)
@@ -112,11 +106,10 @@ def train(cfg, workdir: str) -> dict:
             # rollout and update: every rank draws the same prompt ids and takes its slice
             ids = sampler.next_batch(cfg.train.prompts_per_step)[rank::world]
             offset = (step - 1) * cfg.train.prompts_per_step + rank * len(ids)
-            trajs, train_m = grpo_step([train_set[i] for i in ids], engine, renderer, learner,
-                                       step_cfg, offset)
+            trajs, train_m = grpo_step([train_set[i] for i in ids], backend.engine, renderer,
+                                       learner, step_cfg, offset, backend.train_context)
             t0 = time.perf_counter()
-            if engine_model is not model:  # weight sync to the rollout copy
-                engine_model.load_state_dict(checkpoint.full_state_dict(model))
+            backend.sync(model)  # the next rollout samples from the new weights
             train_m["time_weight_sync"] = time.perf_counter() - t0
             # metrics, dump, curve (rank 0 sees every rank's trajectories)
             all_trajs = [t for part in distributed.gather(trajs) for t in part]
@@ -124,8 +117,8 @@ def train(cfg, workdir: str) -> dict:
                                                                    env_cfg.max_turns).items()}
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                metrics.update(_evaluate(cfg, test_set, engine, renderer, env_cfg, reward_cfg,
-                                         roll_cfg, rank, world))
+                metrics.update(_evaluate(cfg, test_set, backend.engine, renderer, env_cfg,
+                                         reward_cfg, roll_cfg, rank, world))
             if log:
                 log.log(step, metrics)
                 if cfg.log.dump_rollouts:
@@ -134,13 +127,14 @@ def train(cfg, workdir: str) -> dict:
                 if cfg.log.plot_every and step % cfg.log.plot_every == 0:
                     log.plot()
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                rng = distributed.gather(engine.generator.get_state())
+                rng = distributed.gather(backend.rng_state())
                 checkpoint.save(workdir / "checkpoints", step, model, learner.optimizer,
                                 learner.scheduler, model_dir,
                                 {"sampler": sampler.state(), "engine_rng": rng})
                 if rank == 0:
                     checkpoint.prune(workdir / "checkpoints", cfg.checkpoint.keep)
             progress.update(task, advance=1, info=_summary(metrics))
+    backend.close()
     if log:
         log.plot()
         log.close()

@@ -6,6 +6,7 @@ collective goes through `geo3k_torch.distributed` (no-ops in a single process).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -33,10 +34,14 @@ class StepConfig:
     micro_batch_tokens: int = 8192
 
 
-def grpo_step(prompts, engine, renderer, learner, cfg: StepConfig, group_offset: int
-              ) -> tuple[list[Trajectory], dict[str, float]]:
+def grpo_step(prompts, engine, renderer, learner, cfg: StepConfig, group_offset: int,
+              train_context=contextlib.nullcontext) -> tuple[list[Trajectory], dict[str, float]]:
     """Roll out `prompts`, train once on the result. Returns this rank's trajectories and the
-    step's metrics (learner metrics merged over ranks, batch counts, phase times)."""
+    step's metrics (learner metrics merged over ranks, batch counts, phase times).
+
+    The engine's weights are NOT synced here: the caller does that (see geo3k_torch.backends).
+    `train_context()` wraps the update (a colocated inference server frees its memory there).
+    """
     world = learner.world_size
     graded = reward_stats.snapshot()
     t0 = time.perf_counter()
@@ -60,10 +65,10 @@ def grpo_step(prompts, engine, renderer, learner, cfg: StepConfig, group_offset:
     t2 = time.perf_counter()
     metrics: dict[str, float] = {}
     if counts["seqs"] > 0:  # no group with a reward spread on any rank: nothing to learn
-        m = distributed.sum_scalars(learner.train_step(batches, counts["tokens"], counts["seqs"]),
-                                    max_keys=_MAX_KEYS)
+        with train_context():
+            m = learner.train_step(batches, counts["tokens"], counts["seqs"])
+        m = distributed.sum_scalars(m, max_keys=_MAX_KEYS)
         metrics = {k: v if k in _MAX_KEYS + ("loss",) else v / world for k, v in m.items()}
-    engine.clear_cache()  # the KV caches were computed with the old weights
     t3 = time.perf_counter()
     metrics.update({
         "filtered_groups": counts["filtered"], "sequences": counts["seqs"],

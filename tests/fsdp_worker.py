@@ -9,7 +9,6 @@ import json
 import sys
 
 import numpy as np
-import torch
 
 from common.batching import TrainSequence, pack
 from common.grpo import LossConfig

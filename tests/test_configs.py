@@ -43,6 +43,8 @@ def test_h100_recipe():
     assert (cfg.rollout.n_samples, cfg.train.prompts_per_step) == (8, 64)
     assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.kl_coef) == (0.2, 0.28, 0.0)
     assert cfg.rollout.max_response_tokens == 4096 and cfg.env.max_turns == 3
+    assert cfg.engine.backend == "sglang" and cfg.loss.tis_cap == 2.0  # TIS on for SGLang
+    assert cfg.train.device == "cuda" and cpu.get_config().engine.backend == "local"
 
 
 def test_command_line_typo_is_rejected(tmp_path):

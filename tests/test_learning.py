@@ -99,6 +99,7 @@ def train(sign: float):
         for step in range(STEPS):
             trajs, _ = grpo_step(prompts(rng), engine, TaskRenderer(processor), learner,
                                  step_cfg, group_offset=4 * step)
+            engine.clear_cache()  # new weights
             rewards.append(np.mean([t.reward for t in trajs]))
     finally:
         if sign < 0:

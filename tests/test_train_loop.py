@@ -150,3 +150,36 @@ def test_micro_batch_smaller_than_an_episode_is_refused_up_front(shared, tmp_pat
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         train_main.train(cfg, str(tmp_path))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_sglang_backend_in_the_loop(shared, tmp_path):
+    """The loop on the SGLang backend, against the fake server: rollouts come from it, weights go
+    to it after every step, its memory is released around each update (colocated)."""
+    from common.processor import load_processor
+    from geo3k_torch.setup import prepare_model_dir
+    from tests.fake_sglang import Action, FakeSGLang
+    cfg = small_config(shared, 2)
+    cfg.data.synthetic_image_size = "112"  # 16 image tokens each, as the fake expands them
+    cfg.eval.every = 0
+    cfg.engine.backend, cfg.engine.sglang_colocated = "sglang", True
+    tok = load_processor(prepare_model_dir(cfg)).tokenizer
+    reply = tok.encode('<tool_call>\n{"name": "calc_score", "arguments": {"answer": "A"}}\n'
+                       '</tool_call>', add_special_tokens=False)
+    with FakeSGLang(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                    tokens_per_image=16, responder=lambda body: Action(ids=reply)) as fake:
+        with cfg.unlocked():
+            cfg.engine.sglang_urls = fake.url
+        last = train_main.train(cfg, str(tmp_path))
+        paths = [p for _, p, _ in fake.requests]
+        synced = fake.bodies("/update_weights_from_disk")
+    assert last["train/tool_call_rate"] == 1.0 and "train/loss" in last
+    assert len(fake.bodies("/generate")) == 2 * 2 * 3  # steps x prompts x samples (one turn)
+    assert [b["model_path"] for b in synced] == [str((tmp_path / "weights_for_sglang")
+                                                     .resolve())] * 2
+    assert (tmp_path / "weights_for_sglang" / "model.safetensors").exists()
+    for a, b in (("/release_memory_occupation", "/resume_memory_occupation"),
+                 ("/resume_memory_occupation", "/update_weights_from_disk"),
+                 ("/update_weights_from_disk", "/flush_cache")):
+        assert paths.index(a) < paths.index(b)
+    assert paths.count("/flush_cache") == 2

@@ -1,0 +1,212 @@
+"""Launch SGLang servers as subprocesses, wait until they generate, shut them down on any exit.
+
+    from geo3k_torch.sglang_server import launch_servers
+    with launch_servers("checkpoints/step_0", n=2, gpus_per_server=1, mem_fraction=0.6) as group:
+        group.urls      # ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+
+Server i runs, in its own process group,
+
+    python -m sglang.launch_server --model-path M --host 127.0.0.1 --port <port_base + i>
+        --tp-size G --base-gpu-id <i * G> --mem-fraction-static F [--attention-backend B]
+        [--enable-memory-saver] *extra_args
+
+(flag names from python/sglang/srt/server_args.py `ServerArgs.add_cli_args`; `--base-gpu-id`
+picks the first of the server's G consecutive GPUs), with its output in
+`log_dir/server_<i>.log` and SGLANG_MM_AVOID_RETOKENIZE=1 in its environment (keep our token ids
+verbatim around images; see geo3k_torch/sglang_engine.py). A server is up when
+`GET /health_generate` answers 200 (that endpoint generates a token; `/health` answers before
+the model is warm in older releases). A server that exits, or is not up `startup_timeout_s`
+after launch, raises `ServerLaunchError` with the tail of its log, after the whole group has
+been shut down. Ports must be free before launch.
+
+Shutdown sends SIGTERM to each server's process group (SGLang's scheduler and detokenizer are
+its children), then SIGKILL to the groups whose leader is still alive after `grace_s`. It runs
+on leaving the `with` block, at interpreter exit (atexit) and on a failed launch; a trainer
+killed with SIGKILL leaves its servers running (nothing can catch that). `command` replaces `python -m sglang.launch_server`;
+the tests run `tests/fake_sglang.py` with it. Nothing here imports sglang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Mapping, Sequence
+
+from geo3k_torch.sglang_engine import http_call
+
+SGLANG_COMMAND = (sys.executable, "-m", "sglang.launch_server")
+LOG_TAIL_CHARS = 4000
+
+
+class ServerLaunchError(RuntimeError):
+    """A server exited or never became healthy; the message holds the tail of its log."""
+
+
+@dataclasses.dataclass
+class Server:
+    """One launched server: its URL, command line, process (a process-group leader), log."""
+
+    url: str
+    argv: list[str]
+    process: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes]
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        """The last `chars` characters of the server's output."""
+        self.log_file.flush()
+        data = self.log_path.read_bytes()
+        return data[-chars:].decode(errors="replace")
+
+
+class ServerGroup:
+    """Servers launched together; `shutdown` (idempotent) stops them all. A context manager."""
+
+    def __init__(self, servers: list[Server], grace_s: float):
+        self.servers = servers
+        self.grace_s = grace_s
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def shutdown(self) -> None:
+        """SIGTERM every server's process group, SIGKILL after `grace_s`, reap, close logs."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        for s in self.servers:
+            if s.process.poll() is None:
+                _signal_group(s.process, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        for s in self.servers:
+            try:
+                s.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for s in self.servers:
+            if s.process.poll() is None:  # only while unreaped is its pid surely still ours
+                _signal_group(s.process, signal.SIGKILL)
+            s.process.wait()
+            s.log_file.close()
+
+    def __enter__(self) -> "ServerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """Signal the process group led by `process` (started with start_new_session=True)."""
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ServerLaunchError(f"port {port} on {host} is not free: {e}") from e
+
+
+def server_argv(model_path: str, host: str, port: int, tp: int, base_gpu: int,
+                mem_fraction: float, attention_backend: str | None, memory_saver: bool,
+                extra_args: Sequence[str], command: Sequence[str] = SGLANG_COMMAND) -> list[str]:
+    """The command line of one server."""
+    argv = [*command, "--model-path", str(model_path), "--host", host, "--port", str(port),
+            "--tp-size", str(tp), "--base-gpu-id", str(base_gpu),
+            "--mem-fraction-static", str(mem_fraction)]
+    if attention_backend:
+        argv += ["--attention-backend", attention_backend]
+    if memory_saver:
+        argv.append("--enable-memory-saver")
+    return argv + [str(a) for a in extra_args]
+
+
+def _healthy(url: str, timeout: float) -> bool:
+    try:
+        status, _ = http_call(url, "GET", "/health_generate", timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return False
+    return status == 200
+
+
+def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
+                   mem_fraction: float = 0.8, attention_backend: str | None = None,
+                   port_base: int = 30000, extra_args: Sequence[str] = (), *,
+                   host: str = "127.0.0.1", memory_saver: bool = False,
+                   startup_timeout_s: float = 900.0, poll_s: float = 1.0, grace_s: float = 30.0,
+                   log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
+                   command: Sequence[str] = SGLANG_COMMAND) -> ServerGroup:
+    """Start `n` servers on ports port_base..port_base+n-1 and wait until each generates.
+
+    memory_saver: pass `--enable-memory-saver` (needed by release/resume memory, colocated).
+    startup_timeout_s: for all servers together; poll_s: seconds between health checks.
+    grace_s: SIGTERM-to-SIGKILL delay at shutdown. env: added to this process's environment.
+    Returns the running `ServerGroup`; raises `ServerLaunchError` (all servers stopped) if one
+    exits or is not healthy in time.
+    """
+    if n < 1 or gpus_per_server < 1:
+        raise ValueError(f"need n >= 1 and gpus_per_server >= 1, got {n}, {gpus_per_server}")
+    ports = [port_base + i for i in range(n)]
+    for port in ports:
+        _check_port_free(host, port)
+    log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="sglang-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    child_env = {**os.environ, "SGLANG_MM_AVOID_RETOKENIZE": "1", **(env or {})}
+    servers: list[Server] = []
+    group = ServerGroup(servers, grace_s)
+    try:
+        for i, port in enumerate(ports):
+            argv = server_argv(model_path, host, port, gpus_per_server, i * gpus_per_server,
+                               mem_fraction, attention_backend, memory_saver, extra_args,
+                               command)
+            log_path = log_dir / f"server_{i}.log"
+            log_file = open(log_path, "wb")
+            process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, env=child_env,
+                                       start_new_session=True)
+            servers.append(Server(f"http://{host}:{port}", argv, process, log_path, log_file))
+        _wait_healthy(servers, time.monotonic() + startup_timeout_s, poll_s)
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _wait_healthy(servers: list[Server], deadline: float, poll_s: float) -> None:
+    """Return when every server answers /health_generate; raise if one exits or time runs out."""
+    pending = list(servers)
+    while pending:
+        for s in list(pending):
+            code = s.process.poll()
+            if code is not None:
+                raise ServerLaunchError(f"SGLang server {s.url} exited with code {code} before "
+                                        f"it was healthy; {s.log_path} ends with:\n"
+                                        f"{s.log_tail()}")
+            if _healthy(s.url, timeout=max(poll_s, 1.0)):
+                pending.remove(s)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            s = pending[0]
+            raise ServerLaunchError(f"SGLang server(s) {[p.url for p in pending]} not healthy "
+                                    f"in time; {s.log_path} ends with:\n{s.log_tail()}")
+        time.sleep(poll_s)
