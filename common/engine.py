@@ -71,6 +71,11 @@ class Completion:
             raise ValueError(f"unknown finish_reason {self.finish_reason!r}")
 
 
+class FatalEngineError(RuntimeError):
+    """A failure no retry can fix (the engine and the learner disagree on the inputs, say): the
+    rollout re-raises it instead of retrying and aborting samples one by one."""
+
+
 class Engine(Protocol):
     """Anything that turns requests into completions (one per request, same order)."""
 

@@ -24,7 +24,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from common.engine import ABORT, LENGTH, Completion, Engine, Request, SamplingParams
+from common.engine import (ABORT, LENGTH, Completion, Engine, FatalEngineError, Request,
+                           SamplingParams)
 from common.env import EnvConfig, Geo3kEnv
 from common.scoring import RewardConfig, score_episode
 
@@ -142,7 +143,9 @@ def generate_with_retries(engine: Engine, requests: list[Request],
                 if len(outs) != len(batch):
                     raise RuntimeError(f"engine returned {len(outs)} completions "
                                        f"for {len(batch)} requests")
-            except Exception as e:  # noqa: BLE001 - any engine failure is retried, then aborted
+            except FatalEngineError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any other failure is retried, then aborted
                 log.warning("engine call failed (attempt %d): %s", attempt + 1, e)
                 failed.extend(batch)
                 continue

@@ -98,7 +98,8 @@ import time
 import urllib.parse
 from typing import Any, Sequence
 
-from common.engine import ABORT, LENGTH, STOP, Completion, Request, SamplingParams
+from common.engine import (ABORT, LENGTH, STOP, Completion, FatalEngineError, Request,
+                           SamplingParams)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class SGLangError(RuntimeError):
     """A server failed or refused a call; the message names the server(s)."""
 
 
-class ImageTokenMismatch(SGLangError):
+class ImageTokenMismatch(SGLangError, FatalEngineError):
     """SGLang's expanded prompt length differs from the learner's: the model would attend to
     other tokens than the learner trains on (see the module docstring)."""
 

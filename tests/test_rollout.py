@@ -184,3 +184,18 @@ def test_engine_returning_too_many_tokens_is_an_error(renderer):
 def test_bad_rollout_config(kw):
     with pytest.raises(ValueError):
         RolloutConfig(**kw)
+
+
+def test_fatal_engine_error_is_raised_not_retried(renderer):
+    from common.engine import FatalEngineError
+
+    class Broken:
+        calls = 0
+
+        def generate(self, requests):
+            Broken.calls += 1
+            raise FatalEngineError("image tokens disagree")
+
+    with pytest.raises(FatalEngineError, match="image tokens"):
+        rollout([make_prompt()], Broken(), renderer, RolloutConfig(n_samples=2, max_retries=3))
+    assert Broken.calls == 1

@@ -409,3 +409,12 @@ def test_learner_image_matches_the_processor():
         want, got = (ip(images=[x], return_tensors="np") for x in (img, small))
         np.testing.assert_array_equal(got["image_grid_thw"], want["image_grid_thw"])
         np.testing.assert_allclose(got["pixel_values"], want["pixel_values"], atol=1e-5)
+
+
+def test_image_token_mismatch_stops_the_rollout_instead_of_aborting_samples(renderer):
+    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS + 1) as fake, \
+            make_engine([fake.url]) as engine:
+        with pytest.raises(ImageTokenMismatch):
+            rollout([make_prompt()], engine, renderer, RolloutConfig(n_samples=2,
+                                                                     max_retries=3))
+        assert len(fake.bodies("/generate")) == 2  # one call's requests, no retry
