@@ -395,10 +395,12 @@ def test_rollout_end_to_end(renderer):
 # ---------------------------------------------------------------------------- learner's images
 
 @pytest.mark.slow
-def test_learner_image_matches_the_processor():
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
+def test_learner_image_matches_the_processor(tmp_path, arch):
     """Images sent pre-resized to the learner's size give the learner's grid and pixels."""
     from common.processor import load_processor
-    proc = load_processor(Path(__file__).resolve().parents[1] / "data/tiny-qwen3_vl-small")
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    proc = load_processor(build_tiny_checkpoint(tmp_path, arch=arch, hidden_size=64))
     rng = np.random.default_rng(0)
     for w, h in [(37, 100), (333, 50), (64, 64), (500, 31)]:
         img = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
@@ -417,4 +419,4 @@ def test_image_token_mismatch_stops_the_rollout_instead_of_aborting_samples(rend
         with pytest.raises(ImageTokenMismatch):
             rollout([make_prompt()], engine, renderer, RolloutConfig(n_samples=2,
                                                                      max_retries=3))
-        assert len(fake.bodies("/generate")) == 2  # one call's requests, no retry
+        assert 1 <= len(fake.bodies("/generate")) <= 2  # at most the one call, no retry
