@@ -28,6 +28,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 PROCESSOR_CONFIG_FILES = ("processor_config.json", "preprocessor_config.json")
 # model_type in config.json, or the processor class a processor config names -> our arch key
 _ARCH_OF = {"qwen2_5_vl": "qwen2_5_vl", "Qwen2_5_VLProcessor": "qwen2_5_vl",
@@ -110,3 +112,12 @@ def load_processor(path: str | Path) -> Any:
     if getattr(processor, "image_processor", None) is None:
         raise TypeError(f"{path} loaded as {type(processor).__name__}, which has no image processor")
     return processor
+
+
+def image_inputs(processor, images: list) -> dict:
+    """pixel_values (P, C*t*p*p) and image_grid_thw (N, 3) as numpy, or {} without images."""
+    if not images:
+        return {}
+    out = processor.image_processor(images=list(images), return_tensors="np")
+    return {"pixel_values": np.asarray(out["pixel_values"]),
+            "image_grid_thw": np.asarray(out["image_grid_thw"], np.int64)}

@@ -10,6 +10,20 @@ import ml_collections
 from ml_collections.config_dict import placeholder
 
 
+# Partition rules, first match wins: (regex on the checkpoint key, one mesh axis per dimension).
+# Column-parallel projections split their output rows over `tensor`, row-parallel ones their
+# input columns; FSDP takes the other dimension. Unmatched parameters (norms, biases of
+# row-parallel layers, the patch embedding) are replicated.
+JAX_RULES = (
+    (r"(embed_tokens|lm_head)\.weight$", ("tensor", "fsdp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj|attn\.qkv|linear_fc1|mlp\.0)\.weight$",
+     ("tensor", "fsdp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj|attn\.qkv|linear_fc1|mlp\.0)\.bias$",
+     ("tensor",)),
+    (r"(o_proj|down_proj|attn\.proj|linear_fc2|mlp\.2)\.weight$", ("fsdp", "tensor")),
+)
+
+
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
@@ -119,6 +133,20 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10  # steps; the last step is always saved
     c.checkpoint.keep = 2  # newest complete checkpoints kept
+
+    # The JAX learner (geo3k_jax): mesh, partition rules and the cross-backend check.
+    c.jax = ml_collections.ConfigDict()
+    c.jax.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1: the rest
+    c.jax.rules = JAX_RULES
+    c.jax.pad_to = 128  # packed rows are padded to a multiple of this (one compile per length)
+    c.jax.check = ml_collections.ConfigDict()
+    c.jax.check.dtype = "float32"  # float32 | bfloat16 (both backends' weights in that dtype)
+    c.jax.check.prompts = 3  # synthetic problems; each episode answers wrong, then right
+    c.jax.check.samples = 2  # episodes per problem
+    c.jax.check.images = "1,2"  # images per problem, cycled (the diagram, plus other diagrams)
+    c.jax.check.image_sizes = "40-200"  # pixel range of each image's width and height
+    c.jax.check.micro_batch_tokens = 0  # packing budget; 0 = half the sequences' total
+    c.jax.check.seed = 0
 
     c.lock()
     return c

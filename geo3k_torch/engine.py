@@ -23,7 +23,7 @@ from transformers import DynamicCache
 
 from common.engine import LENGTH, STOP, Completion, Request
 from common.mrope import image_token_counts, mrope_position_ids
-from geo3k_torch.model import image_inputs
+from common.processor import image_inputs
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,

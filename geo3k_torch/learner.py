@@ -21,26 +21,8 @@ import torch
 
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms, token_weights
+from common.schedule import lr_factor
 from geo3k_torch.model import packed_inputs, token_logprobs
-
-SCHEDULES = ("constant", "linear", "cosine")
-
-
-def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int,
-              min_ratio: float = 0.0) -> float:
-    """Multiplier of the base LR at optimizer step `step` (0-based): linear warmup over
-    `warmup_steps`, then constant, linear decay or cosine decay to `min_ratio` at `total_steps`."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    frac = min(max(step - warmup_steps, 0) / max(total_steps - warmup_steps, 1), 1.0)
-    if schedule == "linear":
-        return 1.0 - (1.0 - min_ratio) * frac
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
-
 
 class Learner:
     """Owns the policy's optimizer and scheduler. `model` may be FSDP-sharded."""

@@ -15,6 +15,7 @@ import torch
 
 from common.batching import PackedBatch
 from common.mrope import packed_position_ids
+from common.processor import image_inputs
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
@@ -26,15 +27,6 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"
     if kind not in ("qwen2_5_vl", "qwen3_vl"):
         raise ValueError(f"{path}: model_type {kind!r} is not Qwen2.5-VL or Qwen3-VL")
     return model
-
-
-def image_inputs(processor, images: list) -> dict:
-    """pixel_values (P, C*t*p*p) and image_grid_thw (N, 3) as numpy, or {} without images."""
-    if not images:
-        return {}
-    out = processor.image_processor(images=list(images), return_tensors="np")
-    return {"pixel_values": np.asarray(out["pixel_values"]),
-            "image_grid_thw": np.asarray(out["image_grid_thw"], np.int64)}
 
 
 def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | str = "cpu"

@@ -195,7 +195,8 @@ def test_engine_never_samples_image_placeholders():
 
 def test_non_finite_step_is_skipped_and_lr_schedules():
     from configs import base
-    from geo3k_torch.learner import Learner, lr_factor
+    from common.schedule import lr_factor
+    from geo3k_torch.learner import Learner
     model, patch = qwen3_vl(seed=2)
     model.train()
     processor = ImageOnlyProcessor(patch)

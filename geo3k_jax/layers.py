@@ -1,0 +1,132 @@
+"""Flax NNX building blocks shared by the Qwen-VL vision towers and language models.
+
+Parameters are stored in Hugging Face's layout and under Hugging Face's names (a linear layer's
+`weight` is (out, in), norms have `weight` and `bias`), so a module path such as
+`model.language_model.layers.0.self_attn.q_proj.weight` IS the checkpoint key: loading and
+exporting are a rename-free walk over the state (`geo3k_jax.weights`), and partition rules are
+written against the names users see in checkpoints.
+
+Compute runs in the parameters' dtype; softmax, rotary and norm statistics in at least fp32
+(`_wide`), as transformers does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02
+
+
+def _wide(dtype):
+    """fp32 for half-precision inputs, the input's own dtype when it is wider (float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    return (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T + bias. weight: (out, in); x: (..., in) -> (..., out)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (d_out, d_in), dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+class Embedding(nnx.Module):
+    """Token embedding table. weight: (vocab, dim); ids: (...) int -> (..., dim)."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (vocab, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, statistics in fp32, cast back before the scale (as transformers)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(_wide(x.dtype))
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """Standard LayerNorm with weight and bias, statistics in fp32."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(_wide(x.dtype))
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+        return (y * self.weight[...].astype(xf.dtype)
+                + self.bias[...].astype(xf.dtype)).astype(x.dtype)
+
+
+def activation(name: str):
+    """The transformers activation called `name` (ACT2FN), as a jax function."""
+    table = {"silu": jax.nn.silu, "swish": jax.nn.silu,
+             "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+             "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+             "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+             "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x)}
+    if name not in table:
+        raise ValueError(f"activation {name!r} is not supported; known: {sorted(table)}")
+    return table[name]
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    """(x1, x2) -> (-x2, x1) over the last axis split in halves."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary embedding in (at least) fp32. x: (T, H, D); cos/sin: (T, D). Returns x's dtype."""
+    xf = x.astype(_wide(x.dtype))
+    cos, sin = cos[:, None, :].astype(xf.dtype), sin[:, None, :].astype(xf.dtype)
+    return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              scale: float) -> jax.Array:
+    """Masked softmax attention with grouped KV heads.
+
+    q: (T, H, D); k, v: (S, Hkv, D) with H a multiple of Hkv; mask: (T, S) bool, True = attend.
+    Scores and softmax in (at least) fp32, probabilities cast to v's dtype. Returns (T, H * D).
+    """
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, h // hkv, d)  # head i uses kv head i // (H / Hkv), as repeat_kv
+    wide = _wide(q.dtype)
+    scores = jnp.einsum("tgrd,sgd->grts", qg, k, preferred_element_type=wide) * scale
+    scores = jnp.where(mask[None, None], scores, jnp.finfo(wide).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("grts,sgd->tgrd", probs, v)
+    return out.reshape(t, h * d)
+
+
+def segment_mask(segments: jax.Array, causal: bool) -> jax.Array:
+    """(T,) segment ids -> (T, T) bool: same segment (and key <= query when causal)."""
+    mask = segments[:, None] == segments[None, :]
+    if causal:
+        n = segments.shape[0]
+        mask = mask & (jnp.arange(n)[:, None] >= jnp.arange(n)[None, :])
+    return mask

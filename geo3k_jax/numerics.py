@@ -1,0 +1,230 @@
+"""The cross-backend numerics check: torch (transformers) and JAX on the same weights and batch.
+
+    rows = run_check(cfg, model_dir)     # list of Row; print_table(rows); all(r.passed ...)
+
+Both backends load the same checkpoint directory, get the same packed micro-batches of real
+multi-turn trajectories (`geo3k_jax.check_batch`), and compute: logits of every token, per-token
+log-probs of the trained tokens, the GRPO loss, its gradient (global norm; the worst parameter's
+relative error), and the parameters after one AdamW step. Torch runs its learner
+(`geo3k_torch.learner.Learner`, gradient accumulation over the micro-batches); JAX runs its own
+(`geo3k_jax.learner.Learner`, all rows in one sharded step).
+
+Errors: `abs` is max |jax - torch|; `rel` is max |jax - torch| / max |torch| (for gradients: the
+largest, over parameters, of ||g_jax - g_torch||_2 / ||g_torch||_2). Each quantity passes on
+the measure its tolerance names. The float32 tolerances are the goal we hold the JAX models to
+(log-probs 1e-5 absolute); the bfloat16 ones cover bf16 rounding of two different kernel orders
+(8 mantissa bits: ~4e-3 relative per rounding, compounded over the layers) — see
+docs/benchmarks.md for measured values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from common.grpo import LossConfig
+from common.schedule import lr_table
+from configs import to_dataclass
+from geo3k_jax.batch import device_batch
+from geo3k_jax.check_batch import check_batches
+from geo3k_jax.learner import Learner as JaxLearner, grpo_loss, make_optimizer
+from geo3k_jax.model import split_params, token_logprobs
+from geo3k_jax.sharding import BATCH_AXES, make_mesh
+from geo3k_jax.weights import load_model as load_jax_model
+
+# quantity -> (measure, tolerance) per dtype
+TOLERANCES = {
+    "float32": {"logits": ("rel", 1e-5), "log-probs": ("abs", 1e-5), "loss": ("abs", 1e-6),
+                "grad global norm": ("rel", 1e-5), "grad worst param": ("rel", 1e-4),
+                "params after AdamW": ("abs", "0.1 lr"), "AdamW on torch's grads": ("abs", 1e-6)},
+    "bfloat16": {"logits": ("rel", 5e-2), "log-probs": ("abs", 0.25), "loss": ("abs", 2e-2),
+                 "grad global norm": ("rel", 2e-2), "grad worst param": ("rel", 0.15),
+                 "params after AdamW": ("abs", "bf16 ulp"),
+                 "AdamW on torch's grads": ("abs", "bf16 ulp")},
+}
+
+
+@dataclasses.dataclass
+class Row:
+    quantity: str
+    abs_err: float
+    rel_err: float
+    measure: str
+    tol: float
+
+    @property
+    def passed(self) -> bool:
+        err = self.abs_err if self.measure == "abs" else self.rel_err
+        return bool(np.isfinite(err) and err <= self.tol)
+
+
+def _errors(jx, th) -> tuple[float, float]:
+    a, b = np.asarray(jx, np.float64), np.asarray(th, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch: jax {a.shape} vs torch {b.shape}")
+    err = float(np.max(np.abs(a - b))) if a.size else 0.0
+    return err, err / max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-30)
+
+
+def _grad_errors(jx: dict, th: dict) -> tuple[float, float, float, float, str]:
+    """(max abs, global-norm abs and rel error, worst per-parameter rel error, its name)."""
+    worst, name, max_abs = 0.0, "", 0.0
+    for k, g in th.items():
+        d = np.asarray(jx[k], np.float64) - g
+        max_abs = max(max_abs, float(np.abs(d).max()))
+        rel = float(np.linalg.norm(d) / max(np.linalg.norm(g), 1e-30))
+        if rel > worst:
+            worst, name = rel, k
+    norm = lambda t: np.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64))))  # noqa
+                                 for v in t.values()))
+    diff = abs(norm(jx) - norm(th))
+    return max_abs, diff, diff / max(norm(th), 1e-30), worst, name
+
+
+def torch_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cfg,
+               temperature, dtype: str) -> dict:
+    """Torch's logits per row, log-probs per row (masked positions), loss, grads, params after."""
+    import torch
+
+    from geo3k_torch.learner import Learner
+    from geo3k_torch.model import load_model, packed_inputs, token_logprobs as t_logprobs
+
+    model = load_model(model_dir, dtype=getattr(torch, dtype))
+    learner = Learner(model, processor, loss_cfg, train_cfg, temperature, "cpu")
+    out = {"logits": [], "logp": []}
+    with torch.no_grad():
+        for b in batches:
+            inputs = packed_inputs(b, processor, model.config)
+            out["logits"].append(model(**inputs, use_cache=False).logits[0].float().numpy())
+            targets = torch.from_numpy(np.flatnonzero(b.loss_mask))
+            out["logp"].append(t_logprobs(model, inputs, targets, temperature).float().numpy())
+    loss = 0.0
+    for b in batches:
+        micro, _ = learner.micro_batch_loss(b, n_tokens, n_seqs)
+        micro.backward()
+        loss += float(micro.detach())
+    out["loss"] = loss
+    out["grads"] = {k: p.grad.float().numpy().copy() for k, p in model.named_parameters()}
+    out["params_before"] = {k: p.detach().float().numpy().copy()
+                            for k, p in model.named_parameters()}
+    start = time.perf_counter()
+    learner.train_step(batches, n_tokens, n_seqs)
+    out["step_s"] = time.perf_counter() - start
+    out["params"] = {k: p.detach().float().numpy() for k, p in model.named_parameters()}
+    return out
+
+
+def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cfg, temperature,
+             dtype: str, jcfg) -> dict:
+    """The same quantities from the JAX model and learner, on `jcfg.mesh`."""
+    mesh = make_mesh(dict(jcfg.mesh))
+    model, config = load_jax_model(model_dir, dtype=getattr(jnp, dtype), mesh=mesh,
+                                   rules=jcfg.rules)
+    merge, params = split_params(model)
+    rows = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+    batch = device_batch(batches, processor, config, agg=loss_cfg.agg, n_tokens=n_tokens,
+                         n_seqs=n_seqs, pad_to=jcfg.pad_to, rows_multiple=rows)
+    with jax.set_mesh(mesh):
+        logits = jax.jit(lambda p, b: merge(p).logits(merge(p).hidden_states(b)))(params, batch)
+        logp = jax.jit(lambda p, b: token_logprobs(merge(p), b, temperature))(params, batch)
+        grad_fn = jax.jit(jax.value_and_grad(
+            lambda p, b: grpo_loss(merge, p, b, loss_cfg, temperature), has_aux=True))
+        (loss, _), grads = grad_fn(params, batch)
+        copy = lambda: jax.tree.map(jnp.copy, params)  # noqa: E731 (the step donates them)
+        learner = JaxLearner(merge, copy(), loss_cfg, train_cfg, temperature, mesh=mesh,
+                             rules=jcfg.rules)
+        start = time.perf_counter()
+        learner.train_step(batch)
+        compile_and_step = time.perf_counter() - start
+        learner.params = copy()  # time a second, already compiled step from the same start
+        learner.opt_state = jax.jit(learner.tx.init)(learner.params)
+        start = time.perf_counter()
+        learner.train_step(batch)
+        step_s = time.perf_counter() - start
+    f32 = lambda t: {k: np.asarray(v, np.float32) for k, v in t.items()}  # noqa: E731
+    logits, logp = np.asarray(logits, np.float32), np.asarray(logp)
+    out = {"logits": [logits[r, :b.num_tokens] for r, b in enumerate(batches)],
+           "logp": [logp[r, np.flatnonzero(b.loss_mask)] for r, b in enumerate(batches)],
+           "loss": float(loss), "grads": f32(grads), "params": f32(learner.params),
+           "step_s": step_s, "compile_s": compile_and_step - step_s}
+    return out
+
+
+def adamw_on(grads: dict, params: dict, train_cfg) -> dict:
+    """The JAX optimizer's first step from `params` with the given gradients (numpy dicts)."""
+    tx = make_optimizer(train_cfg)
+    p = {k: jnp.asarray(v) for k, v in params.items()}
+    updates, _ = tx.update({k: jnp.asarray(grads[k]) for k in p}, tx.init(p), p)
+    return {k: np.asarray(v) for k, v in optax.apply_updates(p, updates).items()}
+
+
+def run_check(cfg, model_dir: str, processor) -> tuple[list[Row], dict]:
+    """(table rows, info) comparing the backends on `model_dir` under config `cfg`."""
+    chk = cfg.jax.check
+    if chk.dtype not in TOLERANCES:
+        raise ValueError(f"jax.check.dtype must be one of {sorted(TOLERANCES)}, got {chk.dtype!r}")
+    lo, _, hi = chk.image_sizes.partition("-")
+    batches, n_tokens, n_seqs = check_batches(
+        processor, prompts=chk.prompts, samples=chk.samples,
+        images=[int(x) for x in chk.images.split(",")], image_sizes=(int(lo), int(hi or lo)),
+        micro_batch_tokens=chk.micro_batch_tokens, seed=chk.seed)
+    loss_cfg = to_dataclass(LossConfig, cfg.loss)
+    args = (model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, cfg.train,
+            cfg.rollout.temperature, chk.dtype)
+    th = torch_side(*args)
+    jx = jax_side(*args, cfg.jax)
+    tol = TOLERANCES[chk.dtype]
+    rows = [Row("logits", *_errors(np.concatenate([a.ravel() for a in jx["logits"]]),
+                                   np.concatenate([a.ravel() for a in th["logits"]])),
+                *tol["logits"]),
+            Row("log-probs", *_errors(np.concatenate(jx["logp"]), np.concatenate(th["logp"])),
+                *tol["log-probs"]),
+            Row("loss", *_errors(jx["loss"], th["loss"]), *tol["loss"])]
+    missing = set(th["grads"]) ^ set(jx["grads"])
+    if missing:
+        raise ValueError(f"parameter names differ between the backends: {sorted(missing)[:10]}")
+    max_abs, norm_abs, norm_rel, worst, worst_name = _grad_errors(jx["grads"], th["grads"])
+    rows += [Row("grad global norm", norm_abs, norm_rel, *tol["grad global norm"]),
+             Row("grad worst param", max_abs, worst, *tol["grad worst param"])]
+    ref = th["params"]
+    big = float(max(np.abs(v).max() for v in ref.values()))
+    # One AdamW step moves a weight by about lr * g / (|g| + eps): weights whose gradient is
+    # float32 noise around zero (|g| ~ 1e-9) may move differently by a fraction of lr. In bf16
+    # both sides round the new weights to bf16: one ulp of the largest weight.
+    limits = {"0.1 lr": 0.1 * float(lr_table(cfg.train.lr, cfg.train.lr_schedule,
+                                              cfg.train.warmup_steps, cfg.train.steps,
+                                              cfg.train.min_lr_ratio)[0]),
+              "bf16 ulp": big * 2.0 ** -7}
+    stepped = adamw_on(th["grads"], th["params_before"], cfg.train)
+    for name, got in (("params after AdamW", jx["params"]), ("AdamW on torch's grads", stepped)):
+        err = max(_errors(got[k], v)[0] for k, v in ref.items())
+        measure, limit = tol[name]
+        rows.append(Row(name, err, err / max(big, 1e-30), measure, limits.get(limit, limit)))
+    info = {"batches": len(batches), "tokens": int(sum(b.num_tokens for b in batches)),
+            "trained_tokens": int(n_tokens), "sequences": int(n_seqs),
+            "images": int(sum(len(b.images) for b in batches)),
+            "worst_grad_param": worst_name, "torch_step_s": th["step_s"],
+            "jax_step_s": jx["step_s"], "jax_compile_s": jx["compile_s"]}
+    return rows, info
+
+
+def print_table(rows: list[Row], info: dict, title: str) -> None:
+    """The check's table (rich), then the batch it ran on."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("quantity", "max abs error", "max rel error", "tolerance", "result"):
+        table.add_column(col, justify="left" if col == "quantity" else "right")
+    for r in rows:
+        table.add_row(r.quantity, f"{r.abs_err:.3e}", f"{r.rel_err:.3e}",
+                      f"{r.measure} <= {r.tol:.1e}", "pass" if r.passed else "FAIL")
+    console = Console()
+    console.print(table)
+    console.print(", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in info.items()))

@@ -1,0 +1,93 @@
+"""Device mesh and partition rules, both config data (`config.jax` in configs/base.py).
+
+    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})   # -1: all remaining devices
+    shardings = param_shardings(params, mesh, rules)        # {checkpoint key: NamedSharding}
+
+A rule is (regex, spec): the first regex that `re.search`es a parameter's checkpoint key gives
+its PartitionSpec, one mesh axis name (or None) per array dimension; no match = replicated. A
+dimension whose size the axis does not divide is left replicated rather than failing, so one rule
+set serves every checkpoint shape (the tensor axis on a 2-head vision tower, an odd vocabulary).
+Batch rows are split over the data-parallel axes (`batch_axes`), everything else replicated.
+
+The mesh uses `AxisType.Auto`: the model's code carries no sharding annotations and XLA
+propagates the parameter and batch shardings through it (jax.make_mesh's default is Explicit,
+which would require an out_sharding on every ambiguous op).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.sharding.Mesh:
+    """A mesh over `devices` (default: all) with axes `AXES` sized by `shape`; one size may be
+    -1 (the rest of the devices). Errors if the sizes do not multiply to the device count."""
+    devices = list(jax.devices() if devices is None else devices)
+    unknown = set(shape) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; axes are {AXES}")
+    sizes = [int(shape.get(a, 1)) for a in AXES]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh sizes must be positive with at most one -1, got {dict(shape)}")
+    if -1 in sizes:
+        rest = math.prod(s for s in sizes if s != -1)
+        if len(devices) % rest:
+            raise ValueError(f"{len(devices)} devices do not divide into the mesh {dict(shape)}")
+        sizes[sizes.index(-1)] = len(devices) // rest
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
+                         f"{len(devices)} are available")
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                         devices=devices)
+
+
+def spec_for(name: str, shape: tuple[int, ...], mesh, rules: Sequence) -> P:
+    """The PartitionSpec of parameter `name` (a checkpoint key) with `shape` under `rules`."""
+    for pattern, spec in rules:
+        if re.search(pattern, name):
+            spec = tuple(spec)
+            if len(spec) > len(shape):
+                raise ValueError(f"rule {pattern!r} gives {len(spec)} axes for {name!r} of "
+                                 f"shape {shape}")
+            spec += (None,) * (len(shape) - len(spec))
+            return P(*(a if a is None or dim % _axis_size(mesh, a) == 0 else None
+                       for a, dim in zip(spec, shape)))
+    return P()
+
+
+def _axis_size(mesh, axes) -> int:
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in names)
+
+
+def param_shardings(params: Mapping[str, object], mesh, rules: Sequence
+                    ) -> dict[str, NamedSharding]:
+    """{checkpoint key: NamedSharding} for {checkpoint key: array or ShapeDtypeStruct}."""
+    return {name: NamedSharding(mesh, spec_for(name, tuple(v.shape), mesh, rules))
+            for name, v in params.items()}
+
+
+def batch_shardings(mesh, batch: Mapping[str, np.ndarray], row_keys: Sequence[str]
+                    ) -> dict[str, NamedSharding]:
+    """Arrays named in `row_keys` have batch rows on their leading axis: split over the
+    data-parallel axes (the row count must divide); the rest (the patch list) is replicated."""
+    n = _axis_size(mesh, BATCH_AXES)
+    out = {}
+    for key, a in batch.items():
+        if key in row_keys and n > 1:
+            if a.shape[0] % n:
+                raise ValueError(f"batch {key!r} has {a.shape[0]} rows; the mesh's data axes "
+                                 f"{BATCH_AXES} need a multiple of {n}")
+            out[key] = NamedSharding(mesh, P(BATCH_AXES))
+        else:
+            out[key] = jax.tree.map(lambda _: NamedSharding(mesh, P()), a)
+    return out

@@ -1,0 +1,153 @@
+"""The Qwen2.5-VL and Qwen3-VL language models in Flax NNX, with M-RoPE.
+
+Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. They differ in:
+
+    Qwen2.5-VL: q/k/v projections with bias, o_proj without; head_dim = hidden / heads;
+                M-RoPE frequencies in contiguous sections  [t t t ... h h h ... w w w ...]
+    Qwen3-VL:   optional attention bias (`attention_bias`), RMSNorm on every q and k head, its own
+                `head_dim`; M-RoPE frequencies interleaved  [t h w t h w ... t t t]; DeepStack:
+                vision features added to the image tokens' hidden states after the first layers.
+
+Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
+by segment ids; attention is causal within a segment (`layers.segment_mask`), which is what
+transformers does when it is given packed text positions. Positions are the three M-RoPE rows
+(temporal, height, width) of `common.mrope`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from geo3k_jax.layers import Embedding, Linear, RMSNorm, activation, apply_rotary, attention
+
+ARCHS = ("qwen2_5_vl", "qwen3_vl")
+
+
+def mrope_rows(arch: str, section: list[int], half: int) -> np.ndarray:
+    """Which position row (0 = t, 1 = h, 2 = w) drives each of the head_dim / 2 frequencies."""
+    if sum(section) != half:
+        raise ValueError(f"mrope_section {section} must sum to head_dim / 2 = {half}")
+    if arch == "qwen2_5_vl":
+        return np.repeat(np.arange(3), section)
+    rows = np.zeros(half, np.int64)
+    rows[1:3 * section[1]:3] = 1
+    rows[2:3 * section[2]:3] = 2
+    return rows
+
+
+class MRoPE:
+    """Multimodal rotary tables: positions (B, 3, T) -> cos, sin (B, T, head_dim), fp32."""
+
+    def __init__(self, arch: str, head_dim: int, rope_parameters: dict):
+        if rope_parameters.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope_parameters['rope_type']!r} is not supported "
+                             "(Qwen-VL checkpoints use 'default')")
+        theta = float(rope_parameters["rope_theta"])
+        self.inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+        self.rows = mrope_rows(arch, list(rope_parameters["mrope_section"]), head_dim // 2)
+
+    def __call__(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        pos = positions[:, self.rows, :].astype(jnp.float32)  # (B, D/2, T): frequency j's row
+        freqs = jnp.swapaxes(pos, 1, 2) * jnp.asarray(self.inv_freq)  # (B, T, D/2)
+        emb = jnp.concatenate([freqs, freqs], axis=-1)
+        return jnp.cos(emb), jnp.sin(emb)
+
+
+class TextAttention(nnx.Module):
+    """Grouped-query self-attention. x: (T, hidden) -> (T, hidden)."""
+
+    def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg, arch)
+        qkv_bias = True if arch == "qwen2_5_vl" else cfg.attention_bias
+        o_bias = False if arch == "qwen2_5_vl" else cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, h * d, bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(cfg.hidden_size, kv * d, bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(h * d, cfg.hidden_size, bias=o_bias, dtype=dtype, rngs=rngs)
+        if arch == "qwen3_vl":
+            self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.heads, self.kv_heads, self.head_dim = h, kv, d
+        self.qk_norm = arch == "qwen3_vl"
+
+    def __call__(self, x, cos, sin, mask):
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(attention(q, k, v, mask, self.head_dim ** -0.5))
+
+
+class TextMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)). x: (..., hidden) -> (..., hidden)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
+        self.act = activation(cfg.hidden_act)
+
+    def __call__(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention + MLP block. x: (T, hidden) -> (T, hidden)."""
+
+    def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
+        self.self_attn = TextAttention(cfg, arch, dtype=dtype, rngs=rngs)
+        self.mlp = TextMLP(cfg, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
+                                                dtype=dtype)
+
+    def __call__(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def head_dim_of(cfg, arch: str) -> int:
+    """Qwen2.5-VL derives head_dim from the hidden size; Qwen3-VL configs carry it."""
+    if arch == "qwen3_vl" and getattr(cfg, "head_dim", None):
+        return int(cfg.head_dim)
+    return cfg.hidden_size // cfg.num_attention_heads
+
+
+class TextModel(nnx.Module):
+    """Embedding, decoder layers and final norm (transformers' `model.language_model`)."""
+
+    def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
+        if arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+            raise ValueError("sliding-window text attention is not supported (Qwen-VL "
+                             "checkpoints set use_sliding_window=false)")
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, arch, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.rope = MRoPE(arch, head_dim_of(cfg, arch), dict(cfg.rope_parameters))
+
+    def __call__(self, embeds: jax.Array, positions: jax.Array, mask: jax.Array,
+                 visual_index: jax.Array | None = None,
+                 deepstack: list[jax.Array] = ()) -> jax.Array:
+        """embeds: (B, T, hidden); positions: (B, 3, T); mask: (B, T, T) bool. DeepStack:
+        feature k (N, hidden) is added after layer k at the flat token indices visual_index (N,)
+        into B * T (indices >= B * T are dropped). Returns normed hidden states (B, T, hidden)."""
+        cos, sin = self.rope(positions)
+        b, t, d = embeds.shape
+        x = embeds
+        for i, layer in enumerate(self.layers):
+            x = jax.vmap(layer)(x, cos, sin, mask)
+            if i < len(deepstack):
+                flat = x.reshape(b * t, d).at[visual_index].add(
+                    deepstack[i].astype(x.dtype), mode="drop")
+                x = flat.reshape(b, t, d)
+        return self.norm(x)

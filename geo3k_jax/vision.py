@@ -1,0 +1,406 @@
+"""Flax NNX vision towers of Qwen2.5-VL and Qwen3-VL, numerically matching transformers' torch
+`Qwen2_5_VisionTransformerPretrainedModel` and `Qwen3VLVisionModel`.
+
+Both towers embed flattened patches (the Conv3d patch embedding as one matmul), run pre-norm
+transformer blocks with 2-D (row, column) rotary embeddings and attention restricted to one frame
+of one image, and merge each spatial_merge_size**2 group of neighbouring patches into one output
+token with an MLP:
+
+* Qwen2.5-VL: RMSNorm blocks with a gated MLP; all blocks but `fullatt_block_indexes` attend
+  within windows of `window_size` pixels only, so the patches are regrouped window by window
+  before the blocks and the merged tokens are put back in image order at the end.
+* Qwen3-VL: LayerNorm blocks with a plain MLP; a learned square position-embedding table is
+  bilinearly resampled (align_corners) to each image's grid and added to the patch embeddings;
+  the DeepStack mergers turn the outputs of the `deepstack_visual_indexes` blocks into extra
+  features for the language model.
+
+Parameters carry Hugging Face's names and layouts (a path in the state, joined with dots, is the
+key of `model.visual.state_dict()`). Everything that depends on the image grids is computed on
+the host by `vision_aux` in numpy, so the towers take arrays only and run under `jax.jit`
+(one compilation per patch count).
+
+The patches arrive in the order of the Qwen-VL image processor: per image and frame, spatial
+merge blocks in raster order, the merge_size x merge_size patches of a block in raster order.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from geo3k_jax.layers import (INIT_STD, Embedding, LayerNorm, Linear, RMSNorm, activation,
+                              apply_rotary, attention, segment_mask)
+
+QWEN25 = "qwen2_5_vl_vision"
+QWEN3 = "qwen3_vl_vision"
+NORM_EPS = 1e-6
+
+
+def _unknown(cfg) -> str:
+    """The error message for a vision config of another architecture."""
+    return (f"unsupported vision config model_type {getattr(cfg, 'model_type', None)!r}; "
+            f"known: {QWEN25!r} (Qwen2.5-VL), {QWEN3!r} (Qwen3-VL)")
+
+
+# --------------------------------------------------------------------------------------------
+# Host side: grid bookkeeping in numpy.
+# --------------------------------------------------------------------------------------------
+
+def _patch_rows_cols(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) of each patch of an h x w frame, in processor (merge-block) order.
+
+    Returns two (h*w,) int arrays."""
+    block_row, block_col, in_row, in_col = np.indices((h // merge, w // merge, merge, merge))
+    return ((block_row * merge + in_row).reshape(-1), (block_col * merge + in_col).reshape(-1))
+
+
+def rope_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    """(P, 2) int32 (row, column) of every patch, all frames of all images concatenated."""
+    out = []
+    for t, h, w in grid_thw:
+        rows, cols = _patch_rows_cols(h, w, merge)
+        out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
+    return np.concatenate(out).astype(np.int32)
+
+
+def frame_segments(grid_thw: np.ndarray) -> np.ndarray:
+    """(P,) int32 id of the frame (of an image) each patch belongs to: full attention's segments."""
+    per_frame = np.repeat(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return np.repeat(np.arange(len(per_frame)), per_frame).astype(np.int32)
+
+
+def _bilinear_taps(pos: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Align-corners linear taps of `pos` (of `size` positions) into `side` table rows, in fp32
+    as transformers computes them. Returns (n, 2) int taps (floor, floor + 1) and (n, 2) weights."""
+    src = pos.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
+    floor = np.floor(src)
+    offsets = np.arange(2, dtype=np.float32)
+    taps = np.clip((floor[:, None] + offsets).astype(np.int64), 0, side - 1)
+    weights = np.maximum(np.float32(1) - np.abs(src[:, None] - floor[:, None] - offsets), 0)
+    return taps, weights
+
+
+def pos_embed_taps(grid_thw: np.ndarray, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bilinear (align_corners) resampling of a side x side position table to each image's grid.
+
+    Returns (P, 4) int32 row indices into the flattened table and (P, 4) float32 weights, the
+    taps ordered (top-left, top-right, bottom-left, bottom-right), patches in processor order."""
+    indices, weights = [], []
+    for t, h, w in grid_thw:
+        rows, cols = _patch_rows_cols(h, w, merge)
+        row_taps, row_w = _bilinear_taps(rows, h, side)
+        col_taps, col_w = _bilinear_taps(cols, w, side)
+        idx = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4)
+        wgt = (row_w[:, :, None] * col_w[:, None, :]).reshape(-1, 4)
+        indices.append(np.tile(idx, (t, 1)))
+        weights.append(np.tile(wgt, (t, 1)))
+    return np.concatenate(indices).astype(np.int32), np.concatenate(weights)
+
+
+def window_order(grid_thw: np.ndarray, merge: int, units_per_window: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Regrouping of merge units (merge x merge patch blocks) window by window.
+
+    A window is units_per_window x units_per_window units of one frame (smaller at the bottom and
+    right edges); windows follow each other in raster order, units inside a window too.
+    Returns `window_index` (U,) int: the i-th unit in window order is unit window_index[i] of
+    the input (transformers' `get_window_index`), and (U,) int the window id of each unit in
+    window order."""
+    index, window_ids = [], []
+    unit_offset = window_offset = 0
+    for t, h, w in grid_thw:
+        frame, row, col = np.indices((t, h // merge, w // merge)).reshape(3, -1)
+        windows_h = -(-(h // merge) // units_per_window)
+        windows_w = -(-(w // merge) // units_per_window)
+        window = ((frame * windows_h + row // units_per_window) * windows_w
+                  + col // units_per_window)
+        order = np.argsort(window, kind="stable")  # raster order is kept inside each window
+        index.append(order + unit_offset)
+        window_ids.append(window[order] + window_offset)
+        unit_offset += len(order)
+        window_offset += t * windows_h * windows_w
+    return np.concatenate(index), np.concatenate(window_ids)
+
+
+def _units_to_patches(unit_index: np.ndarray, unit: int) -> np.ndarray:
+    """Expand an index over merge units to an index over their `unit` patches each."""
+    return (unit_index[:, None] * unit + np.arange(unit)).reshape(-1)
+
+
+def vision_aux(cfg, grid_thw: np.ndarray) -> dict[str, np.ndarray]:
+    """Grid-dependent inputs of the tower built from vision config `cfg`, computed in numpy.
+
+    grid_thw: (N, 3) int (frames, patch rows, patch columns) per image, as the processor returns.
+    With P = the total number of patches and M = P / spatial_merge_size**2:
+
+    both architectures
+      rope_pos        (P, 2) int32   (row, column) of each patch, in the order the blocks see
+                                     the patches (window order for Qwen2.5)
+      segments        (P,) int32     frame id of each patch in that order: full attention
+    Qwen2.5-VL only
+      window_perm     (P,) int32     patch i in window order is input patch window_perm[i]
+      window_segments (P,) int32     window id of each patch in window order: windowed attention
+      merge_unperm    (M,) int32     output token j is merged token merge_unperm[j] in window
+                                     order (the inverse of the window regrouping)
+    Qwen3-VL only
+      pos_indices     (P, 4) int32   rows of the flattened position table to interpolate
+      pos_weights     (P, 4) float32 their bilinear weights
+    """
+    grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
+    merge = cfg.spatial_merge_size
+    rope_pos, segments = rope_positions(grid_thw, merge), frame_segments(grid_thw)
+    if cfg.model_type == QWEN3:
+        side = int(cfg.num_position_embeddings ** 0.5)
+        indices, weights = pos_embed_taps(grid_thw, merge, side)
+        return dict(rope_pos=rope_pos, segments=segments, pos_indices=indices, pos_weights=weights)
+    if cfg.model_type == QWEN25:
+        unit = merge * merge
+        index, window_ids = window_order(grid_thw, merge,
+                                         cfg.window_size // merge // cfg.patch_size)
+        perm = _units_to_patches(index, unit)
+        return dict(rope_pos=rope_pos[perm], segments=segments[perm],
+                    window_perm=perm.astype(np.int32),
+                    window_segments=np.repeat(window_ids, unit).astype(np.int32),
+                    merge_unperm=np.argsort(index).astype(np.int32))
+    raise ValueError(_unknown(cfg))
+
+
+# --------------------------------------------------------------------------------------------
+# Device side: modules.
+# --------------------------------------------------------------------------------------------
+
+def rotary_cos_sin(rope_pos: jax.Array, head_dim: int, theta: float
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Axial 2-D rotary tables in fp32: (P, 2) int positions -> cos, sin (P, head_dim).
+
+    A quarter of head_dim frequencies rotate by the row, the next quarter by the column; the
+    half is repeated over the full head_dim (rotate_half pairs i with i + head_dim / 2)."""
+    spatial = head_dim // 2
+    inv_freq = 1.0 / theta ** (np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial))
+    freqs = rope_pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    freqs = freqs.reshape(rope_pos.shape[0], -1)  # (P, 2, head_dim/4) -> rows then columns
+    angles = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def _rotary_dim(cfg) -> int:
+    """Head dimension the rotary tables are built for (transformers' axial rope rule)."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_heads
+
+
+class PatchProjection(nnx.Module):
+    """Conv3d whose kernel equals its stride and its input: a matmul over flattened patches.
+
+    weight: (D, C, T, p, p) as torch's Conv3d; x: (P, C*T*p*p) -> (P, D) in the weight's dtype."""
+
+    def __init__(self, channels: int, temporal: int, patch: int, dim: int, *, bias: bool,
+                 dtype, rngs: nnx.Rngs):
+        shape = (dim, channels, temporal, patch, patch)
+        self.weight = nnx.Param(
+            (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.weight[...]
+        y = x.astype(weight.dtype) @ weight.reshape(weight.shape[0], -1).T
+        return y if self.bias is None else y + self.bias[...]
+
+
+class PatchEmbed(nnx.Module):
+    """HF's `patch_embed`: holds `proj`. x: (P, C*T*p*p) -> (P, hidden_size)."""
+
+    def __init__(self, cfg, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.proj = PatchProjection(cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                    cfg.hidden_size, bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(x)
+
+
+class VisionAttention(nnx.Module):
+    """Bidirectional multi-head attention with fused qkv and 2-D rotary, masked by segments."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        dim = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.scale = (dim // cfg.num_heads) ** -0.5
+        self.qkv = Linear(dim, 3 * dim, bias=True, dtype=dtype, rngs=rngs)
+        self.proj = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+                 ) -> jax.Array:
+        """x: (P, D); cos, sin: (P, head_dim); mask: (P, P) bool -> (P, D)."""
+        qkv = self.qkv(x).reshape(x.shape[0], 3, self.num_heads, -1)
+        q = apply_rotary(qkv[:, 0], cos, sin)
+        k = apply_rotary(qkv[:, 1], cos, sin)
+        return self.proj(attention(q, k, qkv[:, 2], mask, self.scale))
+
+
+class GatedMLP(nnx.Module):
+    """Qwen2.5-VL block MLP: down(act(gate(x)) * up(x)), all with biases."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        dim, hidden = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(hidden, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.act = activation(cfg.hidden_act)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLP(nnx.Module):
+    """Qwen3-VL block MLP: linear_fc2(act(linear_fc1(x)))."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        dim, hidden = cfg.hidden_size, cfg.intermediate_size
+        self.linear_fc1 = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
+        self.linear_fc2 = Linear(hidden, dim, bias=True, dtype=dtype, rngs=rngs)
+        self.act = activation(cfg.hidden_act)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nnx.Module):
+    """Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(x)).
+
+    Qwen2.5-VL (`qwen25=True`): RMSNorm and the gated MLP; Qwen3-VL: LayerNorm and the plain MLP."""
+
+    def __init__(self, cfg, *, qwen25: bool, dtype, rngs: nnx.Rngs):
+        norm = RMSNorm if qwen25 else LayerNorm
+        self.norm1 = norm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
+        self.norm2 = norm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
+        self.attn = VisionAttention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = (GatedMLP if qwen25 else MLP)(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+                 ) -> jax.Array:
+        """x: (P, D); cos, sin: (P, head_dim); mask: (P, P) bool -> (P, D)."""
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen25Merger(nnx.Module):
+    """Qwen2.5-VL patch merger: RMSNorm `ln_q` per patch, concatenate each group of merge**2
+    patches, then `mlp` = [Linear, GELU, Linear] (torch's nn.Sequential, hence `mlp.0`, `mlp.2`).
+
+    x: (P, D) -> (P / merge**2, out_hidden_size)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        grouped = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.ln_q = RMSNorm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
+        self.mlp = nnx.List([Linear(grouped, grouped, bias=True, dtype=dtype, rngs=rngs),
+                             activation("gelu"),
+                             Linear(grouped, cfg.out_hidden_size, bias=True, dtype=dtype,
+                                    rngs=rngs)])
+        self.grouped = grouped
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.ln_q(x).reshape(-1, self.grouped)
+        for layer in self.mlp:
+            x = layer(x)
+        return x
+
+
+class Qwen3Merger(nnx.Module):
+    """Qwen3-VL patch merger: LayerNorm `norm` per patch (or, with `postshuffle`, per group as
+    in the DeepStack mergers), groups of merge**2 patches concatenated, linear_fc1, GELU,
+    linear_fc2. x: (P, D) -> (P / merge**2, out_hidden_size)."""
+
+    def __init__(self, cfg, *, postshuffle: bool, dtype, rngs: nnx.Rngs):
+        grouped = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.norm = LayerNorm(grouped if postshuffle else cfg.hidden_size, eps=NORM_EPS,
+                              dtype=dtype)
+        self.linear_fc1 = Linear(grouped, grouped, bias=True, dtype=dtype, rngs=rngs)
+        self.linear_fc2 = Linear(grouped, cfg.out_hidden_size, bias=True, dtype=dtype, rngs=rngs)
+        self.act = activation("gelu")
+        self.grouped = grouped
+        self.postshuffle = postshuffle
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.postshuffle:
+            x = x.reshape(-1, self.grouped)
+        x = self.norm(x).reshape(-1, self.grouped)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Qwen25VisionTower(nnx.Module):
+    """Qwen2.5-VL vision tower (transformers' Qwen2_5_VisionTransformerPretrainedModel).
+
+    __call__(pixel_values (P, C*T*p*p), aux from `vision_aux`) ->
+    (embeds (P / merge**2, out_hidden_size), [] : no DeepStack features)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        self.patch_embed = PatchEmbed(cfg, bias=False, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(cfg, qwen25=True, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.depth)])
+        self.merger = Qwen25Merger(cfg, dtype=dtype, rngs=rngs)
+        self.fullatt_block_indexes = tuple(cfg.fullatt_block_indexes)
+        self.rotary_dim = _rotary_dim(cfg)
+        self.rope_theta = float(cfg.rope_parameters["rope_theta"])
+
+    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array]
+                 ) -> tuple[jax.Array, list[jax.Array]]:
+        """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size), []."""
+        x = self.patch_embed(pixel_values)[aux["window_perm"]]
+        cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
+        full = segment_mask(aux["segments"], causal=False)
+        windowed = segment_mask(aux["window_segments"], causal=False)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, full if i in self.fullatt_block_indexes else windowed)
+        return self.merger(x)[aux["merge_unperm"]], []
+
+
+class Qwen3VisionTower(nnx.Module):
+    """Qwen3-VL vision tower (transformers' Qwen3VLVisionModel).
+
+    __call__(pixel_values (P, C*T*p*p), aux from `vision_aux`) ->
+    (embeds (P / merge**2, out_hidden_size),
+     one (P / merge**2, out_hidden_size) DeepStack feature per `deepstack_visual_indexes` entry)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+        self.patch_embed = PatchEmbed(cfg, bias=True, dtype=dtype, rngs=rngs)
+        self.pos_embed = Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype=dtype,
+                                   rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(cfg, qwen25=False, dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.depth)])
+        self.merger = Qwen3Merger(cfg, postshuffle=False, dtype=dtype, rngs=rngs)
+        self.deepstack_merger_list = nnx.List([
+            Qwen3Merger(cfg, postshuffle=True, dtype=dtype, rngs=rngs)
+            for _ in cfg.deepstack_visual_indexes])
+        self.deepstack_visual_indexes = tuple(cfg.deepstack_visual_indexes)
+        self.rotary_dim = _rotary_dim(cfg)
+        self.rope_theta = float(cfg.rope_parameters["rope_theta"])
+
+    def interpolated_pos_embed(self, indices: jax.Array, weights: jax.Array) -> jax.Array:
+        """Weighted sum of position-table rows in fp32: (P, 4) indices, weights -> (P, D)."""
+        rows = self.pos_embed(indices).astype(jnp.float32)
+        return (rows * weights[:, :, None].astype(jnp.float32)).sum(axis=1)
+
+    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array]
+                 ) -> tuple[jax.Array, list[jax.Array]]:
+        """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size) embeds
+        and the DeepStack features, each (P / merge**2, out_hidden_size)."""
+        x = self.patch_embed(pixel_values)
+        x = x + self.interpolated_pos_embed(aux["pos_indices"], aux["pos_weights"]).astype(x.dtype)
+        cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
+        mask = segment_mask(aux["segments"], causal=False)
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, mask)
+            if i in self.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)]
+                deepstack.append(merger(x))
+        return self.merger(x), deepstack
+
+
+def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs) -> Qwen25VisionTower | Qwen3VisionTower:
+    """The tower for transformers vision config `cfg` (`model.config.vision_config`)."""
+    towers = {QWEN25: Qwen25VisionTower, QWEN3: Qwen3VisionTower}
+    if getattr(cfg, "model_type", None) not in towers:
+        raise ValueError(_unknown(cfg))
+    return towers[cfg.model_type](cfg, dtype=dtype, rngs=rngs)

@@ -1,0 +1,140 @@
+"""Hugging Face checkpoint directories <-> sharded JAX parameters of `geo3k_jax.model.QwenVL`.
+
+    model, config = load_model("path/to/Qwen3-VL-2B-Instruct", mesh=mesh, rules=rules)
+    save_hf(model, config, "out/", source_dir="path/to/Qwen3-VL-2B-Instruct")
+
+Loading builds the model abstractly (`nnx.eval_shape`, no memory), then reads every tensor from
+the safetensors files on the host (numpy, bf16 through ml_dtypes; torch is not needed) and places
+it straight into its target sharding, one tensor at a time, so the host never holds a second
+copy of the model. Keys are checked both ways: a missing, unexpected or mis-shaped key is an
+error naming it. Older Qwen2.5-VL files (`visual.*`, `model.layers.*`) are renamed to the
+layout transformers 5 writes (`model.visual.*`, `model.language_model.*`), as transformers does
+when it loads them.
+
+Export writes that layout, float32 or bfloat16, with the config (and the tokenizer / processor
+files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from geo3k_jax.model import QwenVL, split_params
+from geo3k_jax.sharding import param_shardings
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Tokenizer, chat template and processor files a served model needs next to its weights.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "chat_template.jinja", "chat_template.json", "processor_config.json",
+              "preprocessor_config.json", "video_preprocessor_config.json",
+              "generation_config.json", "vocab.json", "merges.txt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that does not match the model its config describes."""
+
+
+def canonical_key(key: str) -> str:
+    """The transformers-5 name of a checkpoint key (legacy Qwen2.5-VL layout renamed)."""
+    if key.startswith("visual."):
+        return "model." + key
+    if re.match(r"^model\.(?!language_model\.|visual\.)", key):
+        return "model.language_model." + key[len("model."):]
+    return key
+
+
+def checkpoint_files(path: str | Path) -> dict[str, Path]:
+    """{canonical key: safetensors file} of a checkpoint directory (sharded or single file)."""
+    root = Path(path)
+    if (root / INDEX_FILE).is_file():
+        index = json.loads((root / INDEX_FILE).read_text())["weight_map"]
+        files = {k: root / f for k, f in index.items()}
+    elif (root / SINGLE_FILE).is_file():
+        with safe_open(root / SINGLE_FILE, "np") as f:
+            files = {k: root / SINGLE_FILE for k in f.keys()}
+    else:
+        raise CheckpointError(f"{root}: no {SINGLE_FILE} or {INDEX_FILE}")
+    out = {}
+    for key, file in files.items():
+        name = canonical_key(key)
+        if name in out:
+            raise CheckpointError(f"{root}: {key!r} and another key both map to {name!r}")
+        out[name] = (file, key)
+    return out
+
+
+def read_tensor(file: Path, key: str) -> np.ndarray:
+    """One tensor as numpy on the host. safetensors' numpy reader has no bfloat16, so tensors
+    are read through its flax reader onto the CPU device and viewed as numpy (ml_dtypes)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        with safe_open(file, "flax") as f:
+            return np.asarray(f.get_tensor(key))
+
+
+def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=()
+               ) -> tuple[QwenVL, object]:
+    """(model, transformers config) with parameters in `dtype`, sharded on `mesh` by `rules`
+    (see `geo3k_jax.sharding`; no mesh = the default device)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path))
+    abstract = nnx.eval_shape(lambda: QwenVL(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    merge, shapes = split_params(abstract)
+    files = checkpoint_files(path)
+    if abstract.tied:
+        files.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
+    missing = sorted(set(shapes) - set(files))
+    unexpected = sorted(set(files) - set(shapes))
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: missing keys {_few(missing)}; unexpected keys "
+                              f"{_few(unexpected)}")
+    shardings = param_shardings(shapes, mesh, rules) if mesh is not None else {}
+    params = {}
+    for name, want in shapes.items():
+        file, key = files[name]
+        array = read_tensor(file, key)
+        if array.shape != tuple(want.shape):
+            raise CheckpointError(f"{path}: {key!r} has shape {array.shape}, the config "
+                                  f"needs {tuple(want.shape)}")
+        params[name] = jax.device_put(array.astype(dtype),
+                                      shardings.get(name, jax.devices()[0]))
+    return merge(params), config
+
+
+def _few(keys: list[str]) -> str:
+    return str(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+
+
+def host_params(model) -> dict[str, np.ndarray]:
+    """{checkpoint key: numpy array} gathered from the (possibly sharded) parameters."""
+    return {k: np.asarray(jax.device_get(v)) for k, v in split_params(model)[1].items()}
+
+
+def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
+            source_dir: str | Path | None = None) -> Path:
+    """Write `model` as a transformers checkpoint directory; returns it.
+
+    dtype: float32 or ml_dtypes bfloat16 (`jnp.bfloat16`). Tokenizer / processor files are
+    copied from `source_dir` when given."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in host_params(model).items()}
+    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    config.dtype = "bfloat16" if np.dtype(dtype) == jnp.bfloat16 else "float32"
+    config.save_pretrained(str(out))
+    if source_dir is not None:
+        for name in SIDE_FILES:
+            if (Path(source_dir) / name).is_file() and Path(source_dir) != out:
+                shutil.copy2(Path(source_dir) / name, out / name)
+    return out

@@ -1,0 +1,61 @@
+"""A small random JAX Qwen-VL, its processor and a packed batch, for the JAX learner tests and
+the 8-device sharding worker (no checkpoint directory, no torch weights)."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+
+from common.batching import pack
+from geo3k_jax.batch import device_batch
+from geo3k_jax.model import QwenVL, split_params
+from tests.test_jax_model import sequences
+from tests.tiny_models import IDS, VOCAB, ImageOnlyProcessor
+
+TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=VOCAB)
+VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+              spatial_merge_size=2)
+
+
+def config(arch: str):
+    if arch == "qwen3_vl":
+        return Qwen3VLConfig(text_config=dict(TEXT, head_dim=16, rope_scaling={
+            "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+            vision_config=dict(VISION, patch_size=16, deepstack_visual_indexes=[0],
+                               num_position_embeddings=64), **IDS), 16
+    return Qwen2_5_VLConfig(text_config=dict(TEXT, rope_scaling={
+        "rope_type": "default", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(VISION, patch_size=14, window_size=56, fullatt_block_indexes=[1]),
+        **IDS), 14
+
+
+def model_and_batch(arch: str = "qwen3_vl", rows_multiple: int = 1, agg: str = "token-mean",
+                    seed: int = 0):
+    """(merge, params, processor, packed batches, device batch) with every weight perturbed."""
+    cfg, patch = config(arch)
+    merge, params = split_params(QwenVL(cfg, rngs=nnx.Rngs(seed)))
+    rng = np.random.default_rng(seed)
+    params = {k: v + jnp.asarray(0.02 * rng.standard_normal(v.shape), v.dtype)
+              for k, v in params.items()}
+    processor = ImageOnlyProcessor(patch)
+    seqs = sequences(processor, rng, 8)
+    batches = pack(seqs, max(max(map(len, seqs)), sum(map(len, seqs)) // 3))
+    n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
+    batch = device_batch(batches, processor, cfg, agg=agg, n_tokens=n_tokens,
+                         n_seqs=float(len(seqs)), pad_to=32, rows_multiple=rows_multiple)
+    return merge, params, processor, batches, batch
+
+
+def train_config(**kw):
+    c = ml_collections.ConfigDict(dict(lr=1e-3, lr_schedule="cosine", warmup_steps=1, steps=6,
+                                       min_lr_ratio=0.1, beta1=0.9, beta2=0.98, eps=1e-8,
+                                       weight_decay=0.1, grad_clip=1.0))
+    c.update(kw)
+    return c
+
+
+def copy(params):
+    return jax.tree.map(jnp.copy, params)

@@ -1,0 +1,51 @@
+"""Run by tests/test_jax_learner.py with 8 fake CPU devices: the same two GRPO steps on one
+device and on a (data=2, fsdp=2, tensor=2) mesh. Prints one JSON line of differences.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.jax_sharded_worker ARCH
+"""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from common.grpo import LossConfig
+from configs.base import JAX_RULES
+from geo3k_jax.learner import Learner
+from geo3k_jax.model import token_logprobs
+from geo3k_jax.sharding import make_mesh
+from tests.jax_learner_setup import copy, model_and_batch, train_config
+
+
+def main(arch: str) -> None:
+    jax.config.update("jax_default_matmul_precision", "highest")
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    merge, params, _, _, batch = model_and_batch(arch, rows_multiple=4)
+    loss_cfg, train_cfg = LossConfig(tis_cap=2.0), train_config()
+    runs = {}
+    for name, kw in (("single", {}), ("sharded", dict(mesh=mesh, rules=JAX_RULES))):
+        learner = Learner(merge, copy(params), loss_cfg, train_cfg, 1.0, **kw)
+        logp = jax.jit(lambda p, b: token_logprobs(merge(p), b))(learner.params, batch)
+        metrics = [learner.train_step(batch) for _ in range(2)]
+        runs[name] = (np.asarray(logp), metrics, {k: np.asarray(v) for k, v in
+                                                   learner.params.items()}, learner)
+    (lp1, m1, p1, _), (lp2, m2, p2, sharded) = runs["single"], runs["sharded"]
+    q = sharded.params["model.language_model.layers.0.self_attn.q_proj.weight"]
+    mask = batch["loss_mask"] > 0
+    print(json.dumps({
+        "rows": int(batch["input_ids"].shape[0]),
+        "logp_abs": float(np.abs(lp1 - lp2)[mask].max()),
+        "loss_rel": max(abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(m1, m2)),
+        "grad_norm_rel": max(abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
+                             for a, b in zip(m1, m2)),
+        "lr": [m["lr"] for m in m2],
+        "params_abs": max(float(np.abs(p1[k] - p2[k]).max()) for k in p1),
+        "q_proj_spec": [str(a) for a in q.sharding.spec],
+        "q_proj_shard_shape": list(q.addressable_shards[0].data.shape),
+        "q_proj_shape": list(q.shape)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,89 @@
+"""`python -m geo3k_jax.main`: the cross-backend check passes on checkpoints of other shapes,
+in fp32 and bf16, and its batch holds real multi-turn trajectories."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.processor import load_processor
+from configs import cpu
+from geo3k_jax.check_batch import check_batches
+from geo3k_jax.numerics import run_check
+from geo3k_torch.tiny import build_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {  # nothing like the default tiny models: head counts, KV heads, depths, patches
+    "qwen3_vl": dict(hidden_size=96, heads=6, kv_heads=3, layers=3, vision_depth=3,
+                     vision_hidden=48, vision_heads=2, patch_size=8),
+    "qwen2_5_vl": dict(hidden_size=64, heads=2, kv_heads=1, layers=2, vision_depth=4,
+                       vision_hidden=64, vision_heads=4, patch_size=10, window_size=40),
+}
+CHECK = {"qwen3_vl": ("1,3", "30-120"), "qwen2_5_vl": ("2", "60-180")}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def ckpt(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param) / "ckpt"
+    return request.param, build_tiny_checkpoint(out, arch=request.param, seed=5,
+                                                **SHAPES[request.param])
+
+
+def config(path, arch, dtype="float32"):
+    cfg = cpu.get_config()
+    cfg.model.path = str(path)
+    cfg.jax.check.dtype = dtype
+    cfg.jax.check.images, cfg.jax.check.image_sizes = CHECK[arch]
+    return cfg
+
+
+def test_check_batch_is_multi_turn_multi_image(ckpt):
+    arch, path = ckpt
+    processor = load_processor(path)
+    batches, n_tokens, n_seqs = check_batches(processor, prompts=3, samples=2, images=[1, 3],
+                                              image_sizes=(30, 120), micro_batch_tokens=0, seed=0)
+    assert len(batches) >= 2 and n_seqs == 6
+    assert max(len(b.seq_index) for b in batches) >= 2  # several sequences in a row
+    assert sorted({int(c) for b in batches for c in b.image_counts}) == [1, 3]
+    sizes = {im.size for b in batches for im in b.images}
+    assert len(sizes) >= 4
+    # masked spans separated by unmasked observation tokens: a multi-turn episode
+    runs = [np.flatnonzero(np.diff(b.loss_mask[b.seq_ids == s].astype(int)) == 1).size
+            for b in batches for s in np.unique(b.seq_ids)]
+    assert max(runs) >= 2 and n_tokens == sum(b.loss_mask.sum() for b in batches)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_check_passes_on_other_shapes(ckpt, dtype):
+    arch, path = ckpt
+    rows, info = run_check(config(path, arch, dtype), str(path), load_processor(path))
+    assert info["images"] >= 4 and info["batches"] >= 2
+    failed = [(r.quantity, r.abs_err, r.rel_err) for r in rows if not r.passed]
+    assert not failed, failed
+    if dtype == "float32":
+        assert next(r for r in rows if r.quantity == "log-probs").abs_err <= 1e-5
+
+
+@pytest.mark.slow
+def test_main_runs_and_prints_the_table(ckpt):
+    arch, path = ckpt
+    images, sizes = CHECK[arch]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "geo3k_jax.main", f"--config.model.path={path}",
+                          f"--config.jax.check.images={images}",
+                          f"--config.jax.check.image_sizes={sizes}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for quantity in ("logits", "log-probs", "loss", "grad global norm", "params after AdamW"):
+        assert quantity in out.stdout
+    assert "all checks passed" in out.stdout and "FAIL" not in out.stdout
+
+
+def test_unknown_dtype_is_an_error(ckpt):
+    arch, path = ckpt
+    with pytest.raises(ValueError, match="jax.check.dtype"):
+        run_check(config(path, arch, "float16"), str(path), load_processor(path))

@@ -1,0 +1,145 @@
+"""HF checkpoint directories <-> JAX parameters (geo3k_jax.weights): exact loading, key errors
+that name the key, legacy and sharded layouts, and exports that transformers loads."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForImageTextToText
+
+from geo3k_jax.model import split_params
+from geo3k_jax.weights import CheckpointError, canonical_key, load_model, save_hf
+from geo3k_torch.tiny import build_tiny_checkpoint
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+SHAPES = {
+    "qwen3_vl": dict(hidden_size=96, heads=6, kv_heads=3, layers=3, vision_depth=3,
+                     vision_hidden=48, vision_heads=2, patch_size=8),
+    "qwen2_5_vl": dict(hidden_size=64, heads=2, kv_heads=1, layers=2, vision_depth=4,
+                       vision_hidden=64, vision_heads=4, patch_size=10, window_size=40),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def ckpt(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    return build_tiny_checkpoint(out / "ckpt", arch=request.param, seed=3, **SHAPES[request.param])
+
+
+def hf_params(path) -> dict:
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32)
+    return {k: p.detach().numpy() for k, p in model.named_parameters()}, model
+
+
+def test_load_is_exact(ckpt):
+    model, config = load_model(ckpt)
+    _, params = split_params(model)
+    ref, _ = hf_params(ckpt)
+    assert set(params) == set(ref)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(np.asarray(params[k]), v, err_msg=k)
+    assert config.model_type in ("qwen3_vl", "qwen2_5_vl")
+
+
+def rewrite(ckpt, tmp_path, edit):
+    """A copy of `ckpt` whose tensors went through edit(dict) -> dict."""
+    out = tmp_path / "edited"
+    out.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    save_file(edit(load_file(str(ckpt / "model.safetensors"))), str(out / "model.safetensors"))
+    return out
+
+
+def test_missing_key_is_named(ckpt, tmp_path):
+    key = "model.language_model.layers.1.mlp.up_proj.weight"
+    bad = rewrite(ckpt, tmp_path, lambda t: {k: v for k, v in t.items() if canonical_key(k) != key})
+    with pytest.raises(CheckpointError, match=f"missing keys.*{key}"):
+        load_model(bad)
+
+
+def test_unexpected_key_is_named(ckpt, tmp_path):
+    bad = rewrite(ckpt, tmp_path, lambda t: {**t, "model.visual.extra.weight": np.ones(3)})
+    with pytest.raises(CheckpointError, match="unexpected keys.*model.visual.extra.weight"):
+        load_model(bad)
+
+
+def test_misshaped_key_is_named(ckpt, tmp_path):
+    key = "model.language_model.norm.weight"
+    bad = rewrite(ckpt, tmp_path, lambda t: {k: np.ones(7, np.float32) if canonical_key(k) == key
+                                             else v for k, v in t.items()})
+    with pytest.raises(CheckpointError, match=r"norm\.weight'.*shape \(7,\)"):
+        load_model(bad)
+
+
+def test_legacy_layout_and_sharded_index(ckpt, tmp_path):
+    """Older Qwen2.5-VL files (`visual.*`, `model.layers.*`), split over two shards."""
+    tensors = {canonical_key(k): v for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    legacy = {k.replace("model.visual.", "visual.").replace("model.language_model.", "model."): v
+              for k, v in tensors.items()}
+    assert all(canonical_key(k) in tensors for k in legacy)
+    out = tmp_path / "legacy"
+    out.mkdir()
+    for f in ckpt.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    keys = sorted(legacy)
+    shards = {"model-00001-of-00002.safetensors": keys[::2],
+              "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, ks in shards.items():
+        save_file({k: legacy[k] for k in ks}, str(out / name))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}))
+    model, _ = load_model(out)
+    _, params = split_params(model)
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(np.asarray(params[k]), v)
+
+
+def test_no_weights_is_an_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(Exception):
+        load_model(tmp_path)
+
+
+def test_export_loads_in_transformers_with_the_same_logits(ckpt, tmp_path):
+    """Change the JAX weights, export, load with transformers: its logits are the JAX ones."""
+    model, config = load_model(ckpt)
+    merge, params = split_params(model)
+    rng = np.random.default_rng(0)
+    params = {k: v + 0.01 * rng.standard_normal(v.shape).astype(np.float32)
+              for k, v in params.items()}
+    out = save_hf(merge(params), config, tmp_path / "export", source_dir=ckpt)
+    ref, hf = hf_params(out)
+    for k, v in ref.items():
+        np.testing.assert_array_equal(np.asarray(params[k]), v, err_msg=k)
+    assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
+    ids = rng.integers(0, config.text_config.vocab_size - 4, (1, 40))
+    batch = {"input_ids": ids.astype(np.int32),
+             "positions": np.broadcast_to(np.arange(40), (1, 3, 40)).astype(np.int32),
+             "segments": np.zeros((1, 40), np.int32)}
+    jax_logits = np.asarray(merge(params).logits(merge(params).hidden_states(batch)))
+    with torch.no_grad():
+        torch_logits = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
+    np.testing.assert_allclose(jax_logits, torch_logits, rtol=0,
+                               atol=1e-5 * np.abs(torch_logits).max())
+
+
+def test_bf16_export_round_trip(ckpt, tmp_path):
+    model, config = load_model(ckpt)
+    out = save_hf(model, config, tmp_path / "bf16", dtype=jnp.bfloat16)
+    hf = AutoModelForImageTextToText.from_pretrained(str(out))
+    assert next(hf.parameters()).dtype == torch.bfloat16
+    back, _ = load_model(out, dtype=jnp.bfloat16)
+    _, a = split_params(model)
+    _, b = split_params(back)
+    for k in a:
+        assert b[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]).astype(ml_dtypes.bfloat16))
