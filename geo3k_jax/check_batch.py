@@ -101,3 +101,23 @@ def check_batches(processor, *, prompts: int, samples: int, images: Sequence[int
     n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
     return pack(seqs, budget), n_tokens, float(len(seqs))
 
+
+
+def batches_from_config(processor, chk) -> tuple[list[PackedBatch], float, float]:
+    """`check_batches` with the settings of config section `jax.check` (images "1,2": images
+    per problem, cycled; image_sizes "40-200": pixel range of widths and heights)."""
+    try:
+        images = [int(x) for x in str(chk.images).split(",")]
+        lo, _, hi = str(chk.image_sizes).partition("-")
+        sizes = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"jax.check.images must look like '1,2' and jax.check.image_sizes like "
+                         f"'40-200', got {chk.images!r} and {chk.image_sizes!r}") from None
+    if min(images) < 1 or not 8 <= sizes[0] <= sizes[1]:
+        raise ValueError(f"jax.check needs >= 1 image per problem and 8 <= min size <= max "
+                         f"size, got images={chk.images!r}, image_sizes={chk.image_sizes!r}")
+    if chk.prompts < 1 or chk.samples < 1:
+        raise ValueError("jax.check.prompts and jax.check.samples must be >= 1")
+    return check_batches(processor, prompts=chk.prompts, samples=chk.samples, images=images,
+                         image_sizes=sizes, micro_batch_tokens=chk.micro_batch_tokens,
+                         seed=chk.seed)

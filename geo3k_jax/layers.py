@@ -80,6 +80,19 @@ class LayerNorm(nnx.Module):
                 + self.bias[...].astype(xf.dtype)).astype(x.dtype)
 
 
+class GatedMLP(nnx.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)). x: (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, hidden: int, act: str, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(dim, hidden, bias=bias, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(hidden, dim, bias=bias, dtype=dtype, rngs=rngs)
+        self.act = activation(act)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
 def activation(name: str):
     """The transformers activation called `name` (ACT2FN), as a jax function."""
     table = {"silu": jax.nn.silu, "swish": jax.nn.silu,

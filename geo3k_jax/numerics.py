@@ -31,7 +31,7 @@ from common.grpo import LossConfig
 from common.schedule import lr_table
 from configs import to_dataclass
 from geo3k_jax.batch import device_batch
-from geo3k_jax.check_batch import check_batches
+from geo3k_jax.check_batch import batches_from_config
 from geo3k_jax.learner import Learner as JaxLearner, grpo_loss, make_optimizer
 from geo3k_jax.model import split_params, token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, make_mesh
@@ -168,11 +168,7 @@ def run_check(cfg, model_dir: str, processor) -> tuple[list[Row], dict]:
     chk = cfg.jax.check
     if chk.dtype not in TOLERANCES:
         raise ValueError(f"jax.check.dtype must be one of {sorted(TOLERANCES)}, got {chk.dtype!r}")
-    lo, _, hi = chk.image_sizes.partition("-")
-    batches, n_tokens, n_seqs = check_batches(
-        processor, prompts=chk.prompts, samples=chk.samples,
-        images=[int(x) for x in chk.images.split(",")], image_sizes=(int(lo), int(hi or lo)),
-        micro_batch_tokens=chk.micro_batch_tokens, seed=chk.seed)
+    batches, n_tokens, n_seqs = batches_from_config(processor, chk)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     args = (model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, cfg.train,
             cfg.rollout.temperature, chk.dtype)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import Embedding, Linear, RMSNorm, activation, apply_rotary, attention
+from geo3k_jax.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, attention
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -84,26 +84,13 @@ class TextAttention(nnx.Module):
         return self.o_proj(attention(q, k, v, mask, self.head_dim ** -0.5))
 
 
-class TextMLP(nnx.Module):
-    """down(act(gate(x)) * up(x)). x: (..., hidden) -> (..., hidden)."""
-
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(d, f, bias=False, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, d, bias=False, dtype=dtype, rngs=rngs)
-        self.act = activation(cfg.hidden_act)
-
-    def __call__(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + MLP block. x: (T, hidden) -> (T, hidden)."""
 
     def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
         self.self_attn = TextAttention(cfg, arch, dtype=dtype, rngs=rngs)
-        self.mlp = TextMLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False,
+                            dtype=dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)

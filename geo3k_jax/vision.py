@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (INIT_STD, Embedding, LayerNorm, Linear, RMSNorm, activation,
-                              apply_rotary, attention, segment_mask)
+from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm,
+                              activation, apply_rotary, attention, segment_mask)
 
 QWEN25 = "qwen2_5_vl_vision"
 QWEN3 = "qwen3_vl_vision"
@@ -238,20 +238,6 @@ class VisionAttention(nnx.Module):
         return self.proj(attention(q, k, qkv[:, 2], mask, self.scale))
 
 
-class GatedMLP(nnx.Module):
-    """Qwen2.5-VL block MLP: down(act(gate(x)) * up(x)), all with biases."""
-
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
-        dim, hidden = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(dim, hidden, bias=True, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(hidden, dim, bias=True, dtype=dtype, rngs=rngs)
-        self.act = activation(cfg.hidden_act)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MLP(nnx.Module):
     """Qwen3-VL block MLP: linear_fc2(act(linear_fc1(x)))."""
 
@@ -275,7 +261,9 @@ class VisionBlock(nnx.Module):
         self.norm1 = norm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
         self.norm2 = norm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
         self.attn = VisionAttention(cfg, dtype=dtype, rngs=rngs)
-        self.mlp = (GatedMLP if qwen25 else MLP)(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = (GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True,
+                             dtype=dtype, rngs=rngs) if qwen25
+                    else MLP(cfg, dtype=dtype, rngs=rngs))
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
                  ) -> jax.Array:

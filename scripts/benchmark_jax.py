@@ -28,7 +28,7 @@ from common.grpo import LossConfig
 from common.processor import load_processor
 from configs import to_dataclass
 from geo3k_jax.batch import device_batch
-from geo3k_jax.check_batch import check_batches
+from geo3k_jax.check_batch import batches_from_config
 from geo3k_jax.learner import Learner as JaxLearner
 from geo3k_jax.model import split_params
 from geo3k_jax.weights import load_model as load_jax_model
@@ -60,11 +60,7 @@ def main(argv):
     model_dir = prepare_model_dir(cfg)
     processor = load_processor(model_dir)
     chk = cfg.jax.check
-    lo, _, hi = chk.image_sizes.partition("-")
-    batches, n_tokens, n_seqs = check_batches(
-        processor, prompts=chk.prompts, samples=chk.samples,
-        images=[int(x) for x in chk.images.split(",")], image_sizes=(int(lo), int(hi or lo)),
-        micro_batch_tokens=chk.micro_batch_tokens, seed=chk.seed)
+    batches, n_tokens, n_seqs = batches_from_config(processor, chk)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     temp = cfg.rollout.temperature
 

@@ -11,7 +11,7 @@ import pytest
 
 from common.processor import load_processor
 from configs import cpu
-from geo3k_jax.check_batch import check_batches
+from geo3k_jax.check_batch import batches_from_config, check_batches
 from geo3k_jax.numerics import run_check
 from geo3k_torch.tiny import build_tiny_checkpoint
 
@@ -87,3 +87,14 @@ def test_unknown_dtype_is_an_error(ckpt):
     arch, path = ckpt
     with pytest.raises(ValueError, match="jax.check.dtype"):
         run_check(config(path, arch, "float16"), str(path), load_processor(path))
+
+
+@pytest.mark.parametrize("field,value", [("images", "one"), ("images", "0"),
+                                         ("image_sizes", "200-40"), ("image_sizes", "x"),
+                                         ("prompts", 0)])
+def test_bad_check_settings_are_errors(ckpt, field, value):
+    arch, path = ckpt
+    cfg = config(path, arch)
+    cfg.jax.check[field] = value
+    with pytest.raises(ValueError, match="jax.check"):
+        batches_from_config(load_processor(path), cfg.jax.check)
