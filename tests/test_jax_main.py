@@ -98,3 +98,33 @@ def test_bad_check_settings_are_errors(ckpt, field, value):
     cfg.jax.check[field] = value
     with pytest.raises(ValueError, match="jax.check"):
         batches_from_config(load_processor(path), cfg.jax.check)
+
+
+def test_batch_positions_equal_transformers(ckpt):
+    """The JAX batch's M-RoPE rows, sequence by sequence, are transformers' get_rope_index of
+    that sequence alone (multi-turn trajectories with one or three images of different sizes)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from geo3k_jax.batch import device_batch
+
+    arch, path = ckpt
+    processor = load_processor(path)
+    hf = AutoModelForImageTextToText.from_pretrained(str(path))
+    batches, n_tokens, n_seqs = check_batches(processor, prompts=3, samples=2, images=[1, 3],
+                                              image_sizes=(30, 120), micro_batch_tokens=0, seed=1)
+    batch = device_batch(batches, processor, hf.config, agg="token-mean", n_tokens=n_tokens,
+                         n_seqs=n_seqs)
+    grids = processor.image_processor(images=[im for b in batches for im in b.images],
+                                      return_tensors="np")["image_grid_thw"]
+    k = checked = 0
+    for r, b in enumerate(batches):
+        for s in range(len(b.seq_index)):
+            lo, hi = int(b.cu_seqlens[s]), int(b.cu_seqlens[s + 1])
+            n = int(b.image_counts[s])
+            ids = torch.from_numpy(b.input_ids[lo:hi])[None]
+            ref, _ = hf.model.get_rope_index(ids, (ids == hf.config.image_token_id).int(),
+                                             image_grid_thw=torch.from_numpy(grids[k:k + n]))
+            np.testing.assert_array_equal(batch["positions"][r, :, lo:hi], ref[:, 0].numpy())
+            k, checked = k + n, checked + 1
+    assert checked == n_seqs and k == len(grids)
