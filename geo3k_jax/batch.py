@@ -17,6 +17,8 @@ identical, which is what the cross-backend check compares.
     pixel_values (P, C*t*p*p)     the patches of every image of every row, row by row
     vision       dict             grid-dependent index arrays (`geo3k_jax.vision.vision_aux`)
     visual_index (N,) int32       flat index into B * T of each image placeholder token, in order
+    targets      (K,) int32       flat index into B * T of each trained token (loss mask 1), padded
+                                  to a multiple of `pad_to` with 0 (a sequence start, never trained)
 
 Images exist only when some row has one; then all three image keys are present.
 """
@@ -71,6 +73,13 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
         if imgs:
             images.append(imgs["pixel_values"])
             grids.append(grid)
+    starts = [r * length + int(c) for r, b in enumerate(batches) for c in b.cu_seqlens[:-1]]
+    if (out["loss_mask"].reshape(-1)[starts] > 0).any():
+        raise ValueError("a sequence's first token is in the loss mask: it has no predecessor "
+                         "to predict it")
+    targets = np.flatnonzero(out["loss_mask"].reshape(-1) > 0)
+    out["targets"] = np.zeros(-(-max(len(targets), 1) // pad_to) * pad_to, np.int32)
+    out["targets"][:len(targets)] = targets
     if images:
         grid = np.concatenate(grids)
         index = np.flatnonzero(out["input_ids"] == config.image_token_id).astype(np.int32)

@@ -75,22 +75,25 @@ def tie_word_embeddings(config) -> bool:
 
 def token_logprobs(model: QwenVL, batch: dict, temperature: float = 1.0,
                    with_entropy: bool = False):
-    """log p(input_ids[b, t] | tokens < t of its sequence), fp32, for every position.
+    """log p(input_ids[b, t] | tokens < t of its sequence), fp32, at the batch's `targets`.
 
-    Returns (B, T) log-probs whose column 0 (and every sequence's first token) is meaningless;
-    the loss mask never selects those. With `with_entropy`, also (B, T) entropies of the same
-    next-token distributions (no gradient).
+    Only the K target rows of logits are computed (K x vocab, not B x T x vocab: the vocabulary
+    is 152k for real checkpoints). Returns (B, T) log-probs, 0 away from the targets; with
+    `with_entropy`, also (B, T) entropies of the same next-token distributions (no gradient).
     """
     hidden = model.hidden_states(batch)
-    logits = model.logits(hidden[:, :-1]).astype(jnp.float32) / temperature  # (B, T-1, V)
+    b, t, d = hidden.shape
+    targets = batch["targets"]  # (K,) flat indices into B * T; padding entries are 0
+    prev = hidden.reshape(b * t, d)[jnp.maximum(targets - 1, 0)]  # the predicting positions
+    logits = model.logits(prev).astype(jnp.float32) / temperature  # (K, V)
     logp_all = jax.nn.log_softmax(logits, axis=-1)
-    targets = batch["input_ids"][:, 1:, None]
-    logp = jnp.take_along_axis(logp_all, targets, axis=-1)[..., 0]
-    logp = jnp.pad(logp, ((0, 0), (1, 0)))
+    ids = batch["input_ids"].reshape(-1)[targets]
+    scatter = lambda v: jnp.zeros(b * t, jnp.float32).at[targets].set(v).reshape(b, t)  # noqa
+    logp = scatter(jnp.take_along_axis(logp_all, ids[:, None], axis=-1)[:, 0])
     if not with_entropy:
         return logp
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    return logp, jax.lax.stop_gradient(jnp.pad(entropy, ((0, 0), (1, 0))))
+    return logp, jax.lax.stop_gradient(scatter(entropy))
 
 
 def split_params(model: nnx.Module):
