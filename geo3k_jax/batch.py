@@ -33,7 +33,7 @@ from common.batching import PackedBatch
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
-from geo3k_jax.vision import vision_aux
+from geo3k_jax.vision_grid import vision_aux
 
 ROW_KEYS = ("input_ids", "positions", "segments", "loss_mask", "advantages",
             "rollout_logprobs", "weights")

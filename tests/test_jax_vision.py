@@ -21,8 +21,8 @@ from transformers.vision_utils import (get_vision_cu_seqlens,
                                        get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids, get_vision_window_index)
 
-from geo3k_jax.vision import (Qwen3VisionTower, Qwen25VisionTower, build_vision_tower,
-                              vision_aux)
+from geo3k_jax.vision import Qwen3VisionTower, Qwen25VisionTower, build_vision_tower
+from geo3k_jax.vision_grid import vision_aux
 from tests.tiny_models import ImageOnlyProcessor, image, qwen2_5_vl, qwen3_vl
 
 jax.config.update("jax_default_matmul_precision", "highest")
