@@ -89,7 +89,8 @@ def loss_from_logprobs(logp, old_logp, batch: dict, loss_cfg: LossConfig, ref_lo
 class Learner:
     """Owns the optimizer and the jitted step. `merge` and `params` come from
     `geo3k_jax.model.split_params`; with a `mesh`, parameters are placed by `rules` and the
-    step is compiled with explicit in/out shardings and donated parameter/optimizer buffers."""
+    step is compiled with explicit in/out shardings and donates the parameter and optimizer
+    buffers it replaces (its own copies: the caller's `params` stay valid)."""
 
     def __init__(self, merge: Callable, params: dict, loss_cfg: LossConfig, train_cfg,
                  temperature: float, *, mesh=None, rules=(), compute_dtype=None,
@@ -100,18 +101,26 @@ class Learner:
         self.temperature, self.compute_dtype, self.mesh = temperature, compute_dtype, mesh
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
-        if mesh is not None:
-            params = jax.device_put(params, self.param_sh)
-            ref_params = None if ref_params is None else jax.device_put(ref_params, self.param_sh)
-        self.params, self.ref_params = params, ref_params
         self.opt_sh = None
         if mesh is not None:  # moments sharded like their parameters, counts replicated
             replicated = NamedSharding(mesh, P())
             self.opt_sh = optax.tree_map_params(
                 self.tx, lambda _, sh: sh, jax.eval_shape(self.tx.init, params), self.param_sh,
                 transform_non_params=lambda _: replicated)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(params)
+        self.ref_params = None if ref_params is None else self._place(ref_params)
+        self.reset(params)
         self._steps = {}
+
+    def _place(self, params: dict) -> dict:
+        """A copy of `params` in the learner's shardings (the caller's arrays are never donated)."""
+        if self.mesh is None:
+            return jax.tree.map(jnp.copy, params)
+        return jax.device_put(params, self.param_sh, may_alias=False)
+
+    def reset(self, params: dict) -> None:
+        """Start from `params` (copied into place) with a fresh optimizer state."""
+        self.params = self._place(params)
+        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(self.params)
 
     def _compiled(self, batch: dict):
         """The jitted step for this batch's key set (shardings are fixed per key set)."""

@@ -135,14 +135,12 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
         grad_fn = jax.jit(jax.value_and_grad(
             lambda p, b: grpo_loss(merge, p, b, loss_cfg, temperature), has_aux=True))
         (loss, _), grads = grad_fn(params, batch)
-        copy = lambda: jax.tree.map(jnp.copy, params)  # noqa: E731 (the step donates them)
-        learner = JaxLearner(merge, copy(), loss_cfg, train_cfg, temperature, mesh=mesh,
+        learner = JaxLearner(merge, params, loss_cfg, train_cfg, temperature, mesh=mesh,
                              rules=jcfg.rules)
         start = time.perf_counter()
         learner.train_step(batch)
         compile_and_step = time.perf_counter() - start
-        learner.params = copy()  # time a second, already compiled step from the same start
-        learner.opt_state = jax.jit(learner.tx.init)(learner.params)
+        learner.reset(params)  # time a second, already compiled step from the same start
         start = time.perf_counter()
         learner.train_step(batch)
         step_s = time.perf_counter() - start

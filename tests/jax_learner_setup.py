@@ -1,7 +1,6 @@
 """A small random JAX Qwen-VL, its processor and a packed batch, for the JAX learner tests and
 the 8-device sharding worker (no checkpoint directory, no torch weights)."""
 
-import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -55,7 +54,3 @@ def train_config(**kw):
                                        weight_decay=0.1, grad_clip=1.0))
     c.update(kw)
     return c
-
-
-def copy(params):
-    return jax.tree.map(jnp.copy, params)

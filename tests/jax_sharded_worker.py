@@ -15,7 +15,7 @@ from configs.base import JAX_RULES
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import make_mesh
-from tests.jax_learner_setup import copy, model_and_batch, train_config
+from tests.jax_learner_setup import model_and_batch, train_config
 
 
 def main(arch: str) -> None:
@@ -26,7 +26,7 @@ def main(arch: str) -> None:
     loss_cfg, train_cfg = LossConfig(tis_cap=2.0), train_config()
     runs = {}
     for name, kw in (("single", {}), ("sharded", dict(mesh=mesh, rules=JAX_RULES))):
-        learner = Learner(merge, copy(params), loss_cfg, train_cfg, 1.0, **kw)
+        learner = Learner(merge, params, loss_cfg, train_cfg, 1.0, **kw)
         logp = jax.jit(lambda p, b: token_logprobs(merge(p), b))(learner.params, batch)
         metrics = [learner.train_step(batch) for _ in range(2)]
         runs[name] = (np.asarray(logp), metrics, {k: np.asarray(v) for k, v in

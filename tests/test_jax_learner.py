@@ -17,7 +17,7 @@ from common.schedule import lr_table
 from geo3k_jax.checkpoint import Checkpointer
 from geo3k_jax.learner import Learner, grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
-from tests.jax_learner_setup import copy, model_and_batch, train_config
+from tests.jax_learner_setup import model_and_batch, train_config
 
 jax.config.update("jax_default_matmul_precision", "highest")
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_model_loss_equals_reference(setup):
 def test_schedule_and_skip(setup):
     merge, params, _, _, batch = setup
     tc = train_config(warmup_steps=2, steps=5, lr_schedule="linear", min_lr_ratio=0.2)
-    learner = Learner(merge, copy(params), LossConfig(), tc, 1.0)
+    learner = Learner(merge, params, LossConfig(), tc, 1.0)
     table = lr_table(tc.lr, "linear", 2, 5, 0.2)
     lrs = [learner.train_step(batch)["lr"] for _ in range(3)]
     np.testing.assert_allclose(lrs, table[:3], rtol=1e-7)
@@ -100,6 +100,7 @@ def test_schedule_and_skip(setup):
     for k, v in learner.params.items():
         np.testing.assert_array_equal(np.asarray(v), before[k])
     assert learner.train_step(batch)["lr"] == pytest.approx(table[3], rel=1e-7)  # not advanced
+    assert all(np.isfinite(np.asarray(v)).all() for v in params.values())  # never donated
 
 
 def test_kl_needs_reference(setup):
@@ -111,18 +112,18 @@ def test_kl_needs_reference(setup):
 def test_orbax_resume_is_exact(setup, tmp_path):
     merge, params, _, _, batch = setup
     tc, cfg = train_config(), LossConfig(tis_cap=2.0)
-    straight = Learner(merge, copy(params), cfg, tc, 1.0)
+    straight = Learner(merge, params, cfg, tc, 1.0)
     for _ in range(4):
         straight.train_step(batch)
 
-    first = Learner(merge, copy(params), cfg, tc, 1.0)
+    first = Learner(merge, params, cfg, tc, 1.0)
     for _ in range(2):
         first.train_step(batch)
     ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
     ckpt.save(2, first.params, first.opt_state, {"step": 2})
     assert ckpt.latest() == 2
 
-    resumed = Learner(merge, copy(params), cfg, tc, 1.0)  # fresh state, then restored
+    resumed = Learner(merge, params, cfg, tc, 1.0)  # fresh state, then restored
     resumed.params, resumed.opt_state, meta = ckpt.restore(2, resumed.params, resumed.opt_state)
     assert meta == {"step": 2}
     for _ in range(2):
