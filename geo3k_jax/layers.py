@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 INIT_STD = 0.02
@@ -103,6 +104,16 @@ def activation(name: str):
     if name not in table:
         raise ValueError(f"activation {name!r} is not supported; known: {sorted(table)}")
     return table[name]
+
+
+def rope_inv_freq(theta: float, dim: int) -> np.ndarray:
+    """(dim / 2,) float32 rotary inverse frequencies 1 / theta^(2i / dim), rounded as torch
+    computes them: the exponent in float32, the power rounded from float64 (torch's float32 pow
+    is correctly rounded except in rare near-ties), the reciprocal in float32. A one-ulp
+    difference here becomes position x ulp of angle, 1e-4 rad at a few thousand tokens."""
+    exponent = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    power = (np.float64(theta) ** exponent.astype(np.float64)).astype(np.float32)
+    return np.float32(1.0) / power
 
 
 def rotate_half(x: jax.Array) -> jax.Array:

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, attention
+from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, attention,
+                              rope_inv_freq)
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -46,7 +47,7 @@ class MRoPE:
             raise ValueError(f"rope_type {rope_parameters['rope_type']!r} is not supported "
                              "(Qwen-VL checkpoints use 'default')")
         theta = float(rope_parameters["rope_theta"])
-        self.inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+        self.inv_freq = rope_inv_freq(theta, head_dim)
         self.rows = mrope_rows(arch, list(rope_parameters["mrope_section"]), head_dim // 2)
 
     def __call__(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

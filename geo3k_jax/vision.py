@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm,
-                              activation, apply_rotary, attention, segment_mask)
+                              activation, apply_rotary, attention, rope_inv_freq,
+                              segment_mask)
 from geo3k_jax.vision_grid import QWEN3, QWEN25, unsupported
 
 NORM_EPS = 1e-6
@@ -40,7 +40,7 @@ def rotary_cos_sin(rope_pos: jax.Array, head_dim: int, theta: float
     A quarter of head_dim frequencies rotate by the row, the next quarter by the column; the
     half is repeated over the full head_dim (rotate_half pairs i with i + head_dim / 2)."""
     spatial = head_dim // 2
-    inv_freq = 1.0 / theta ** (np.arange(0, spatial, 2, dtype=np.float32) / np.float32(spatial))
+    inv_freq = rope_inv_freq(theta, spatial)
     freqs = rope_pos.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     freqs = freqs.reshape(rope_pos.shape[0], -1)  # (P, 2, head_dim/4) -> rows then columns
     angles = jnp.concatenate([freqs, freqs], axis=-1)
