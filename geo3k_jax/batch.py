@@ -17,6 +17,9 @@ identical, which is what the cross-backend check compares.
     pixel_values (P, C*t*p*p)     the patches of every image of every row, row by row
     vision       dict             grid-dependent index arrays (`geo3k_jax.vision.vision_aux`)
     visual_index (N,) int32       flat index into B * T of each image placeholder token, in order
+    attn_starts  (B, T / block) int32  first key of each query block's attention window
+    key_offsets  (W,) int32       arange(W): the window length W (a multiple of the block, at
+                                  most T) covers every block's sequences (`attention_windows`)
     targets      (K,) int32       flat index into B * T of each trained token (loss mask 1), padded
                                   to a multiple of `pad_to` with 0 (a sequence start, never trained)
 
@@ -25,6 +28,7 @@ Images exist only when some row has one; then all three image keys are present.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -36,7 +40,8 @@ from common.processor import image_inputs
 from geo3k_jax.vision_grid import vision_aux
 
 ROW_KEYS = ("input_ids", "positions", "segments", "loss_mask", "advantages",
-            "rollout_logprobs", "weights")
+            "rollout_logprobs", "weights", "attn_starts")
+BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
 
 
 def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
@@ -53,7 +58,7 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
     out = {"input_ids": np.zeros((n_rows, length), np.int32),
            "positions": np.zeros((n_rows, 3, length), np.int32),
            "segments": np.full((n_rows, length), -1, np.int32)}
-    for key in ROW_KEYS[3:]:
+    for key in ROW_KEYS[3:7]:
         out[key] = np.zeros((n_rows, length), np.float32)
     images, grids = [], []
     for r, b in enumerate(batches):
@@ -77,6 +82,7 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
     if (out["loss_mask"].reshape(-1)[starts] > 0).any():
         raise ValueError("a sequence's first token is in the loss mask: it has no predecessor "
                          "to predict it")
+    out["attn_starts"], out["key_offsets"] = attention_windows(out["segments"])
     targets = np.flatnonzero(out["loss_mask"].reshape(-1) > 0)
     out["targets"] = np.zeros(-(-max(len(targets), 1) // pad_to) * pad_to, np.int32)
     out["targets"][:len(targets)] = targets
@@ -90,3 +96,25 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
         out["vision"] = vision_aux(config.vision_config, grid)
         out["visual_index"] = index
     return out
+
+
+def attention_windows(segments: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Key windows for `layers.windowed_attention` over rows of contiguous segments.
+
+    segments: (B, T) int, -1 on padding. Query block i of a row (block = gcd(T, `block`)) reads
+    keys [start_i, start_i + W): from the start of the sequence its first token belongs to
+    (padding blocks: from the block itself) to the block's end, with one W for the batch, a
+    multiple of the block. Returns starts (B, T / block) int32 and key_offsets (W,) int32."""
+    rows, length = segments.shape
+    block = math.gcd(length, block)
+    first = np.zeros_like(segments)  # index of the first token of each token's segment
+    for r in range(rows):
+        change = np.flatnonzero(np.diff(segments[r]) != 0) + 1
+        bounds = np.concatenate([[0], change])
+        first[r] = bounds[np.searchsorted(bounds, np.arange(length), side="right") - 1]
+    block_start = np.arange(0, length, block)
+    seq_start = np.where(segments[:, block_start] >= 0, first[:, block_start], block_start)
+    need = int((block_start + block - seq_start).max())
+    window = min(length, -(-need // block) * block)
+    starts = np.minimum(seq_start, length - window).astype(np.int32)
+    return starts, np.arange(window, dtype=np.int32)

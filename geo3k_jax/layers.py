@@ -147,10 +147,37 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.reshape(t, h * d)
 
 
-def segment_mask(segments: jax.Array, causal: bool) -> jax.Array:
-    """(T,) segment ids -> (T, T) bool: same segment (and key <= query when causal)."""
-    mask = segments[:, None] == segments[None, :]
-    if causal:
-        n = segments.shape[0]
-        mask = mask & (jnp.arange(n)[:, None] >= jnp.arange(n)[None, :])
-    return mask
+def window_mask(segments: jax.Array, starts: jax.Array, key_offsets: jax.Array
+                ) -> jax.Array:
+    """Causal same-segment mask of each query block against its key window.
+
+    segments: (T,) with T = nb * block; starts: (nb,) first key of each block's window;
+    key_offsets: (W,) = arange(W). Returns (nb, block, W) bool."""
+    nb = starts.shape[0]
+    block = segments.shape[0] // nb
+    keys = starts[:, None] + key_offsets[None, :]  # (nb, W) key positions
+    queries = jnp.arange(segments.shape[0]).reshape(nb, block)
+    same = segments.reshape(nb, block)[:, :, None] == segments[keys][:, None, :]
+    return same & (queries[:, :, None] >= keys[:, None, :])
+
+
+def windowed_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,
+                       mask: jax.Array, scale: float) -> jax.Array:
+    """Attention of each block of queries to one window of W keys (`geo3k_jax.batch` chooses
+    the windows so every key a query may see is inside its block's window): T x W scores
+    instead of T x T. q: (T, H, D); k, v: (T, Hkv, D); starts: (nb,); mask: (nb, block, W)
+    from `window_mask`. Returns (T, H * D)."""
+    t, h, d = q.shape
+    nb, block, w = mask.shape
+
+    def one(q_block, start, m):
+        keys = jax.lax.dynamic_slice_in_dim(k, start, w, axis=0)
+        values = jax.lax.dynamic_slice_in_dim(v, start, w, axis=0)
+        return attention(q_block, keys, values, m, scale)
+
+    return jax.vmap(one)(q.reshape(nb, block, h, d), starts, mask).reshape(t, h * d)
+
+
+def segment_mask(segments: jax.Array) -> jax.Array:
+    """(T,) segment ids -> (T, T) bool: query and key in the same segment."""
+    return segments[:, None] == segments[None, :]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import Linear, segment_mask
+from geo3k_jax.layers import Linear
 from geo3k_jax.text import ARCHS, TextModel
 from geo3k_jax.vision import build_vision_tower
 
@@ -57,8 +57,8 @@ class QwenVL(nnx.Module):
             index = batch["visual_index"]  # (N,) flat token indices of the image placeholders
             embeds = embeds.reshape(b * t, -1).at[index].set(
                 image_embeds.astype(embeds.dtype), mode="drop").reshape(b, t, -1)
-        mask = jax.vmap(lambda s: segment_mask(s, causal=True))(batch["segments"])
-        return lm(embeds, batch["positions"], mask, index, deepstack)
+        return lm(embeds, batch["positions"], batch["segments"], batch["attn_starts"],
+                  batch["key_offsets"], index, deepstack)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """(..., hidden) -> (..., vocab) in the parameters' dtype."""

@@ -9,8 +9,10 @@ Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. Th
                 vision features added to the image tokens' hidden states after the first layers.
 
 Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
-by segment ids; attention is causal within a segment (`layers.segment_mask`), which is what
-transformers does when it is given packed text positions. Positions are the three M-RoPE rows
+by segment ids; attention is causal within a segment, which is what transformers does when it is
+given packed text positions. Each block of queries reads one window of keys that covers its
+segments (`layers.windowed_attention`), so a row costs T x W scores, W about the longest sequence,
+rather than T x T. Positions are the three M-RoPE rows
 (temporal, height, width) of `common.mrope`.
 """
 
@@ -21,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, attention,
-                              rope_inv_freq)
+from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
+                              rope_inv_freq, window_mask, windowed_attention)
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -74,7 +76,7 @@ class TextAttention(nnx.Module):
         self.heads, self.kv_heads, self.head_dim = h, kv, d
         self.qk_norm = arch == "qwen3_vl"
 
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, starts, mask):
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.kv_heads, self.head_dim)
@@ -82,7 +84,7 @@ class TextAttention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(attention(q, k, v, mask, self.head_dim ** -0.5))
+        return self.o_proj(windowed_attention(q, k, v, starts, mask, self.head_dim ** -0.5))
 
 
 class DecoderLayer(nnx.Module):
@@ -96,8 +98,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)
 
-    def __call__(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def __call__(self, x, cos, sin, starts, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, starts, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,17 +125,20 @@ class TextModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.rope = MRoPE(arch, head_dim_of(cfg, arch), dict(cfg.rope_parameters))
 
-    def __call__(self, embeds: jax.Array, positions: jax.Array, mask: jax.Array,
+    def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,
+                 starts: jax.Array, key_offsets: jax.Array,
                  visual_index: jax.Array | None = None,
                  deepstack: list[jax.Array] = ()) -> jax.Array:
-        """embeds: (B, T, hidden); positions: (B, 3, T); mask: (B, T, T) bool. DeepStack:
+        """embeds: (B, T, hidden); positions: (B, 3, T); segments: (B, T); attention windows:
+        starts (B, T / block) and key_offsets (W,) (see `geo3k_jax.batch`). DeepStack:
         feature k (N, hidden) is added after layer k at the flat token indices visual_index (N,)
         into B * T (indices >= B * T are dropped). Returns normed hidden states (B, T, hidden)."""
         cos, sin = self.rope(positions)
+        mask = jax.vmap(window_mask, in_axes=(0, 0, None))(segments, starts, key_offsets)
         b, t, d = embeds.shape
         x = embeds
         for i, layer in enumerate(self.layers):
-            x = jax.vmap(layer)(x, cos, sin, mask)
+            x = jax.vmap(layer)(x, cos, sin, starts, mask)
             if i < len(deepstack):
                 flat = x.reshape(b * t, d).at[visual_index].add(
                     deepstack[i].astype(x.dtype), mode="drop")

@@ -198,8 +198,8 @@ class Qwen25VisionTower(nnx.Module):
         """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size), []."""
         x = self.patch_embed(pixel_values)[aux["window_perm"]]
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
-        full = segment_mask(aux["segments"], causal=False)
-        windowed = segment_mask(aux["window_segments"], causal=False)
+        full = segment_mask(aux["segments"])
+        windowed = segment_mask(aux["window_segments"])
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, full if i in self.fullatt_block_indexes else windowed)
         return self.merger(x)[aux["merge_unperm"]], []
@@ -238,7 +238,7 @@ class Qwen3VisionTower(nnx.Module):
         x = self.patch_embed(pixel_values)
         x = x + self.interpolated_pos_embed(aux["pos_indices"], aux["pos_weights"]).astype(x.dtype)
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
-        mask = segment_mask(aux["segments"], causal=False)
+        mask = segment_mask(aux["segments"])
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, mask)
