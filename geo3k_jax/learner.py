@@ -158,7 +158,3 @@ class Learner:
         self.params, self.opt_state, metrics = step(self.params, self.opt_state, batch,
                                                     self.ref_params)
         return {k: float(v) for k, v in metrics.items()}
-
-    def model(self):
-        """The current parameters as a `QwenVL` module (shares their buffers)."""
-        return self.merge(self.params)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -101,6 +102,22 @@ def test_schedule_and_skip(setup):
         np.testing.assert_array_equal(np.asarray(v), before[k])
     assert learner.train_step(batch)["lr"] == pytest.approx(table[3], rel=1e-7)  # not advanced
     assert all(np.isfinite(np.asarray(v)).all() for v in params.values())  # never donated
+
+
+def test_bf16_compute_keeps_fp32_state(setup):
+    """Mixed precision: the step runs in bf16, parameters and moments stay fp32, and the loss
+    and gradient norm are those of fp32 to bf16 accuracy."""
+    merge, params, _, _, batch = setup
+    full = Learner(merge, params, LossConfig(), train_config(), 1.0).train_step(batch)
+    mixed = Learner(merge, params, LossConfig(), train_config(), 1.0,
+                    compute_dtype=jnp.bfloat16)
+    m = mixed.train_step(batch)
+    assert all(v.dtype == jnp.float32 for v in mixed.params.values())
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(mixed.opt_state)
+               if v.ndim > 0)
+    assert m["grad_norm"] == pytest.approx(full["grad_norm"], rel=5e-2)
+    assert m["entropy"] == pytest.approx(full["entropy"], rel=5e-2)
+    assert m["skipped"] == 0.0
 
 
 def test_kl_needs_reference(setup):
