@@ -7,6 +7,7 @@ existing split is reused); with `model.path` empty a tiny checkpoint is built in
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -39,7 +40,13 @@ def prepare_model_dir(cfg) -> str:
                                     "it at a local Hugging Face checkpoint directory")
         return cfg.model.path
     out = Path(cfg.model.tiny_dir)
-    if not (out / "config.json").exists():
+    if (out / "config.json").exists():
+        kind = json.loads((out / "config.json").read_text()).get("model_type")
+        if kind != cfg.model.tiny_arch:
+            raise ValueError(f"model.tiny_dir={str(out)!r} holds a {kind} checkpoint but "
+                             f"model.tiny_arch={cfg.model.tiny_arch!r}: point tiny_dir at "
+                             "another folder (it is built there)")
+    else:
         from geo3k_torch.prime import prime_format
         from geo3k_torch.tiny import build_tiny_checkpoint
         if out.exists() and any(out.iterdir()):

@@ -449,3 +449,17 @@ def test_template_tokens_are_special(tiny_dirs):
     ids = proc.tokenizer.encode(RENDERED_CALL + RENDERED_FEEDBACK, add_special_tokens=False)
     assert ids[0] == 2023 and 2036 in ids and 2037 in ids and 2044 in ids and 2045 in ids
     assert ids.count(2024) == 2
+
+
+def test_tiny_dir_of_another_arch_is_an_error(tmp_path):
+    """Asking for a tiny Qwen2.5-VL where a tiny Qwen3-VL was built must not train the wrong one."""
+    from configs import cpu
+    from geo3k_torch.setup import prepare_model_dir
+
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    cfg = cpu.get_config()
+    cfg.model.tiny_dir, cfg.model.tiny_arch = str(tmp_path), "qwen2_5_vl"
+    with pytest.raises(ValueError, match="holds a qwen3_vl checkpoint"):
+        prepare_model_dir(cfg)
+    cfg.model.tiny_arch = "qwen3_vl"
+    assert prepare_model_dir(cfg) == str(tmp_path)
