@@ -55,8 +55,8 @@ class LocalBackend:
 
 class SGLangBackend:
     def __init__(self, cfg, model, model_dir: str, processor, workdir: Path, rank: int):
-        from geo3k_torch.sglang_engine import SGLangEngine
-        from geo3k_torch.sglang_server import launch_servers
+        from common.sglang_engine import SGLangEngine
+        from common.sglang_server import launch_servers
 
         e = cfg.engine
         self.rank, self.model_dir, self.workdir = rank, model_dir, Path(workdir)

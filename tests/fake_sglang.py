@@ -1,6 +1,6 @@
 """A fake SGLang server for CPU tests: SGLang's native HTTP API on 127.0.0.1, scripted answers.
 
-It speaks the wire format documented in geo3k_torch/sglang_engine.py (from SGLang's source) and
+It speaks the wire format documented in common/sglang_engine.py (from SGLang's source) and
 behaves like SGLang where the engine depends on it: it expands each image placeholder itself
 (`tokens_per_image` pads per image) and refuses a prompt whose placeholder count differs from
 its image count, as SGLang's `_expand_input_ids` does; it reports the stop token in

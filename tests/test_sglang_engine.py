@@ -18,10 +18,10 @@ from PIL import Image
 from common.engine import ABORT, LENGTH, STOP, Completion, Request, SamplingParams
 from common.env import FEEDBACK
 from common.rollout import RolloutConfig, rollout
-from geo3k_torch.sglang_engine import (ImageTokenMismatch, SGLangEngine, SGLangError,
+from common.sglang_engine import (ImageTokenMismatch, SGLangEngine, SGLangError,
                                        collapse_image_pads, http_call, learner_image,
                                        parse_generate_response)
-from geo3k_torch.sglang_server import ServerLaunchError, launch_servers
+from common.sglang_server import ServerLaunchError, launch_servers
 from tests.conftest import EOS, IMAGE, IMAGE_TOKENS, TURN_END, make_prompt
 from tests.fake_sglang import Action, FakeSGLang, logprob
 

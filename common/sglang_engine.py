@@ -1,7 +1,7 @@
 """The SGLang rollout engine: `common.engine.Engine` over SGLang's native HTTP API.
 
-    from geo3k_torch.sglang_server import launch_servers
-    from geo3k_torch.sglang_engine import SGLangEngine
+    from common.sglang_server import launch_servers
+    from common.sglang_engine import SGLangEngine
     with launch_servers("checkpoints/step_0", n=2) as group, \\
             SGLangEngine(group.urls, image_token_id=151655) as engine:
         completions = engine.generate(requests)        # one per request, same order

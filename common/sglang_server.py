@@ -1,6 +1,6 @@
 """Launch SGLang servers as subprocesses, wait until they generate, shut them down on any exit.
 
-    from geo3k_torch.sglang_server import launch_servers
+    from common.sglang_server import launch_servers
     with launch_servers("checkpoints/step_0", n=2, gpus_per_server=1, mem_fraction=0.6) as group:
         group.urls      # ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
 
@@ -13,7 +13,7 @@ Server i runs, in its own process group,
 (flag names from python/sglang/srt/server_args.py `ServerArgs.add_cli_args`; `--base-gpu-id`
 picks the first of the server's G consecutive GPUs), with its output in
 `log_dir/server_<i>.log` and SGLANG_MM_AVOID_RETOKENIZE=1 in its environment (keep our token ids
-verbatim around images; see geo3k_torch/sglang_engine.py). A server is up when
+verbatim around images; see common/sglang_engine.py). A server is up when
 `GET /health_generate` answers 200 (that endpoint generates a token; `/health` answers before
 the model is warm in older releases). A server that exits, or is not up `startup_timeout_s`
 after launch, raises `ServerLaunchError` with the tail of its log, after the whole group has
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
-from geo3k_torch.sglang_engine import http_call
+from common.sglang_engine import http_call
 
 SGLANG_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 LOG_TAIL_CHARS = 4000
