@@ -7,11 +7,14 @@ return one `Completion` per request, in order.
 Token ids are the model's own ids with image placeholders already expanded (one `<|image_pad|>`
 per merged patch), exactly the ids the learner trains on. An engine that expands images itself
 must say so and take care not to expand them twice.
+
+A `Backend` owns an engine for the training loop and keeps it on the current policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, Sequence
 
 STOP = "stop"  # a stop token was sampled (it is the last token of `token_ids`)
@@ -80,3 +83,26 @@ class Engine(Protocol):
     """Anything that turns requests into completions (one per request, same order)."""
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]: ...
+
+
+class Backend(Protocol):
+    """Where rollouts come from, and what happens around an update. Every process calls every
+    method; a backend that launched servers stops them in `close`."""
+
+    engine: Engine
+
+    def sync(self, learner) -> None:
+        """After each optimizer step: the engine samples from `learner`'s new weights next."""
+
+    def train_context(self) -> AbstractContextManager:
+        """Wraps the update (a colocated server frees its accelerator memory there)."""
+
+    def rng_state(self) -> Any:
+        """This process's sampling RNG state, JSON-serialisable (None where the engine keeps
+        its own, as SGLang servers do)."""
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore what `rng_state` returned."""
+
+    def close(self) -> None:
+        """Release what the backend started."""

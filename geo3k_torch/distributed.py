@@ -1,4 +1,4 @@
-"""torch.distributed plumbing: process group, FSDP2 sharding, cross-rank sums and gathers.
+"""torch.distributed plumbing: process group, FSDP2 sharding, the loop's collectives.
 
 Launched with `torchrun`, every rank runs the same loop on its share of the prompts. FSDP2
 (`fully_shard`) wraps each language-model decoder layer and each vision block, then the root
@@ -7,10 +7,8 @@ Launched with `torchrun`, every rank runs the same loop on its share of the prom
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -63,6 +61,11 @@ def sum_scalars(values: dict[str, float], max_keys: tuple[str, ...] = ()) -> dic
     return {k: float(maxes[i] if k in max_keys else sums[i]) for i, k in enumerate(keys)}
 
 
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def gather(obj) -> list:
     """Every rank's `obj`, in rank order (all ranks receive the list)."""
     if not dist.is_initialized():
@@ -72,14 +75,13 @@ def gather(obj) -> list:
     return out
 
 
-def even_out(batches: list, n: int) -> list:
-    """FSDP needs the same number of forward/backward passes on every rank: pad this rank's
-    micro-batches to `n` (the maximum over ranks) with copies of one whose loss mask is zeroed
-    (zero loss and gradient, the same collectives)."""
-    if len(batches) >= n:
-        return batches
-    if not batches:
-        raise RuntimeError("a rank has no micro-batch while others do: give every rank more "
-                           "prompts (train.prompts_per_step)")
-    filler = dataclasses.replace(batches[-1], loss_mask=np.zeros_like(batches[-1].loss_mask))
-    return batches + [filler] * (n - len(batches))
+class TorchCollectives:
+    """`common.learner.Collectives` over the torch process group (one process without one)."""
+
+    def __init__(self):
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    gather = staticmethod(gather)
+    sum_scalars = staticmethod(sum_scalars)
+    barrier = staticmethod(barrier)

@@ -15,23 +15,32 @@ log-probs is reported (mean and max over trained tokens).
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms, token_weights
+from common.learner import Collectives, SingleProcess
 from common.schedule import lr_factor
+from geo3k_torch import checkpoint
 from geo3k_torch.model import packed_inputs, token_logprobs
 
+
 class Learner:
-    """Owns the policy's optimizer and scheduler. `model` may be FSDP-sharded."""
+    """`common.learner.Learner` in torch: owns the policy's optimizer and scheduler. `model`
+    may be FSDP-sharded over `comm`'s ranks; `model_dir` is the checkpoint it came from (its
+    tokenizer and processor files go into every export)."""
 
     def __init__(self, model, processor, loss_cfg: LossConfig, train_cfg, temperature: float,
-                 device: torch.device | str = "cpu", ref_model=None, world_size: int = 1):
+                 device: torch.device | str = "cpu", ref_model=None,
+                 comm: Collectives = SingleProcess(), model_dir: str | None = None):
         self.model, self.processor, self.loss_cfg = model, processor, loss_cfg
-        self.cfg, self.temperature = train_cfg, temperature
-        self.device, self.ref_model, self.world_size = torch.device(device), ref_model, world_size
+        self.cfg, self.temperature, self.model_dir = train_cfg, temperature, model_dir
+        self.device, self.ref_model, self.comm = torch.device(device), ref_model, comm
+        self.world_size = comm.world
         if loss_cfg.kl_coef and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
         self.optimizer = torch.optim.AdamW(
@@ -79,22 +88,24 @@ class Learner:
                 sums["tis_mean"] = float(terms["tis"].sum())
         return loss, sums
 
-    def train_step(self, batches: list[PackedBatch], n_tokens: float, n_seqs: float) -> dict:
+    def train_step(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
+                   ) -> dict[str, float]:
         """Accumulate over `batches` (this rank's share), then one optimizer step.
 
-        n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns metrics:
-        loss, grad_norm, lr, skipped (1 if the gradients were not finite), and per-token means
-        of entropy, clip_frac, approx_kl, kl, tis_mean, logp_diff_mean, plus logp_diff_max.
+        n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns the metrics of
+        the whole step (every rank): loss, grad_norm, lr, skipped (1 if the gradients were not
+        finite), and token means over all ranks of entropy, clip_frac, approx_kl, kl, tis_mean,
+        logp_diff_mean, plus logp_diff_max.
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        total, sums = 0.0, {}
+        sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0, "logp_diff_max": 0.0}
         for batch in batches:
             loss, s = self.micro_batch_loss(batch, n_tokens, n_seqs)
             loss.backward()
-            total += float(loss.detach()) / self.world_size
+            sums["loss"] += float(loss.detach()) / self.world_size
             for k, v in s.items():
-                sums[k] = max(sums.get(k, 0.0), v) if k == "logp_diff_max" else sums.get(k, 0.0) + v
+                sums[k] = max(sums[k], v) if k == "logp_diff_max" else sums.get(k, 0.0) + v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                           else grad_norm)
@@ -105,7 +116,22 @@ class Learner:
         else:
             self.optimizer.step()
             self.scheduler.step()
-        n = max(sums.pop("tokens", 0.0), 1.0)
-        out = {"loss": total, "grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
-        out.update({k: (v if k == "logp_diff_max" else v / n) for k, v in sums.items()})
+        sums = self.comm.sum_scalars(sums, max_keys=("logp_diff_max",))
+        n = max(sums.pop("tokens"), 1.0)
+        out = {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+        out.update({k: (v if k in ("loss", "logp_diff_max") else v / n)
+                    for k, v in sums.items()})
         return out
+
+    def export_hf(self, out_dir: Path) -> None:
+        checkpoint.write_hf(out_dir, self.model, self.model_dir)
+
+    def save(self, directory: Path) -> None:
+        checkpoint.save_state(directory, self.model, self.optimizer, self.scheduler)
+
+    def restore(self, directory: Path) -> None:
+        checkpoint.load_state(directory, self.model, self.optimizer, self.scheduler)
+
+    def full_state_dict(self) -> dict:
+        """The unsharded weights on every rank (an FSDP collective: all ranks call it)."""
+        return checkpoint.full_state_dict(self.model)

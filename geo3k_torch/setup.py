@@ -1,8 +1,8 @@
-"""What a run needs before it starts: its device, the data splits and a model directory.
+"""What a torch run needs before it starts: its device and a model directory.
 
-With `data.path` empty the synthetic set is generated into `data.synthetic_dir` (once: an
-existing split is reused); with `model.path` empty a tiny checkpoint is built into
-`model.tiny_dir` (once). Real runs point both at local copies of the downloads.
+With `model.path` empty a tiny checkpoint is built into `model.tiny_dir` (once; the JAX entry
+point uses this too). Real runs point `model.path` at a local copy of the download. The data
+splits are prepared by `common.setup.prepare_data`.
 """
 
 from __future__ import annotations
@@ -14,22 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.data import load_split
-from common.synthetic import write_split
-
-
-def prepare_data(cfg):
-    """(train split, test split) as loaded by `common.data.load_split`."""
-    path = cfg.data.path
-    if not path:
-        path = cfg.data.synthetic_dir
-        for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
-                               (cfg.data.test_split, cfg.data.synthetic_test_size,
-                                cfg.seed + 10_000)):
-            if not list(Path(path).glob(f"{split}-*.parquet")):
-                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size)
-    return (load_split(path, split=cfg.data.train_split, skip_bad=cfg.data.skip_bad_rows),
-            load_split(path, split=cfg.data.test_split, skip_bad=cfg.data.skip_bad_rows))
+from common.setup import prepare_data
 
 
 def prepare_model_dir(cfg) -> str:

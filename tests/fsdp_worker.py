@@ -1,10 +1,11 @@
 """One learner step on a fixed global batch, with or without FSDP; run by tests/test_fsdp.py.
 
-    python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT.json ARCH AGG
+    python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT.json ARCH AGG [LAYOUT]
 Rank r trains on sequences r, r + world, ...; rank 0 writes loss, grad norm and a checksum of
-the updated parameters to OUT.json.
+the updated parameters to OUT.json, with the learner's merged metrics.
 """
 
+import dataclasses
 import json
 import sys
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from common.batching import TrainSequence, pack
 from common.grpo import LossConfig
+from common.step import even_out
 from configs import base
 from geo3k_torch import checkpoint, distributed
 from geo3k_torch.learner import Learner
@@ -32,32 +34,33 @@ def global_batch(processor, n=6):
     return seqs
 
 
-def main(out, arch, agg):
+def main(out, arch, agg, layout="strided"):
+    """layout: strided (rank r gets sequences r, r + world, ...) or empty_rank (rank 0 gets all,
+    the others none: they take part with a spare sequence that trains nothing)."""
     rank, world = distributed.init("cpu")
     model, patch = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}[arch](seed=0)
     model.train()
     processor = ImageOnlyProcessor(patch)
     seqs = global_batch(processor)
     n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
-    mine = seqs[rank::world]
+    mine = seqs[rank::world] if layout == "strided" else (seqs if rank == 0 else [])
     if world > 1:
         distributed.parallelize(model)
     cfg = base.get_config().train
     with cfg.unlocked():
         cfg.lr = 1e-3
-    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0), cfg, 1.0,
-                      world_size=world)
+    comm = distributed.TorchCollectives()
+    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0), cfg, 1.0, comm=comm)
     budget = max(len(s) for s in seqs)  # several micro-batches: accumulation is exercised too
     batches = pack(mine, budget)
-    n_micro = distributed.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]
-    batches = distributed.even_out(batches, int(n_micro))
-    m = learner.train_step(batches, n_tokens, float(len(seqs)))
-    m = distributed.sum_scalars(m, max_keys=("grad_norm", "lr", "skipped", "logp_diff_max"))
+    n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]
+    spare = dataclasses.replace(seqs[0], loss_mask=np.zeros_like(seqs[0].loss_mask))
+    batches = even_out(batches, int(n_micro), spare)
+    m = learner.train_step(batches, n_tokens, float(len(seqs)))  # merged over ranks
     sd = checkpoint.full_state_dict(model)
     if rank == 0:
         checksum = float(sum(v.double().abs().sum() for v in sd.values()))
-        json.dump({"loss": m["loss"], "grad_norm": m["grad_norm"], "checksum": checksum,
-                   "micro_batches": len(batches)}, open(out, "w"))
+        json.dump({"checksum": checksum, "micro_batches": len(batches), **m}, open(out, "w"))
     distributed.shutdown()
 
 

@@ -18,12 +18,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(tmp_path, nproc, arch, agg):
-    out = tmp_path / f"{arch}-{agg}-{nproc}.json"
+def run(tmp_path, nproc, arch, agg, layout="strided"):
+    out = tmp_path / f"{arch}-{agg}-{nproc}-{layout}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "fsdp_worker.py"), str(out), arch, agg]
+           str(ROOT / "tests" / "fsdp_worker.py"), str(out), arch, agg, layout]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())
@@ -40,3 +40,17 @@ def test_two_processes_equal_one(tmp_path, arch, agg):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
     assert one["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_a_rank_with_nothing_to_train_takes_part(tmp_path):
+    """All groups of rank 1 filtered: it runs a spare sequence with an empty loss mask in every
+    collective, and the step (loss, weights, token-mean metrics) is the one-process step."""
+    one = run(tmp_path, 1, "qwen3_vl", "token-mean")
+    two = run(tmp_path, 2, "qwen3_vl", "token-mean", layout="empty_rank")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
+    # global token means: the empty rank adds no tokens (a mean of rank means would halve them)
+    for key in ("entropy", "logp_diff_mean", "tis_mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key

@@ -4,7 +4,7 @@ Vocabulary of the task (token -> text): tokens 0-3 are each a whole tool call an
 token 4 ends the turn, 5-9 are filler words. The right answer is the colour of the image (red 1,
 green 2, blue 3, yellow 4), so only the image tells it, and only a tool call scores (reward
 source `tool`, one turn). A random policy scores about 0.2; the same pipeline as training
-(`geo3k_torch.step.grpo_step`: local engine, common rollout, advantages, packing, learner)
+(`common.step.grpo_step`: local engine, common rollout, advantages, packing, learner)
 must raise it above 0.7 within 30 steps. With the advantage sign flipped, it must not.
 """
 
@@ -20,10 +20,10 @@ from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.rollout import RolloutConfig
 from common.scoring import RewardConfig
+from common.step import StepConfig, grpo_step
 from configs import base
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
-from geo3k_torch.step import StepConfig, grpo_step
 from tests.tiny_models import ImageOnlyProcessor, qwen3_vl, special_ids
 
 VOCAB = 16
@@ -89,7 +89,7 @@ def train(sign: float):
     step_cfg = StepConfig(RolloutConfig(n_samples=8, max_response_tokens=3),
                           EnvConfig(max_turns=1), RewardConfig(source="tool"))
     if sign < 0:  # the broken variant: every advantage negated
-        import geo3k_torch.step as step_module
+        import common.step as step_module
         original = step_module.episode_advantages
         step_module.episode_advantages = lambda *a, **k: (-original(*a, **k)[0],
                                                           original(*a, **k)[1])

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import cpu
-from geo3k_torch import checkpoint
+from common import checkpoints
 from geo3k_torch import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
 
     # the run interrupted right after its step-2 checkpoint, then resumed
     part = tmp_path / "part"
-    real_save = checkpoint.save
+    real_save = checkpoints.save
 
     def crash_after_2(root, step, *args, **kw):
         out = real_save(root, step, *args, **kw)
@@ -80,10 +80,10 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
             raise KeyboardInterrupt("simulated crash")
         return out
 
-    monkeypatch.setattr(checkpoint, "save", crash_after_2)
+    monkeypatch.setattr(checkpoints, "save", crash_after_2)
     with pytest.raises(KeyboardInterrupt):
         train_main.train(small_config(shared, 4), str(part))
-    monkeypatch.setattr(checkpoint, "save", real_save)
+    monkeypatch.setattr(checkpoints, "save", real_save)
     cfg = small_config(shared, 4)
     cfg.train.resume = True
     train_main.train(cfg, str(part))
@@ -109,13 +109,13 @@ def test_checkpoint_is_an_hf_model_directory(shared, tmp_path):
     cfg = small_config(shared, 1)
     cfg.eval.every = 0
     train_main.train(cfg, str(tmp_path))
-    ckpt = checkpoint.latest(tmp_path / "checkpoints")
+    ckpt = checkpoints.latest(tmp_path / "checkpoints")
     assert ckpt.name == "step_1"
     model = AutoModelForImageTextToText.from_pretrained(ckpt)
     processor = load_processor(ckpt)
     assert model.config.model_type == "qwen3_vl" and processor.image_processor is not None
     (tmp_path / "checkpoints" / "step_9.tmp").mkdir()  # a crash mid-write is never "latest"
-    assert checkpoint.latest(tmp_path / "checkpoints").name == "step_1"
+    assert checkpoints.latest(tmp_path / "checkpoints").name == "step_1"
 
 
 def test_gpu_recipe_without_cuda_stops_with_a_clear_message(tmp_path):

@@ -1,0 +1,70 @@
+"""The seams between the shared training loop and a learner: `Learner` and `Collectives`.
+
+The loop (`common.train`) and the GRPO step (`common.step`) see a learner only through these
+protocols, so the torch learner (`geo3k_torch.learner`) and the JAX learner
+(`geo3k_jax.learner`) are interchangeable. Every process of a run calls every method, in the
+same order: collectives may happen inside.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from common.batching import PackedBatch
+
+
+class Learner(Protocol):
+    """One policy under training: its weights, optimizer and schedule."""
+
+    def train_step(self, batches: Sequence[PackedBatch], n_tokens: float,
+                   n_seqs: float) -> dict[str, float]:
+        """One optimizer step on this process's micro-batches (gradient accumulation over
+        them); n_tokens / n_seqs count the masked tokens / sequences of the GLOBAL batch.
+        Returns the step's metrics over every process: loss, grad_norm, lr, skipped, and the
+        token means entropy, clip_frac, approx_kl, logp_diff_mean (kl, tis_mean when on),
+        plus logp_diff_max."""
+
+    def export_hf(self, out_dir: Path) -> None:
+        """Current weights as a Hugging Face model directory in `out_dir` (process 0 writes;
+        transformers and SGLang load it as it is)."""
+
+    def save(self, directory: Path) -> None:
+        """Write the learner's own state (weights, optimizer, schedule) into `directory`,
+        which already holds `export_hf`'s files."""
+
+    def restore(self, directory: Path) -> None:
+        """Continue from what `save` wrote into `directory`."""
+
+
+class Collectives(Protocol):
+    """The cross-process operations of the loop: no-ops in a single process."""
+
+    rank: int
+    world: int
+
+    def gather(self, obj: Any) -> list:
+        """Every process's `obj` (picklable), in rank order, on every process."""
+
+    def sum_scalars(self, values: dict[str, float],
+                    max_keys: tuple[str, ...] = ()) -> dict[str, float]:
+        """Each value summed over processes (maximum for `max_keys`)."""
+
+    def barrier(self) -> None:
+        """Wait until every process gets here."""
+
+
+class SingleProcess:
+    """`Collectives` of a one-process run."""
+
+    rank, world = 0, 1
+
+    def gather(self, obj: Any) -> list:
+        return [obj]
+
+    def sum_scalars(self, values: dict[str, float],
+                    max_keys: tuple[str, ...] = ()) -> dict[str, float]:
+        return {k: float(v) for k, v in values.items()}
+
+    def barrier(self) -> None:
+        pass

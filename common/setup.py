@@ -1,0 +1,38 @@
+"""What a run needs before it starts, for any learner: the data splits and a sane config.
+
+With `data.path` empty the synthetic set is generated into `data.synthetic_dir` (once: an
+existing split is reused). The model directory is the learner's business (a tiny checkpoint is
+built with torch: `geo3k_torch.setup.prepare_model_dir`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.data import load_split
+from common.synthetic import write_split
+
+
+def prepare_data(cfg):
+    """(train split, test split) as loaded by `common.data.load_split`."""
+    path = cfg.data.path
+    if not path:
+        path = cfg.data.synthetic_dir
+        for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
+                               (cfg.data.test_split, cfg.data.synthetic_test_size,
+                                cfg.seed + 10_000)):
+            if not list(Path(path).glob(f"{split}-*.parquet")):
+                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size)
+    return (load_split(path, split=cfg.data.train_split, skip_bad=cfg.data.skip_bad_rows),
+            load_split(path, split=cfg.data.test_split, skip_bad=cfg.data.skip_bad_rows))
+
+
+def check_config(cfg, world: int) -> None:
+    """Refuse settings that cannot run, before anything is built."""
+    if cfg.train.micro_batch_tokens < cfg.rollout.max_context_tokens:
+        raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
+                         f"whole episode: at least rollout.max_context_tokens="
+                         f"{cfg.rollout.max_context_tokens}")
+    if cfg.train.prompts_per_step % world:
+        raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
+                         f"multiple of the {world} processes")

@@ -1,0 +1,110 @@
+"""One GRPO iteration on this process's prompts: rollout -> advantages -> packing -> update.
+
+Shared by the training loop (`common.train`) and the learning test, for every learner, so all
+run exactly the same math. Cross-process work goes through a `common.learner.Collectives`.
+The engine's weights are NOT synced here: the loop asks the backend to after the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from common.batching import PackedBatch, TrainSequence, pack, training_sequences
+from common.env import EnvConfig
+from common.grpo import episode_advantages
+from common.learner import Collectives, Learner, SingleProcess
+from common.reward import STATS as reward_stats
+from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
+from common.scoring import RewardConfig
+from common.timing import timed
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    rollout: RolloutConfig
+    env: EnvConfig
+    reward: RewardConfig
+    normalize_std: bool = True
+    filter_equal_groups: bool = True
+    micro_batch_tokens: int = 8192
+
+
+def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepConfig,
+              group_offset: int, comm: Collectives = SingleProcess(),
+              train_context=contextlib.nullcontext
+              ) -> tuple[list[Trajectory], dict[str, float]]:
+    """Roll out `prompts`, train once on the result. Returns this process's trajectories and
+    the step's metrics (the learner's, batch counts over processes, phase times).
+
+    `train_context()` wraps the update (a colocated inference server frees its memory there).
+    """
+    times: dict[str, float] = {}
+    graded = reward_stats.snapshot()
+    with timed(times, "rollout"):
+        trajs = rollout(prompts, engine, renderer, cfg.rollout, cfg.env, cfg.reward,
+                        group_offset)
+    graded = {k: v - graded[k] for k, v in reward_stats.snapshot().items()}
+    with timed(times, "batching"):
+        rewards = np.array([t.reward for t in trajs])
+        groups = np.array([t.group_id for t in trajs])
+        valid = np.array([t.status != ABORTED for t in trajs], dtype=bool)
+        adv, keep = episode_advantages(rewards, groups, valid, cfg.normalize_std,
+                                       cfg.filter_equal_groups)
+        seqs = training_sequences(trajs, adv, cfg.rollout.export_style, keep)
+        batches = pack(seqs, cfg.micro_batch_tokens)
+        counts = comm.sum_scalars(
+            {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
+             "micro": float(len(batches)), "packed": float(sum(b.num_tokens for b in batches)),
+             "filtered": float(len(set(groups[~keep & valid]))),
+             "grader_timeouts": float(graded["timeouts"]),
+             "grader_calls": float(graded["calls"]),
+             "generated": float(sum(t.num_generated for t in trajs))}, max_keys=("micro",))
+        if comm.world > 1:  # every process runs as many forward/backward passes
+            batches = even_out(batches, int(counts["micro"]), spare_sequence(trajs))
+    metrics: dict[str, float] = {}
+    if counts["seqs"] > 0:  # no group with a reward spread on any process: nothing to learn
+        with timed(times, "train"), train_context():
+            metrics = learner.train_step(batches, counts["tokens"], counts["seqs"])
+    world, budget = comm.world, cfg.micro_batch_tokens
+    metrics.update(times)
+    metrics.update({
+        "filtered_groups": counts["filtered"], "sequences": counts["seqs"],
+        "grader_calls": counts["grader_calls"], "grader_timeouts": counts["grader_timeouts"],
+        "micro_batches": counts["micro"],
+        "packing_efficiency": counts["packed"] / max(counts["micro"] * world * budget, 1.0),
+        "rollout_tokens_per_s": counts["generated"] / max(times["time_rollout"], 1e-9) / world,
+        "train_tokens_per_s": counts["packed"] / max(times.get("time_train", 0.0), 1e-9) / world})
+    return trajs, metrics
+
+
+def spare_sequence(trajs: Sequence[Trajectory]) -> TrainSequence | None:
+    """A sequence that trains nothing (loss mask 0) from this process's first trajectory, with
+    its images: what a process with no micro-batch of its own runs (see `even_out`)."""
+    if not trajs:
+        return None
+    t = trajs[0]
+    return TrainSequence(np.asarray(t.token_ids), np.zeros_like(t.loss_mask),
+                         np.zeros(len(t.token_ids), np.float32), 0.0, list(t.images), 0)
+
+
+def even_out(batches: list[PackedBatch], n: int, spare: TrainSequence | None
+             ) -> list[PackedBatch]:
+    """Pad this process's micro-batches to `n` (the most any process has) with fillers that
+    train nothing (loss mask 0: zero loss and gradient) but run the same layers, so sharded
+    learners issue the same collectives everywhere. A process with no micro-batch at all (its
+    groups were all filtered or aborted) runs `spare` (with its images, so the vision tower runs
+    on every process too)."""
+    if len(batches) >= n:
+        return batches
+    if batches:
+        filler = dataclasses.replace(batches[-1], loss_mask=np.zeros_like(batches[-1].loss_mask))
+    elif spare is not None and not spare.loss_mask.any():
+        filler, = pack([spare], len(spare))
+    else:
+        raise ValueError("a process with no micro-batch needs a spare sequence with an empty "
+                         "loss mask to take part in the update")
+    return batches + [filler] * (n - len(batches))

@@ -1,0 +1,146 @@
+"""The training loop, for any learner: sample prompts -> GRPO step -> weight sync -> metrics,
+curve, rollout dump -> checkpoint -> periodic evaluation.
+
+    metrics = train(cfg, workdir, Run(learner, backend, comm, processor, train_set, test_set))
+
+The entry points (`python -m geo3k_torch.main`, `python -m geo3k_jax.train`) build the pieces
+for their framework and call `train`. The workdir layout is in the README; what a checkpoint
+holds is in `common.checkpoints`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+from absl import logging
+
+from common import checkpoints
+from common.chat import ChatRenderer
+from common.engine import Backend
+from common.env import EnvConfig
+from common.evaluate import evaluate
+from common.grpo import LossConfig
+from common.learner import Collectives, Learner
+from common.metrics import rollout_metrics
+from common.report import RunLog, dump_rollouts
+from common.rollout import RolloutConfig
+from common.sampler import PromptSampler
+from common.scoring import RewardConfig
+from common.step import StepConfig, grpo_step
+from common.timing import timed
+from configs import to_dataclass
+
+
+@dataclasses.dataclass
+class Run:
+    """The pieces an entry point builds for `train`."""
+
+    learner: Learner
+    backend: Backend
+    comm: Collectives
+    processor: object
+    train_set: Sequence
+    test_set: Sequence
+
+
+def step_config(cfg) -> StepConfig:
+    """The GRPO step's settings from the config."""
+    return StepConfig(to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
+                      to_dataclass(RewardConfig, cfg.reward), cfg.advantage.normalize_std,
+                      cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens)
+
+
+def train(cfg, workdir: str | Path, run: Run) -> dict:
+    """Run the configured training; returns the last step's metrics."""
+    # ---- setup -------------------------------------------------------------------------
+    workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
+    step_cfg = step_config(cfg)
+    to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
+    renderer = ChatRenderer(run.processor)
+    sampler = PromptSampler(len(run.train_set), cfg.seed)
+    log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
+                 cfg.to_dict()) if comm.rank == 0 else None
+    start = 0
+    if cfg.train.resume and (last := checkpoints.latest(workdir / "checkpoints")):
+        state = checkpoints.load_loop_state(last)
+        if len(state["engine_rng"]) != comm.world:
+            raise ValueError(f"{last} was written by {len(state['engine_rng'])} processes, "
+                             f"this run has {comm.world}")
+        learner.restore(last)
+        start = state["step"]
+        sampler = PromptSampler.from_state(state["sampler"])
+        backend.set_rng_state(state["engine_rng"][comm.rank])
+        backend.sync(learner)
+        if log:
+            log.truncate_after(start)
+        logging.info("resumed from %s at step %d", last, start)
+
+    # ---- the loop ----------------------------------------------------------------------
+    progress = _progress(comm.rank == 0)
+    task = progress.add_task("train", total=cfg.train.steps, completed=start, info="")
+    metrics: dict = {}
+    with progress:
+        for step in range(start + 1, cfg.train.steps + 1):
+            # rollout and update: every process draws the same prompt ids and takes its slice
+            ids = sampler.next_batch(cfg.train.prompts_per_step)[comm.rank::comm.world]
+            offset = (step - 1) * cfg.train.prompts_per_step + comm.rank * len(ids)
+            trajs, train_m = grpo_step([run.train_set[i] for i in ids], backend.engine,
+                                       renderer, learner, step_cfg, offset, comm,
+                                       backend.train_context)
+            with timed(train_m, "weight_sync"):
+                backend.sync(learner)  # the next rollout samples from the new weights
+
+            # metrics, dump, curve (process 0 sees every process's trajectories)
+            all_trajs = [t for part in comm.gather(trajs) for t in part]
+            metrics = {f"train/{k}": v for k, v in
+                       rollout_metrics(all_trajs, step_cfg.env.max_turns).items()}
+            metrics.update({f"train/{k}": v for k, v in train_m.items()})
+            if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
+                metrics.update(_evaluate(cfg, run.test_set, backend.engine, renderer, step_cfg,
+                                         comm))
+            if log:
+                log.log(step, metrics)
+                if cfg.log.dump_rollouts:
+                    dump_rollouts(workdir / "rollouts" / f"step_{step}.jsonl", all_trajs,
+                                  renderer.decode)
+                if cfg.log.plot_every and step % cfg.log.plot_every == 0:
+                    log.plot()
+
+            # checkpoint
+            if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
+                loop_state = {"sampler": sampler.state(),
+                              "engine_rng": comm.gather(backend.rng_state())}
+                checkpoints.save(workdir / "checkpoints", step, learner, loop_state, comm)
+                if comm.rank == 0:
+                    checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
+            progress.update(task, advance=1, info=summary(metrics))
+    if log:
+        log.plot()
+        log.close()
+    return metrics
+
+
+def _evaluate(cfg, test_set, engine, renderer, step_cfg: StepConfig, comm: Collectives) -> dict:
+    n = len(test_set) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(test_set))
+    prompts = [test_set[i] for i in range(n)][comm.rank::comm.world]
+    out = evaluate(prompts, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
+                   n_samples=cfg.eval.n_samples, gather=comm.gather)
+    return {f"eval/{k}": v for k, v in out.items()}
+
+
+def _progress(enabled: bool):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                    disable=not enabled)
+
+
+def summary(m: dict) -> str:
+    """One line of the headline metrics, for the progress bar and the final print."""
+    keys = (("train/reward_mean", "reward"), ("train/accuracy", "acc"),
+            ("train/turns_mean", "turns"), ("train/grad_norm", "gnorm"),
+            ("eval/greedy_accuracy", "eval"))
+    return " ".join(f"{name} {m[k]:.3f}" for k, name in keys if k in m)

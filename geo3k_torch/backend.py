@@ -1,0 +1,65 @@
+"""The in-process torch rollout engine as a `common.engine.Backend` for the training loop.
+
+Three ways to keep the engine on the current policy, chosen by what it is given:
+    shared  : the torch learner's own model, one process (nothing to copy; KV caches dropped)
+    copy    : an unsharded copy per rank that receives the full state dict after every step
+              (the torch learner under FSDP)
+    reload  : any learner (the JAX one): its weights are exported as an HF directory
+              (`common.checkpoints.export_weights`, the path SGLang takes) and loaded into the
+              engine's model
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from common.checkpoints import export_weights
+from common.learner import Collectives
+from geo3k_torch.engine import LocalEngine
+from geo3k_torch.model import load_model
+
+
+class LocalBackend:
+    def __init__(self, processor, model_dir: str, *, seed: int, device, comm: Collectives,
+                 model=None, workdir: str | Path | None = None):
+        self.comm, self.shared = comm, model if comm.world == 1 else None
+        self.reload_dir = None if model is not None else Path(workdir) / "weights_for_engine"
+        if self.reload_dir is not None and workdir is None:
+            raise ValueError("a reloading backend needs a workdir for the exported weights")
+        self.model = self.shared or load_model(model_dir).to(device).eval().requires_grad_(False)
+        pad = processor.tokenizer.pad_token_id
+        self.engine = LocalEngine(self.model, processor, pad if pad is not None else 0,
+                                  seed=seed + comm.rank, device=device)
+
+    def sync(self, learner) -> None:
+        if self.reload_dir is not None:
+            from safetensors.torch import load_file
+
+            path = export_weights(self.reload_dir, learner, self.comm)
+            state = {}
+            for f in sorted(path.glob("*.safetensors")):
+                state.update(load_file(f))
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+                raise ValueError(f"{path}: exported weights do not fit the engine's model "
+                                 f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+            if missing:  # a tied head is exported once
+                self.model.tie_weights()
+        elif self.shared is None:
+            self.model.load_state_dict(learner.full_state_dict())
+        self.engine.clear_cache()  # the KV caches were computed with the old weights
+
+    def train_context(self):
+        return contextlib.nullcontext()
+
+    def rng_state(self) -> list[int]:
+        return self.engine.generator.get_state().tolist()
+
+    def set_rng_state(self, state: list[int]) -> None:
+        self.engine.generator.set_state(torch.tensor(state, dtype=torch.uint8))
+
+    def close(self) -> None:
+        pass
