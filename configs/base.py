@@ -138,7 +138,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax = ml_collections.ConfigDict()
     c.jax.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1: the rest
     c.jax.rules = JAX_RULES
-    c.jax.pad_to = 128  # packed rows are padded to a multiple of this (one compile per length)
+    c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
+    c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
+    c.jax.logprob_chunk = 1024  # trained tokens of a row whose logits exist at once; 0 = all
+    c.jax.remat = False  # recompute each decoder layer in the backward pass (less memory)
+    c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
+    c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.check = ml_collections.ConfigDict()
     c.jax.check.dtype = "float32"  # float32 | bfloat16 (both backends' weights in that dtype)
     c.jax.check.prompts = 3  # synthetic problems; each episode answers wrong, then right

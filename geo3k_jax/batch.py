@@ -1,11 +1,12 @@
-"""Packed micro-batches (`common.batching.PackedBatch`) as the arrays the JAX learner consumes.
+"""Packed micro-batches (`common.batching.PackedBatch`) as the arrays the JAX model consumes.
 
 The JAX learner trains on the PACKED layout, the same micro-batches the torch learner trains on:
-each PackedBatch becomes one row; rows are right-padded to a common length `T` (a multiple of
-`pad_to`, so a few bucket lengths cover a run and `jit` compiles once per bucket) and stacked.
-Packing rather than padding each sequence wastes no compute on pad tokens, keeps every sequence's
-M-RoPE positions exact (`common.mrope`, per sequence) and makes the two backends' inputs
-identical, which is what the cross-backend check compares.
+each PackedBatch becomes one row of T tokens, with everything that belongs to it (its trained
+positions, its images' patches) on the same row, so that every array splits over the
+data-parallel mesh axes along its row axis and each device computes only its rows' log-probs
+and images. Packing rather than padding each sequence wastes no compute on pad tokens, keeps
+every sequence's M-RoPE positions exact (`common.mrope`, per sequence) and makes the two
+backends' inputs identical, which is what the cross-backend check compares.
 
     input_ids    (B, T) int32     pad tokens are 0 in segment -1
     positions    (B, 3, T) int32  M-RoPE rows (temporal, height, width), per sequence
@@ -14,20 +15,23 @@ identical, which is what the cross-backend check compares.
     advantages   (B, T) float32   the sequence's advantage on its masked tokens
     rollout_logprobs (B, T) float32
     weights      (B, T) float32   loss weights (`common.grpo.token_weights`) for the global batch
-    pixel_values (P, C*t*p*p)     the patches of every image of every row, row by row
-    vision       dict             grid-dependent index arrays (`geo3k_jax.vision.vision_aux`)
-    visual_index (N,) int32       flat index into B * T of each image placeholder token, in order
     attn_starts  (B, T / block) int32  first key of each query block's attention window
+    targets      (B, K) int32     positions of the row's trained tokens (loss mask 1), padded
+                                  with 0 (a sequence start, never trained)
     key_offsets  (W,) int32       arange(W): the window length W (a multiple of the block, at
                                   most T) covers every block's sequences (`attention_windows`)
-    targets      (K,) int32       flat index into B * T of each trained token (loss mask 1), padded
-                                  to a multiple of `pad_to` with 0 (a sequence start, never trained)
-
-Images exist only when some row has one; then all three image keys are present.
+  only when some row has an image:
+    pixel_values (B, P, C*t*p*p)  the row's image patches, padded with zero patches
+    vision       dict             per-row grid index arrays (`vision_aux`), each (B, P, ...)
+                                  (merge_unperm: (B, P / m^2)); padding patches form a segment
+                                  of their own
+    visual_index (B, P / m^2) int32  position of each image token in the row, in order; padding
+                                  entries are T (out of range: their embeddings are dropped)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -37,74 +41,149 @@ from common.batching import PackedBatch
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
-from geo3k_jax.vision_grid import vision_aux
+from geo3k_jax.vision_grid import QWEN3, vision_aux
 
-ROW_KEYS = ("input_ids", "positions", "segments", "loss_mask", "advantages",
-            "rollout_logprobs", "weights", "attn_starts")
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
+REPLICATED_KEYS = ("key_offsets",)  # every other array has the row axis first
+
+
+@dataclasses.dataclass
+class HostRow:
+    """One micro-batch's arrays before padding (t tokens, p patches, k trained tokens)."""
+
+    batch: PackedBatch
+    positions: np.ndarray  # (3, t)
+    weights: np.ndarray  # (t,)
+    targets: np.ndarray  # (k,)
+    pixel_values: np.ndarray | None  # (p, width)
+    vision: dict  # vision_aux arrays of the row's images
+    visual_index: np.ndarray  # (p / m^2,)
+
+
+def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
+             n_seqs: float) -> HostRow:
+    """The arrays of one micro-batch (images through the processor, M-RoPE, loss weights)."""
+    merge = config.vision_config.spatial_merge_size
+    imgs = image_inputs(processor, b.images)
+    grid = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
+    pos = packed_position_ids(b.input_ids, b.cu_seqlens, b.image_counts, grid,
+                              config.image_token_id, merge)
+    if (b.loss_mask[b.cu_seqlens[:-1]] > 0).any():
+        raise ValueError("a sequence's first token is in the loss mask: it has no predecessor "
+                         "to predict it")
+    index = np.flatnonzero(b.input_ids == config.image_token_id).astype(np.int32)
+    if len(index) != image_token_counts(grid, merge).sum():
+        raise ValueError(f"{len(index)} image tokens in a micro-batch, its images need "
+                         f"{image_token_counts(grid, merge).sum()}")
+    weights = token_weights(b.loss_mask, agg, seq_ids=b.seq_ids, n_tokens=n_tokens,
+                            n_seqs=n_seqs)
+    return HostRow(b, pos[1:], weights, np.flatnonzero(b.loss_mask > 0).astype(np.int32),
+                   imgs["pixel_values"].astype(np.float32) if imgs else None,
+                   vision_aux(config.vision_config, grid) if imgs else {}, index)
+
+
+def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_targets: int,
+             n_patches: int, min_window: int = 0) -> dict:
+    """The padded (B = n_rows, T = length) arrays of `rows` (module docstring); rows past
+    len(rows) are all padding. n_patches = 0: no image arrays (no row may have an image)."""
+    if len(rows) > n_rows:
+        raise ValueError(f"{len(rows)} micro-batches for {n_rows} rows")
+    out = {"input_ids": np.zeros((n_rows, length), np.int32),
+           "positions": np.zeros((n_rows, 3, length), np.int32),
+           "segments": np.full((n_rows, length), -1, np.int32),
+           "targets": np.zeros((n_rows, n_targets), np.int32)}
+    for key in ("loss_mask", "advantages", "rollout_logprobs", "weights"):
+        out[key] = np.zeros((n_rows, length), np.float32)
+    vision = []
+    for r, row in enumerate(rows):
+        b, t = row.batch, row.batch.num_tokens
+        if t > length or len(row.targets) > n_targets:
+            raise ValueError(f"a micro-batch of {t} tokens ({len(row.targets)} trained) does "
+                             f"not fit rows of {length} ({n_targets} trained)")
+        out["input_ids"][r, :t] = b.input_ids
+        out["positions"][r, :, :t] = row.positions
+        out["segments"][r, :t] = b.seq_ids
+        out["loss_mask"][r, :t] = b.loss_mask
+        out["advantages"][r, :t] = b.advantages
+        out["rollout_logprobs"][r, :t] = b.rollout_logprobs
+        out["weights"][r, :t] = row.weights
+        out["targets"][r, :len(row.targets)] = row.targets
+    out["attn_starts"], out["key_offsets"] = attention_windows(out["segments"],
+                                                               min_window=min_window)
+    if n_patches:
+        padded = [pad_patches(rows[r] if r < len(rows) else None, config, n_patches, length)
+                  for r in range(n_rows)]
+        out["pixel_values"] = np.stack([p["pixel_values"] for p in padded])
+        out["visual_index"] = np.stack([p["visual_index"] for p in padded])
+        out["vision"] = {k: np.stack([p["vision"][k] for p in padded])
+                         for k in padded[0]["vision"]}
+    elif any(row.pixel_values is not None for row in rows):
+        raise ValueError("rows with images need n_patches > 0")
+    return out
+
+
+def pad_patches(row: HostRow | None, config, n_patches: int, length: int) -> dict:
+    """A row's pixel values, vision aux arrays and image-token positions padded to `n_patches`
+    patches: the padding patches are zeros in a segment (and window) of their own, their image
+    tokens point past the row (T) and are dropped."""
+    vc = config.vision_config
+    unit = vc.spatial_merge_size ** 2
+    if n_patches % unit:
+        raise ValueError(f"n_patches={n_patches} is not a multiple of {unit}")
+    width = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    have = 0 if row is None or row.pixel_values is None else len(row.pixel_values)
+    if have > n_patches:
+        raise ValueError(f"a micro-batch has {have} image patches, rows hold {n_patches}")
+    extra = n_patches - have
+    pixels = np.zeros((n_patches, width), np.float32)
+    index = np.full(n_patches // unit, length, np.int32)
+    aux = row.vision if have else {}
+    if have:
+        pixels[:have] = row.pixel_values
+        index[:len(row.visual_index)] = row.visual_index
+    fresh = lambda key: int(aux[key].max()) + 1 if have else 0  # noqa: E731
+    new = {"rope_pos": np.zeros((extra, 2), np.int32),
+           "segments": np.full(extra, fresh("segments"), np.int32)}
+    if vc.model_type == QWEN3:
+        new.update(pos_indices=np.zeros((extra, 4), np.int32),
+                   pos_weights=np.zeros((extra, 4), np.float32))
+    else:
+        new.update(window_perm=np.arange(have, n_patches, dtype=np.int32),
+                   window_segments=np.full(extra, fresh("window_segments"), np.int32),
+                   merge_unperm=np.arange(have // unit, n_patches // unit, dtype=np.int32))
+    aux = {k: np.concatenate([aux[k], new[k]]).astype(new[k].dtype) for k in new} if have \
+        else new
+    return {"pixel_values": pixels, "vision": aux, "visual_index": index}
 
 
 def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
                  n_tokens: float, n_seqs: float, pad_to: int = 128,
                  rows_multiple: int = 1) -> dict:
-    """The arrays of `batches` (see the module docstring). n_tokens / n_seqs: masked tokens /
-    sequences of the global batch (for the loss weights); rows_multiple: empty rows are added
-    until the row count divides by it (the mesh's data-parallel size)."""
+    """The arrays of `batches` with sizes that follow the data: T the longest micro-batch and K
+    the most trained tokens of a row, both rounded up to `pad_to`; P the most patches of a row.
+    n_tokens / n_seqs: masked tokens / sequences of the global batch (for the loss weights);
+    rows_multiple: empty rows are added until the row count divides by it."""
     if not batches:
         raise ValueError("no micro-batches")
-    n_rows = -(-len(batches) // rows_multiple) * rows_multiple
-    length = -(-max(b.num_tokens for b in batches) // pad_to) * pad_to
-    merge = config.vision_config.spatial_merge_size
-    out = {"input_ids": np.zeros((n_rows, length), np.int32),
-           "positions": np.zeros((n_rows, 3, length), np.int32),
-           "segments": np.full((n_rows, length), -1, np.int32)}
-    for key in ROW_KEYS[3:7]:
-        out[key] = np.zeros((n_rows, length), np.float32)
-    images, grids = [], []
-    for r, b in enumerate(batches):
-        t = b.num_tokens
-        imgs = image_inputs(processor, b.images)
-        grid = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
-        pos = packed_position_ids(b.input_ids, b.cu_seqlens, b.image_counts, grid,
-                                  config.image_token_id, merge)
-        out["input_ids"][r, :t] = b.input_ids
-        out["positions"][r, :, :t] = pos[1:]
-        out["segments"][r, :t] = b.seq_ids
-        out["loss_mask"][r, :t] = b.loss_mask
-        out["advantages"][r, :t] = b.advantages
-        out["rollout_logprobs"][r, :t] = b.rollout_logprobs
-        out["weights"][r, :t] = token_weights(b.loss_mask, agg, seq_ids=b.seq_ids,
-                                              n_tokens=n_tokens, n_seqs=n_seqs)
-        if imgs:
-            images.append(imgs["pixel_values"])
-            grids.append(grid)
-    starts = [r * length + int(c) for r, b in enumerate(batches) for c in b.cu_seqlens[:-1]]
-    if (out["loss_mask"].reshape(-1)[starts] > 0).any():
-        raise ValueError("a sequence's first token is in the loss mask: it has no predecessor "
-                         "to predict it")
-    out["attn_starts"], out["key_offsets"] = attention_windows(out["segments"])
-    targets = np.flatnonzero(out["loss_mask"].reshape(-1) > 0)
-    out["targets"] = np.zeros(-(-max(len(targets), 1) // pad_to) * pad_to, np.int32)
-    out["targets"][:len(targets)] = targets
-    if images:
-        grid = np.concatenate(grids)
-        index = np.flatnonzero(out["input_ids"] == config.image_token_id).astype(np.int32)
-        if len(index) != image_token_counts(grid, merge).sum():
-            raise ValueError(f"{len(index)} image tokens in the batch, its images need "
-                             f"{image_token_counts(grid, merge).sum()}")
-        out["pixel_values"] = np.concatenate(images).astype(np.float32)
-        out["vision"] = vision_aux(config.vision_config, grid)
-        out["visual_index"] = index
-    return out
+    rows = [host_row(b, processor, config, agg=agg, n_tokens=n_tokens, n_seqs=n_seqs)
+            for b in batches]
+    up = lambda n: max(-(-n // pad_to) * pad_to, pad_to)  # noqa: E731
+    return assemble(rows, config, n_rows=-(-len(rows) // rows_multiple) * rows_multiple,
+                    length=up(max(b.num_tokens for b in batches)),
+                    n_targets=up(max(len(r.targets) for r in rows)),
+                    n_patches=max((len(r.pixel_values) for r in rows
+                                   if r.pixel_values is not None), default=0))
 
 
-def attention_windows(segments: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+def attention_windows(segments: np.ndarray, block: int = BLOCK, min_window: int = 0
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """Key windows for `layers.windowed_attention` over rows of contiguous segments.
 
     segments: (B, T) int, -1 on padding. Query block i of a row (block = gcd(T, `block`)) reads
     keys [start_i, start_i + W): from the start of the sequence its first token belongs to
     (padding blocks: from the block itself) to the block's end, with one W for the batch, a
-    multiple of the block. Returns starts (B, T / block) int32 and key_offsets (W,) int32."""
+    multiple of the block and at least `min_window` (a bucket: fewer distinct shapes), at most T.
+    Returns starts (B, T / block) int32 and key_offsets (W,) int32."""
     rows, length = segments.shape
     block = math.gcd(length, block)
     first = np.zeros_like(segments)  # index of the first token of each token's segment
@@ -115,6 +194,6 @@ def attention_windows(segments: np.ndarray, block: int = BLOCK) -> tuple[np.ndar
     block_start = np.arange(0, length, block)
     seq_start = np.where(segments[:, block_start] >= 0, first[:, block_start], block_start)
     need = int((block_start + block - seq_start).max())
-    window = min(length, -(-need // block) * block)
+    window = min(length, -(-max(need, min_window) // block) * block)
     starts = np.minimum(seq_start, length - window).astype(np.int32)
     return starts, np.arange(window, dtype=np.int32)

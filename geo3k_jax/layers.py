@@ -181,3 +181,12 @@ def windowed_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Arr
 def segment_mask(segments: jax.Array) -> jax.Array:
     """(T,) segment ids -> (T, T) bool: query and key in the same segment."""
     return segments[:, None] == segments[None, :]
+
+
+def scatter_rows(x: jax.Array, index: jax.Array, values: jax.Array, op: str) -> jax.Array:
+    """x (B, T, D) with values (B, N, D) set or added at positions index (B, N) of each row;
+    positions >= T are dropped (padding)."""
+    def one(row, idx, val):
+        at = row.at[idx]
+        return at.set(val, mode="drop") if op == "set" else at.add(val, mode="drop")
+    return jax.vmap(one)(x, index, values)

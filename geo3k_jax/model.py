@@ -13,12 +13,13 @@ the images of all rows in one patch list) and is a pure function of it under `ja
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import Linear
+from geo3k_jax.layers import Linear, scatter_rows
 from geo3k_jax.text import ARCHS, TextModel
 from geo3k_jax.vision import build_vision_tower
 
@@ -45,27 +46,30 @@ class QwenVL(nnx.Module):
             dtype=dtype, rngs=rngs)
         self.image_token_id = int(config.image_token_id)
 
-    def hidden_states(self, batch: dict) -> jax.Array:
-        """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.batch`)."""
-        ids = batch["input_ids"]  # (B, T)
-        b, t = ids.shape
+    def hidden_states(self, batch: dict, remat: bool = False) -> jax.Array:
+        """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.batch`).
+        remat: recompute each decoder layer's activations in the backward pass."""
         lm = self.model.language_model
-        embeds = lm.embed_tokens(ids)
+        embeds = lm.embed_tokens(batch["input_ids"])  # (B, T, hidden)
         deepstack, index = [], None
         if "pixel_values" in batch:
-            image_embeds, deepstack = self.model.visual(batch["pixel_values"], batch["vision"])
-            index = batch["visual_index"]  # (N,) flat token indices of the image placeholders
-            embeds = embeds.reshape(b * t, -1).at[index].set(
-                image_embeds.astype(embeds.dtype), mode="drop").reshape(b, t, -1)
+            # each row's images, vmapped over rows: the row axis is the data-parallel one
+            image_embeds, deepstack = jax.vmap(self.model.visual)(batch["pixel_values"],
+                                                                  batch["vision"])
+            index = batch["visual_index"]  # (B, N) positions of the row's image tokens
+            embeds = scatter_rows(embeds, index, image_embeds.astype(embeds.dtype), "set")
         return lm(embeds, batch["positions"], batch["segments"], batch["attn_starts"],
-                  batch["key_offsets"], index, deepstack)
+                  batch["key_offsets"], index, deepstack, remat=remat)
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as (vocab, hidden): lm_head, or the tied embedding table."""
+        if self.lm_head is not None:
+            return self.lm_head.weight[...]
+        return self.model.language_model.embed_tokens.weight[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """(..., hidden) -> (..., vocab) in the parameters' dtype."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        table = self.model.language_model.embed_tokens.weight[...]
-        return jnp.einsum("...d,vd->...v", hidden, table)
+        return jnp.einsum("...d,vd->...v", hidden, self.head_weight())
 
 
 def tie_word_embeddings(config) -> bool:
@@ -74,26 +78,44 @@ def tie_word_embeddings(config) -> bool:
 
 
 def token_logprobs(model: QwenVL, batch: dict, temperature: float = 1.0,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, chunk: int = 0, remat: bool = False):
     """log p(input_ids[b, t] | tokens < t of its sequence), fp32, at the batch's `targets`.
 
-    Only the K target rows of logits are computed (K x vocab, not B x T x vocab: the vocabulary
-    is 152k for real checkpoints). Returns (B, T) log-probs, 0 away from the targets; with
+    Only the B x K target rows of logits are computed (not B x T x vocab: the vocabulary is
+    152k for real checkpoints), `chunk` rows of a row at a time when chunk > 0 (each chunk's
+    (B, chunk, vocab) logits are recomputed in the backward pass, never all stored), the head's
+    products accumulated in fp32. Returns (B, T) log-probs, 0 away from the targets; with
     `with_entropy`, also (B, T) entropies of the same next-token distributions (no gradient).
     """
-    hidden = model.hidden_states(batch)
-    b, t, d = hidden.shape
-    targets = batch["targets"]  # (K,) flat indices into B * T; padding entries are 0
-    prev = hidden.reshape(b * t, d)[jnp.maximum(targets - 1, 0)]  # the predicting positions
-    logits = model.logits(prev).astype(jnp.float32) / temperature  # (K, V)
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    ids = batch["input_ids"].reshape(-1)[targets]
-    scatter = lambda v: jnp.zeros(b * t, jnp.float32).at[targets].set(v).reshape(b, t)  # noqa
-    logp = scatter(jnp.take_along_axis(logp_all, ids[:, None], axis=-1)[:, 0])
+    hidden = model.hidden_states(batch, remat=remat)  # (B, T, D)
+    targets = batch["targets"]  # (B, K) positions; padding entries are 0
+    prev = jnp.take_along_axis(hidden, jnp.maximum(targets - 1, 0)[..., None], axis=1)
+    ids = jnp.take_along_axis(batch["input_ids"], targets, axis=1)  # (B, K)
+    weight = model.head_weight()
+
+    def head(x, y):  # (B, c, D), (B, c) -> log-probs and entropies (B, c)
+        logits = jnp.einsum("bkd,vd->bkv", x, weight,
+                            preferred_element_type=jnp.float32) / temperature
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, y[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return logp, jax.lax.stop_gradient(entropy)
+
+    b, k, d = prev.shape
+    size = k if chunk <= 0 else math.gcd(k, chunk)
+    if size == k:
+        logp, entropy = head(prev, ids)
+    else:  # (B, K) -> (K / size, B, size): one chunk of every row at a time
+        split = lambda a: jnp.moveaxis(a.reshape(b, k // size, size, *a.shape[2:]), 1, 0)  # noqa
+        logp, entropy = jax.lax.map(jax.checkpoint(lambda xy: head(*xy)),
+                                    (split(prev), split(ids)))
+        logp, entropy = (jnp.moveaxis(a, 0, 1).reshape(b, k) for a in (logp, entropy))
+    rows = jnp.arange(b)[:, None]
+    scatter = lambda v: jnp.zeros(batch["input_ids"].shape, jnp.float32).at[  # noqa: E731
+        rows, targets].set(v)
     if not with_entropy:
-        return logp
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-    return logp, jax.lax.stop_gradient(scatter(entropy))
+        return scatter(logp)
+    return scatter(logp), scatter(entropy)
 
 
 def split_params(model: nnx.Module):

@@ -136,13 +136,14 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
             lambda p, b: grpo_loss(merge, p, b, loss_cfg, temperature), has_aux=True))
         (loss, _), grads = grad_fn(params, batch)
         learner = JaxLearner(merge, params, loss_cfg, train_cfg, temperature, mesh=mesh,
-                             rules=jcfg.rules)
+                             rules=jcfg.rules, processor=processor, config=config,
+                             row_len=batch["input_ids"].shape[1], chunk=jcfg.logprob_chunk)
         start = time.perf_counter()
-        learner.train_step(batch)
+        learner.train_step(batches, n_tokens, n_seqs)
         compile_and_step = time.perf_counter() - start
         learner.reset(params)  # time a second, already compiled step from the same start
         start = time.perf_counter()
-        learner.train_step(batch)
+        learner.train_step(batches, n_tokens, n_seqs)
         step_s = time.perf_counter() - start
     f32 = lambda t: {k: np.asarray(v, np.float32) for k, v in t.items()}  # noqa: E731
     logits, logp = np.asarray(logits, np.float32), np.asarray(logp)

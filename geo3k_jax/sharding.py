@@ -7,7 +7,8 @@ A rule is (regex, spec): the first regex that `re.search`es a parameter's checkp
 its PartitionSpec, one mesh axis name (or None) per array dimension; no match = replicated. A
 dimension whose size the axis does not divide is left replicated rather than failing, so one rule
 set serves every checkpoint shape (the tensor axis on a 2-head vision tower, an odd vocabulary).
-Batch rows are split over the data-parallel axes (`batch_axes`), everything else replicated.
+Batch rows are split over the data-parallel axes (`BATCH_AXES`): a row carries its own trained
+positions and image patches, so each device computes only its rows' log-probs and images.
 
 The mesh uses `AxisType.Auto`: the model's code carries no sharding annotations and XLA
 propagates the parameter and batch shardings through it (jax.make_mesh's default is Explicit,
@@ -76,18 +77,19 @@ def param_shardings(params: Mapping[str, object], mesh, rules: Sequence
             for name, v in params.items()}
 
 
-def batch_shardings(mesh, batch: Mapping[str, np.ndarray], row_keys: Sequence[str]
-                    ) -> dict[str, NamedSharding]:
-    """Arrays named in `row_keys` have batch rows on their leading axis: split over the
-    data-parallel axes (the row count must divide); the rest (the patch list) is replicated."""
+def batch_shardings(mesh, batch: Mapping[str, object], row_axis: int = 0,
+                    replicated: Sequence[str] = ("key_offsets", "n_slices")) -> dict:
+    """Shardings of a batch (`geo3k_jax.batch`; with row_axis=1 a step of
+    `geo3k_jax.buckets`): every array's row axis is split over the data-parallel axes (the row
+    count must divide), the `replicated` keys are copied to every device."""
     n = _axis_size(mesh, BATCH_AXES)
-    out = {}
-    for key, a in batch.items():
-        if key in row_keys and n > 1:
-            if a.shape[0] % n:
-                raise ValueError(f"batch {key!r} has {a.shape[0]} rows; the mesh's data axes "
-                                 f"{BATCH_AXES} need a multiple of {n}")
-            out[key] = NamedSharding(mesh, P(BATCH_AXES))
-        else:
-            out[key] = jax.tree.map(lambda _: NamedSharding(mesh, P()), a)
-    return out
+    spec = P(*([None] * row_axis), BATCH_AXES if n > 1 else None)
+
+    def one(key, a):
+        if key in replicated:
+            return NamedSharding(mesh, P())
+        if a.shape[row_axis] % n:
+            raise ValueError(f"batch {key!r} has {a.shape[row_axis]} rows; the mesh's data "
+                             f"axes {BATCH_AXES} need a multiple of {n}")
+        return NamedSharding(mesh, spec)
+    return {k: jax.tree.map(lambda a, k=k: one(k, a), v) for k, v in batch.items()}

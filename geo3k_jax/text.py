@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
+from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, scatter_rows,
                               rope_inv_freq, window_mask, windowed_attention)
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -128,19 +128,19 @@ class TextModel(nnx.Module):
     def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,
                  starts: jax.Array, key_offsets: jax.Array,
                  visual_index: jax.Array | None = None,
-                 deepstack: list[jax.Array] = ()) -> jax.Array:
+                 deepstack: list[jax.Array] = (), remat: bool = False) -> jax.Array:
         """embeds: (B, T, hidden); positions: (B, 3, T); segments: (B, T); attention windows:
         starts (B, T / block) and key_offsets (W,) (see `geo3k_jax.batch`). DeepStack:
-        feature k (N, hidden) is added after layer k at the flat token indices visual_index (N,)
-        into B * T (indices >= B * T are dropped). Returns normed hidden states (B, T, hidden)."""
+        feature k (B, N, hidden) is added after layer k at the row positions visual_index
+        (B, N) (positions >= T are dropped). remat: each layer's activations are recomputed in
+        the backward pass (memory of one layer instead of all). Returns normed hidden states
+        (B, T, hidden)."""
         cos, sin = self.rope(positions)
         mask = jax.vmap(window_mask, in_axes=(0, 0, None))(segments, starts, key_offsets)
-        b, t, d = embeds.shape
         x = embeds
         for i, layer in enumerate(self.layers):
-            x = jax.vmap(layer)(x, cos, sin, starts, mask)
+            run = lambda h, layer=layer: jax.vmap(layer)(h, cos, sin, starts, mask)  # noqa
+            x = jax.checkpoint(run)(x) if remat else run(x)
             if i < len(deepstack):
-                flat = x.reshape(b * t, d).at[visual_index].add(
-                    deepstack[i].astype(x.dtype), mode="drop")
-                x = flat.reshape(b, t, d)
+                x = scatter_rows(x, visual_index, deepstack[i].astype(x.dtype), "add")
         return self.norm(x)

@@ -1,5 +1,7 @@
-"""A small random JAX Qwen-VL, its processor and a packed batch, for the JAX learner tests and
+"""A small random JAX Qwen-VL, its processor and packed batches, for the JAX learner tests and
 the 8-device sharding worker (no checkpoint directory, no torch weights)."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import ml_collections
@@ -9,6 +11,7 @@ from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
 from common.batching import pack
 from geo3k_jax.batch import device_batch
+from geo3k_jax.learner import Learner
 from geo3k_jax.model import QwenVL, split_params
 from tests.test_jax_model import sequences
 from tests.tiny_models import IDS, VOCAB, ImageOnlyProcessor
@@ -31,9 +34,34 @@ def config(arch: str):
         **IDS), 14
 
 
+@dataclasses.dataclass
+class Setup:
+    """A random model, its processor and config, packed micro-batches and their device batch."""
+
+    merge: object
+    params: dict
+    processor: object
+    config: object
+    batches: list
+    batch: dict
+    n_tokens: float
+    n_seqs: float
+
+    def learner(self, loss_cfg, train_cfg, **kw) -> Learner:
+        """A learner on this setup whose rows are the device batch's length."""
+        return Learner(self.merge, self.params, loss_cfg, train_cfg, 1.0,
+                       processor=self.processor, config=self.config,
+                       row_len=self.batch["input_ids"].shape[1], **kw)
+
+    def step(self, learner: Learner, batches=None) -> dict:
+        """One train_step of `learner` on this setup's micro-batches (or `batches`)."""
+        return learner.train_step(self.batches if batches is None else batches, self.n_tokens,
+                                  self.n_seqs)
+
+
 def model_and_batch(arch: str = "qwen3_vl", rows_multiple: int = 1, agg: str = "token-mean",
-                    seed: int = 0):
-    """(merge, params, processor, packed batches, device batch) with every weight perturbed."""
+                    seed: int = 0) -> Setup:
+    """A `Setup` with every weight perturbed and 8 sequences in about 3 micro-batches."""
     cfg, patch = config(arch)
     merge, params = split_params(QwenVL(cfg, rngs=nnx.Rngs(seed)))
     rng = np.random.default_rng(seed)
@@ -42,10 +70,10 @@ def model_and_batch(arch: str = "qwen3_vl", rows_multiple: int = 1, agg: str = "
     processor = ImageOnlyProcessor(patch)
     seqs = sequences(processor, rng, 8)
     batches = pack(seqs, max(max(map(len, seqs)), sum(map(len, seqs)) // 3))
-    n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
-    batch = device_batch(batches, processor, cfg, agg=agg, n_tokens=n_tokens,
-                         n_seqs=float(len(seqs)), pad_to=32, rows_multiple=rows_multiple)
-    return merge, params, processor, batches, batch
+    n_tokens, n_seqs = float(sum(s.loss_mask.sum() for s in seqs)), float(len(seqs))
+    batch = device_batch(batches, processor, cfg, agg=agg, n_tokens=n_tokens, n_seqs=n_seqs,
+                         pad_to=32, rows_multiple=rows_multiple)
+    return Setup(merge, params, processor, cfg, batches, batch, n_tokens, n_seqs)
 
 
 def train_config(**kw):

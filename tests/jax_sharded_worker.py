@@ -12,7 +12,6 @@ import numpy as np
 
 from common.grpo import LossConfig
 from configs.base import JAX_RULES
-from geo3k_jax.learner import Learner
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import make_mesh
 from tests.jax_learner_setup import model_and_batch, train_config
@@ -22,13 +21,14 @@ def main(arch: str) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     assert len(jax.devices()) == 8, jax.devices()
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    merge, params, _, _, batch = model_and_batch(arch, rows_multiple=4)
+    setup = model_and_batch(arch, rows_multiple=4)
+    merge, batch = setup.merge, setup.batch
     loss_cfg, train_cfg = LossConfig(tis_cap=2.0), train_config()
     runs = {}
     for name, kw in (("single", {}), ("sharded", dict(mesh=mesh, rules=JAX_RULES))):
-        learner = Learner(merge, params, loss_cfg, train_cfg, 1.0, **kw)
+        learner = setup.learner(loss_cfg, train_cfg, **kw)
         logp = jax.jit(lambda p, b: token_logprobs(merge(p), b))(learner.params, batch)
-        metrics = [learner.train_step(batch) for _ in range(2)]
+        metrics = [setup.step(learner) for _ in range(2)]
         runs[name] = (np.asarray(logp), metrics, {k: np.asarray(v) for k, v in
                                                    learner.params.items()}, learner)
     (lp1, m1, p1, _), (lp2, m2, p2, sharded) = runs["single"], runs["sharded"]

@@ -37,7 +37,7 @@ def test_jax_learner_needs_no_torch():
     """The JAX learner runs where torch is absent (TPU hosts); only the cross-backend check
     (numerics, main) imports torch, inside the functions that compare against it."""
     modules = [f"geo3k_jax.{m}" for m in ("layers", "vision_grid", "vision", "text", "model", "weights",
-                                           "sharding", "batch", "learner", "checkpoint",
+                                           "sharding", "batch", "buckets", "learner",
                                            "check_batch", "numerics", "main")]
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")

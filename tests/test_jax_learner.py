@@ -2,6 +2,7 @@
 the non-finite skip, orbax resume against an uninterrupted run, and 8 sharded fake devices
 against one."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,6 @@ import pytest
 
 from common.grpo import LossConfig, policy_loss
 from common.schedule import lr_table
-from geo3k_jax.checkpoint import Checkpointer
 from geo3k_jax.learner import Learner, grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
 from tests.jax_learner_setup import model_and_batch, train_config
@@ -32,7 +32,7 @@ OPTIONS = [LossConfig(), LossConfig(agg="seq-mean-token-mean"), LossConfig(clip_
 
 @pytest.fixture(scope="module")
 def setups():
-    """{agg: (merge, params, processor, packed batches, device batch)}, weights for that agg."""
+    """{agg: Setup}, the loss weights for that agg."""
     return {agg: model_and_batch("qwen3_vl", agg=agg)
             for agg in ("token-mean", "seq-mean-token-mean")}
 
@@ -57,13 +57,14 @@ def numpy_reference(batch, batches, cfg, logp, old, ref):
                          f"{c.kl_estimator}-tis{c.tis_cap}-clip{c.clip_low}")
 def test_loss_equals_numpy_reference(setups, cfg):
     """Random old / ref log-probs so clipping, dual clip, TIS and KL all act."""
-    _, _, _, batches, batch = setups[cfg.agg]
+    s = setups[cfg.agg]
+    batch = s.batch
     rng = np.random.default_rng(1)
     mask = batch["loss_mask"]
     logp = (rng.uniform(-4, 0, mask.shape) * mask).astype(np.float32)
     old = (logp + rng.normal(0, 0.3, mask.shape) * mask).astype(np.float32)
     ref = (logp + rng.normal(0, 0.5, mask.shape) * mask).astype(np.float32)
-    want, metrics = numpy_reference(batch, batches, cfg, logp, old, ref)
+    want, metrics = numpy_reference(batch, s.batches, cfg, logp, old, ref)
     got, sums = jax.jit(lambda a, b, r: loss_from_logprobs(a, b, batch, cfg, r))(logp, old, ref)
     assert float(got) == pytest.approx(want, rel=1e-5, abs=1e-7)
     n = float(sums["tokens"])
@@ -76,42 +77,111 @@ def test_loss_equals_numpy_reference(setups, cfg):
 
 def test_model_loss_equals_reference(setup):
     """The learner's loss on real log-probs (old = current, as one step per rollout does)."""
-    merge, params, _, batches, batch = setup
+    merge, params, batch = setup.merge, setup.params, setup.batch
     cfg = LossConfig(kl_coef=0.1, tis_cap=2.0, agg="token-mean")
     ref_params = {k: v * 1.01 for k, v in params.items()}
     loss, _ = jax.jit(lambda p, r: grpo_loss(merge, p, batch, cfg, 0.8, ref_params=r))(
         params, ref_params)
     fn = jax.jit(lambda p: token_logprobs(merge(p), batch, 0.8))
     logp, ref = np.asarray(fn(params)), np.asarray(fn(ref_params))
-    want, _ = numpy_reference(batch, batches, cfg, logp, logp, ref)
+    want, _ = numpy_reference(batch, setup.batches, cfg, logp, logp, ref)
     assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
+def test_first_step_loss_through_the_protocol_is_the_numpy_reference(setup):
+    """train_step(micro-batches, global counts), as the shared loop calls it."""
+    cfg = LossConfig(tis_cap=2.0)
+    logp = np.asarray(jax.jit(lambda p: token_logprobs(setup.merge(p), setup.batch))(
+        setup.params))
+    want, metrics = numpy_reference(setup.batch, setup.batches, cfg, logp, logp, None)
+    m = setup.step(setup.learner(cfg, train_config()))
+    assert m["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert m["tis_mean"] == pytest.approx(metrics["tis_mean"], rel=1e-5)
+
+
+def capture_gradients():
+    """An optimizer that applies nothing and keeps the step's gradient as its state."""
+    import optax
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
+    """One micro-batch per slice (a loop of 3+ gradients inside the compiled step) against every
+    micro-batch in one slice: the same gradient."""
+    import geo3k_jax.learner as jl
+    monkeypatch.setattr(jl, "make_optimizer", lambda c: capture_gradients())
+    monkeypatch.setattr(jl, "current_lr", lambda s, c: jnp.float32(0.0))
+    cfg = LossConfig(tis_cap=2.0)
+    grads = {}
+    for name, rows in (("one", len(setup.batches)), ("acc", 1)):
+        learner = setup.learner(cfg, train_config(), rows_per_slice=rows)
+        setup.step(learner)
+        grads[name] = {k: np.asarray(v, np.float64) for k, v in learner.opt_state.items()}
+    assert len(setup.batches) >= 3
+    one, acc = grads["one"], grads["acc"]
+    worst = max(np.linalg.norm(acc[k] - g) / np.linalg.norm(g)
+                for k, g in one.items() if np.linalg.norm(g) > 0)
+    assert worst <= 1e-6, worst
+    assert max(np.abs(g).max() for g in one.values()) > 1e-4  # a real gradient
+
+
+def test_chunked_logprobs_and_remat_change_nothing(setup):
+    batch = setup.batch
+    fn = lambda **kw: jax.jit(lambda p: token_logprobs(setup.merge(p), batch, **kw))  # noqa
+    full = np.asarray(fn()(setup.params))
+    chunked = np.asarray(fn(chunk=32)(setup.params))
+    assert batch["targets"].shape[1] > 32  # several chunks
+    np.testing.assert_allclose(chunked, full, rtol=0, atol=1e-6)
+    mask = jnp.asarray(batch["loss_mask"])
+    grad = lambda **kw: jax.jit(jax.grad(lambda p: jnp.sum(  # noqa: E731
+        token_logprobs(setup.merge(p), batch, **kw) * mask)))(setup.params)
+    plain = grad()
+    for kw in (dict(chunk=32), dict(remat=True), dict(chunk=32, remat=True)):
+        other = grad(**kw)
+        worst = max(np.linalg.norm(np.asarray(other[k]) - g) / np.linalg.norm(g)
+                    for k, g in plain.items() if np.linalg.norm(g) > 0)
+        assert worst <= 1e-6, (kw, worst)  # float32 summation order, nothing more
+
+
+def test_a_run_compiles_once_per_bucket(setup):
+    """Steps whose sizes fall in the same buckets reuse the compiled step; the slice count is
+    bucketed by powers of two (3 and 4 micro-batches: 4 slices; 2: 2 slices)."""
+    learner = setup.learner(LossConfig(), train_config())
+    assert len(setup.batches) == 4
+    setup.step(learner)
+    setup.step(learner, setup.batches[::-1])
+    setup.step(learner, setup.batches[:3])
+    assert learner.compiles == 1
+    setup.step(learner, setup.batches[:2])
+    setup.step(learner, setup.batches[1:])
+    assert learner.compiles == 2
+
+
 def test_schedule_and_skip(setup):
-    merge, params, _, _, batch = setup
     tc = train_config(warmup_steps=2, steps=5, lr_schedule="linear", min_lr_ratio=0.2)
-    learner = Learner(merge, params, LossConfig(), tc, 1.0)
+    learner = setup.learner(LossConfig(), tc)
     table = lr_table(tc.lr, "linear", 2, 5, 0.2)
-    lrs = [learner.train_step(batch)["lr"] for _ in range(3)]
+    lrs = [setup.step(learner)["lr"] for _ in range(3)]
     np.testing.assert_allclose(lrs, table[:3], rtol=1e-7)
     before = {k: np.asarray(v) for k, v in learner.params.items()}
-    bad = dict(batch, advantages=np.full_like(batch["advantages"], np.nan))
-    m = learner.train_step(bad)
+    bad = [dataclasses.replace(b, advantages=np.full_like(b.advantages, np.nan))
+           for b in setup.batches]
+    m = setup.step(learner, bad)
     assert m["skipped"] == 1.0 and not np.isfinite(m["grad_norm"])
     for k, v in learner.params.items():
         np.testing.assert_array_equal(np.asarray(v), before[k])
-    assert learner.train_step(batch)["lr"] == pytest.approx(table[3], rel=1e-7)  # not advanced
-    assert all(np.isfinite(np.asarray(v)).all() for v in params.values())  # never donated
+    assert setup.step(learner)["lr"] == pytest.approx(table[3], rel=1e-7)  # not advanced
+    assert all(np.isfinite(np.asarray(v)).all() for v in setup.params.values())  # not donated
 
 
 def test_bf16_compute_keeps_fp32_state(setup):
     """Mixed precision: the step runs in bf16, parameters and moments stay fp32, and the loss
     and gradient norm are those of fp32 to bf16 accuracy."""
-    merge, params, _, _, batch = setup
-    full = Learner(merge, params, LossConfig(), train_config(), 1.0).train_step(batch)
-    mixed = Learner(merge, params, LossConfig(), train_config(), 1.0,
-                    compute_dtype=jnp.bfloat16)
-    m = mixed.train_step(batch)
+    full = setup.step(setup.learner(LossConfig(), train_config()))
+    mixed = setup.learner(LossConfig(), train_config(), compute_dtype=jnp.bfloat16)
+    m = setup.step(mixed)
     assert all(v.dtype == jnp.float32 for v in mixed.params.values())
     assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(mixed.opt_state)
                if v.ndim > 0)
@@ -121,35 +191,28 @@ def test_bf16_compute_keeps_fp32_state(setup):
 
 
 def test_kl_needs_reference(setup):
-    merge, params, _, _, _ = setup
     with pytest.raises(ValueError, match="reference"):
-        Learner(merge, params, LossConfig(kl_coef=0.1), train_config(), 1.0)
+        setup.learner(LossConfig(kl_coef=0.1), train_config())
 
 
 def test_orbax_resume_is_exact(setup, tmp_path):
-    merge, params, _, _, batch = setup
     tc, cfg = train_config(), LossConfig(tis_cap=2.0)
-    straight = Learner(merge, params, cfg, tc, 1.0)
+    straight = setup.learner(cfg, tc)
     for _ in range(4):
-        straight.train_step(batch)
+        setup.step(straight)
 
-    first = Learner(merge, params, cfg, tc, 1.0)
+    first = setup.learner(cfg, tc)
     for _ in range(2):
-        first.train_step(batch)
-    ckpt = Checkpointer(tmp_path / "ckpt", keep=2)
-    ckpt.save(2, first.params, first.opt_state, {"step": 2})
-    assert ckpt.latest() == 2
-
-    resumed = Learner(merge, params, cfg, tc, 1.0)  # fresh state, then restored
-    resumed.params, resumed.opt_state, meta = ckpt.restore(2, resumed.params, resumed.opt_state)
-    assert meta == {"step": 2}
+        setup.step(first)
+    first.save(tmp_path)
+    resumed = setup.learner(cfg, tc)  # fresh state, then restored
+    resumed.restore(tmp_path)
     for _ in range(2):
-        resumed.train_step(batch)
+        setup.step(resumed)
     for k, v in straight.params.items():
         np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(v), err_msg=k)
-    with pytest.raises(FileNotFoundError, match="step 7"):
-        ckpt.restore(7, resumed.params, resumed.opt_state)
-    ckpt.close()
+    with pytest.raises(FileNotFoundError, match="not a JAX learner checkpoint"):
+        resumed.restore(tmp_path / "elsewhere")
 
 
 @pytest.mark.slow

@@ -47,6 +47,10 @@ def test_single_device_shardings():
     mesh = make_mesh({"fsdp": -1})
     sh = param_shardings({"x.q_proj.weight": np.zeros((4, 4))}, mesh, JAX_RULES)
     assert sh["x.q_proj.weight"].mesh == mesh
-    batch = {"input_ids": np.zeros((3, 8)), "vision": {"rope_pos": np.zeros((5, 2))}}
-    out = batch_shardings(mesh, batch, ("input_ids",))
-    assert set(out) == {"input_ids", "vision"} and set(out["vision"]) == {"rope_pos"}
+    batch = {"input_ids": np.zeros((3, 8)), "key_offsets": np.zeros(8),
+             "vision": {"rope_pos": np.zeros((3, 5, 2))}}
+    out = batch_shardings(mesh, batch)
+    assert set(out) == {"input_ids", "key_offsets", "vision"}
+    assert set(out["vision"]) == {"rope_pos"}
+    step = {"input_ids": np.zeros((2, 3, 8)), "n_slices": np.int32(2)}
+    assert set(batch_shardings(mesh, step, row_axis=1)) == {"input_ids", "n_slices"}

@@ -5,7 +5,8 @@ token 4 ends the turn, 5-9 are filler words. The right answer is the colour of t
 green 2, blue 3, yellow 4), so only the image tells it, and only a tool call scores (reward
 source `tool`, one turn). A random policy scores about 0.2; the same pipeline as training
 (`common.step.grpo_step`: local engine, common rollout, advantages, packing, learner)
-must raise it above 0.7 within 30 steps. With the advantage sign flipped, it must not.
+must raise it above 0.7 within 30 steps, with the torch learner and with the JAX learner. With
+the advantage sign flipped, it must not.
 """
 
 import dataclasses
@@ -31,6 +32,7 @@ IDS = special_ids(VOCAB)
 STOP, ASK = 4, 10
 COLOURS = [(220, 30, 30), (30, 200, 30), (30, 30, 220), (230, 220, 20)]
 STEPS, BEFORE_MAX, AFTER_MIN = 30, 0.4, 0.7
+BUDGET = 1024  # micro-batch tokens (and the JAX learner's row length)
 
 
 def text_of(token):
@@ -77,17 +79,45 @@ def prompts(rng):
     return out
 
 
-def train(sign: float):
+def torch_learner(model, processor, cfg):
+    """The torch learner trains the engine's own model: nothing to sync."""
+    return Learner(model, processor, LossConfig(), cfg, 1.0), lambda: None
+
+
+def jax_learner(model, processor, cfg):
+    """The JAX learner on a copy of the weights; after each step they go back to the torch
+    engine's model (what the reloading backend does through an HF export)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from geo3k_jax.learner import Learner as JaxLearner
+    from geo3k_jax.model import QwenVL, split_params
+
+    merge, params = split_params(nnx.eval_shape(lambda: QwenVL(model.config, rngs=nnx.Rngs(0))))
+    torch_params = dict(model.named_parameters())
+    params = {k: jnp.asarray(torch_params[k].detach().numpy()) for k in params}
+    learner = JaxLearner(merge, params, LossConfig(), cfg, 1.0, processor=processor,
+                         config=model.config, row_len=BUDGET)
+
+    def sync():
+        with torch.no_grad():
+            for k, v in learner.params.items():
+                torch_params[k].copy_(torch.from_numpy(np.array(v)))
+    return learner, sync
+
+
+def train(sign: float, make_learner=torch_learner):
     model, patch = qwen3_vl(seed=0, vocab=VOCAB)
     model.train()
     processor = ImageOnlyProcessor(patch)
     cfg = base.get_config().train
     with cfg.unlocked():
         cfg.lr, cfg.weight_decay = 3e-3, 0.0
-    learner = Learner(model, processor, LossConfig(), cfg, 1.0)
+    learner, sync = make_learner(model, processor, cfg)
     engine = LocalEngine(model, processor, pad_id=STOP, seed=0)
     step_cfg = StepConfig(RolloutConfig(n_samples=8, max_response_tokens=3),
-                          EnvConfig(max_turns=1), RewardConfig(source="tool"))
+                          EnvConfig(max_turns=1), RewardConfig(source="tool"),
+                          micro_batch_tokens=BUDGET)
     if sign < 0:  # the broken variant: every advantage negated
         import common.step as step_module
         original = step_module.episode_advantages
@@ -99,6 +129,7 @@ def train(sign: float):
         for step in range(STEPS):
             trajs, _ = grpo_step(prompts(rng), engine, TaskRenderer(processor), learner,
                                  step_cfg, group_offset=4 * step)
+            sync()
             engine.clear_cache()  # new weights
             rewards.append(np.mean([t.reward for t in trajs]))
     finally:
@@ -108,11 +139,12 @@ def train(sign: float):
 
 
 @pytest.mark.slow
-def test_grpo_raises_reward_and_flipped_sign_does_not():
+@pytest.mark.parametrize("make_learner", [torch_learner, jax_learner], ids=["torch", "jax"])
+def test_grpo_raises_reward_and_flipped_sign_does_not(make_learner):
     torch.manual_seed(0)
-    before, after = train(+1.0)
+    before, after = train(+1.0, make_learner)
     print(f"reward before {before:.3f} after {after:.3f}")
     assert before < BEFORE_MAX and after > AFTER_MIN
-    flipped_before, flipped_after = train(-1.0)
+    flipped_before, flipped_after = train(-1.0, make_learner)
     print(f"flipped sign: before {flipped_before:.3f} after {flipped_after:.3f}")
     assert flipped_after < AFTER_MIN and flipped_after <= flipped_before + 0.1

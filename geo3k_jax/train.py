@@ -1,0 +1,108 @@
+"""Multi-turn GRPO on Geometry3K with the JAX learner, through the shared loop.
+
+    python -m geo3k_jax.train --config=configs/cpu.py --workdir=runs/jax
+    python -m geo3k_jax.train --config=configs/tpu.py --config.model.path=/models/Qwen3-VL-2B-Instruct
+
+Builds the JAX pieces (mesh, Flax model from the HF checkpoint, learner) and a rollout backend,
+then runs `common.train.train`, the loop the torch learner runs too. Rollouts: with
+`engine.backend=local` the in-process torch engine (`geo3k_torch.backend.LocalBackend`), loaded
+after every step with the weights this learner exports; with `engine.backend=sglang`, SGLang
+servers synced from the same export. Same workdir as `python -m geo3k_torch.main`; checkpoints
+hold the HF export and the orbax learner state (`jax_state/`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from ml_collections import config_flags
+
+from common import train as loop
+from common.grpo import LossConfig
+from common.processor import load_processor
+from common.setup import check_config, prepare_data
+from configs import to_dataclass
+from geo3k_jax.distributed import JaxCollectives
+from geo3k_jax.learner import Learner
+from geo3k_jax.model import split_params
+from geo3k_jax.sharding import make_mesh
+from geo3k_jax.weights import load_model
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
+DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
+
+
+def model_dir_of(cfg) -> str:
+    """`model.path`, or the tiny checkpoint (built with torch the first time)."""
+    if cfg.model.path:
+        if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
+            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json: point "
+                                    "it at a local Hugging Face checkpoint directory")
+        return cfg.model.path
+    from geo3k_torch.setup import prepare_model_dir
+    return prepare_model_dir(cfg)
+
+
+def build(cfg, workdir: str) -> loop.Run:
+    """Processes, mesh, data, model, learner and rollout backend for `cfg`."""
+    if cfg.jax.distributed:
+        jax.distributed.initialize()  # multi-host: before any other JAX call
+    if cfg.jax.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.abspath(
+            cfg.jax.compilation_cache_dir))
+    if cfg.jax.compute_dtype not in DTYPES:
+        raise ValueError(f"jax.compute_dtype must be one of {sorted(DTYPES)}, got "
+                         f"{cfg.jax.compute_dtype!r}")
+    comm = JaxCollectives()
+    check_config(cfg, comm.world)
+    loss_cfg = to_dataclass(LossConfig, cfg.loss)
+    model_dir = comm.gather(model_dir_of(cfg) if comm.rank == 0 else None)[0]
+    train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
+    processor = load_processor(model_dir)
+    mesh = make_mesh(dict(cfg.jax.mesh))
+    model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules)
+    merge, params = split_params(model)
+    learner = Learner(merge, params, loss_cfg, cfg.train, cfg.rollout.temperature,
+                      processor=processor, config=config, mesh=mesh, rules=cfg.jax.rules,
+                      compute_dtype=DTYPES[cfg.jax.compute_dtype],
+                      ref_params=params if loss_cfg.kl_coef else None,
+                      chunk=cfg.jax.logprob_chunk, remat=cfg.jax.remat, comm=comm,
+                      model_dir=model_dir)
+    if cfg.engine.backend == "local":
+        from geo3k_torch.backend import LocalBackend
+        backend = LocalBackend(processor, model_dir, seed=cfg.seed, device="cpu", comm=comm,
+                               workdir=workdir)
+    elif cfg.engine.backend == "sglang":
+        from common.sglang_backend import SGLangBackend
+        backend = SGLangBackend(cfg, model_dir, processor, workdir, comm)
+    else:
+        raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
+    return loop.Run(learner, backend, comm, processor, train_set, test_set)
+
+
+def train(cfg, workdir: str) -> dict:
+    """Build the JAX run and train it; returns the last step's metrics."""
+    run = build(cfg, workdir)
+    try:
+        return loop.train(cfg, workdir, run)
+    finally:
+        run.backend.close()
+
+
+def main(argv):
+    del argv
+    workdir = _WORKDIR.value or os.path.join(
+        "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + "-jax")
+    metrics = train(_CONFIG.value, workdir)
+    if jax.process_index() == 0:
+        print(f"done: {workdir} " + loop.summary(metrics))
+
+
+if __name__ == "__main__":
+    app.run(main)

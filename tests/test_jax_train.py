@@ -1,0 +1,110 @@
+"""The JAX learner through the shared loop (`python -m geo3k_jax.train`): the workdir, an HF
+export that transformers reads as the JAX model, exact resume, and a bounded number of compiles."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from common import checkpoints
+from common import train as loop
+from tests.test_train_loop import small_config
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("shared")
+
+
+def jax_config(shared, steps):
+    cfg = small_config(shared, steps)
+    cfg.jax.compilation_cache_dir = ""
+    cfg.train.micro_batch_tokens = 512  # rows of 512 tokens
+    return cfg
+
+
+def run(cfg, workdir):
+    """(last metrics, the run's pieces) of a JAX training run."""
+    from geo3k_jax.train import build
+    pieces = build(cfg, str(workdir))
+    try:
+        return loop.train(cfg, str(workdir), pieces), pieces
+    finally:
+        pieces.backend.close()
+
+
+@pytest.mark.slow
+def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText
+
+    from common.processor import load_processor
+    from geo3k_jax.batch import device_batch
+    from geo3k_jax.check_batch import check_batches
+    from geo3k_torch.model import packed_inputs
+
+    full = tmp_path / "full"
+    last, pieces = run(jax_config(shared, 4), full)
+    rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "eval/greedy_accuracy" in rows[1]
+    assert (full / "curve.png").stat().st_size > 1000 and list(full.glob("events.out.*"))
+    assert len((full / "rollouts" / "step_1.jsonl").read_text().splitlines()) == 6
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert (full / "checkpoints" / "step_4" / "jax_state").is_dir()
+    # one shape bucket covers the run: compiled once, then reused
+    assert [r["train/compiles"] for r in rows if "train/compiles" in r][-1] <= 2
+    w0 = load_file(str(shared / "tiny" / "model.safetensors"))
+    w4 = load_file(str(full / "checkpoints" / "step_4" / "model.safetensors"))
+    assert max(float(np.abs(w4[k] - w0[k]).max()) for k in w4) > 1e-4  # it trained
+
+    # the final export, read by transformers, is the learner's model
+    ckpt = full / "checkpoints" / "step_4"
+    processor = load_processor(ckpt)
+    hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
+    batches, n_tokens, n_seqs = check_batches(processor, prompts=2, samples=1, images=[1, 2],
+                                              image_sizes=(40, 120), micro_batch_tokens=0,
+                                              seed=3)
+    batch = device_batch(batches, processor, hf.config, agg="token-mean", n_tokens=n_tokens,
+                         n_seqs=n_seqs)
+    learner = pieces.learner
+    model = learner.merge(learner.params)
+    logits = np.asarray(jax.jit(lambda b: model.logits(model.hidden_states(b)))(batch))
+    for r, b in enumerate(batches):
+        with torch.no_grad():
+            ref = hf(**packed_inputs(b, processor, hf.config), use_cache=False).logits[0]
+        ref = ref.numpy()
+        assert np.abs(logits[r, :b.num_tokens] - ref).max() <= 1e-5 * np.abs(ref).max()
+
+    # the run interrupted right after its step-2 checkpoint, then resumed
+    part = tmp_path / "part"
+    real_save = checkpoints.save
+
+    def crash_after_2(root, step, *args, **kw):
+        out = real_save(root, step, *args, **kw)
+        if step == 2:
+            raise KeyboardInterrupt("simulated crash")
+        return out
+
+    monkeypatch.setattr(checkpoints, "save", crash_after_2)
+    with pytest.raises(KeyboardInterrupt):
+        run(jax_config(shared, 4), part)
+    monkeypatch.setattr(checkpoints, "save", real_save)
+    cfg = jax_config(shared, 4)
+    cfg.train.resume = True
+    run(cfg, part)
+    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows, resumed):
+        for k in ("train/reward_mean", "train/loss", "train/grad_norm", "train/entropy",
+                  "train/response_len_mean"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k)
+    w_part = load_file(str(part / "checkpoints" / "step_4" / "model.safetensors"))
+    assert max(float(np.abs(w4[k] - w_part[k]).max()) for k in w4) == 0.0
+    assert checkpoints.latest(part / "checkpoints") == Path(part / "checkpoints" / "step_4")
