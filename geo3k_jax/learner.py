@@ -20,6 +20,7 @@ log-probs and the loss in fp32 — the JAX counterpart of torch autocast.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common.batching import PackedBatch
@@ -165,7 +167,7 @@ class Learner:
     def save(self, directory: Path) -> None:
         import orbax.checkpoint as ocp
 
-        with ocp.StandardCheckpointer() as ckpt:
+        with _quiet(), ocp.StandardCheckpointer() as ckpt:
             ckpt.save(Path(directory).absolute() / STATE_DIR,
                       {"params": self.params, "opt_state": self.opt_state})
 
@@ -180,7 +182,7 @@ class Learner:
                                     "checkpoint")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                               {"params": self.params, "opt_state": self.opt_state})
-        with ocp.StandardCheckpointer() as ckpt:
+        with _quiet(), ocp.StandardCheckpointer() as ckpt:
             out = ckpt.restore(path, target)
         self.params, self.opt_state = out["params"], out["opt_state"]
 
@@ -268,6 +270,17 @@ class Learner:
         metrics = {k: (v if k in ("loss", "logp_diff_max") else v / n) for k, v in sums.items()}
         metrics.update(grad_norm=grad_norm, skipped=1.0 - jnp.isfinite(grad_norm), lr=lr)
         return params, opt_state, metrics
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Orbax logs every file it writes at INFO: keep the run's log readable."""
+    level = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(level)
 
 
 def _global_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:

@@ -13,15 +13,12 @@ hold the HF export and the orbax learner state (`jax_state/`).
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
-from ml_collections import config_flags
 
-from common import train as loop
+from common import cli, train as loop
 from common.grpo import LossConfig
 from common.processor import load_processor
 from common.setup import check_config, prepare_data
@@ -32,9 +29,6 @@ from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.weights import load_model
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
@@ -95,14 +89,5 @@ def train(cfg, workdir: str) -> dict:
         run.backend.close()
 
 
-def main(argv):
-    del argv
-    workdir = _WORKDIR.value or os.path.join(
-        "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + "-jax")
-    metrics = train(_CONFIG.value, workdir)
-    if jax.process_index() == 0:
-        print(f"done: {workdir} " + loop.summary(metrics))
-
-
 if __name__ == "__main__":
-    app.run(main)
+    cli.main(train, rank=jax.process_index, suffix="-jax")

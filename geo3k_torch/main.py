@@ -11,26 +11,20 @@ built, with no `data.path` the synthetic set.
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
-from absl import app, flags
-from ml_collections import config_flags
 
+from common import cli, train as loop
 from common.grpo import LossConfig
 from common.processor import load_processor
 from common.setup import check_config, prepare_data
-from common import train as loop
 from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model
 from geo3k_torch.setup import prepare_model_dir, resolve_device
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
 
 
 def build(cfg, workdir: str) -> loop.Run:
@@ -78,14 +72,5 @@ def train(cfg, workdir: str) -> dict:
         distributed.shutdown()
 
 
-def main(argv):
-    del argv
-    workdir = _WORKDIR.value or os.path.join(
-        "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    metrics = train(_CONFIG.value, workdir)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"done: {workdir} " + loop.summary(metrics))
-
-
 if __name__ == "__main__":
-    app.run(main)
+    cli.main(train, rank=lambda: int(os.environ.get("RANK", "0")))
