@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-fast train clean
+.PHONY: install test test-fast train train-jax clean
 
 install: $(STAMP)
 
@@ -24,6 +24,9 @@ test-fast: install
 
 train: install
 	$(PY) -m geo3k_torch.main --config=configs/cpu.py
+
+train-jax: install
+	$(PY) -m geo3k_jax.train --config=configs/cpu.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -144,6 +144,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.remat = False  # recompute each decoder layer in the backward pass (less memory)
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
+    c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any
     c.jax.check = ml_collections.ConfigDict()
     c.jax.check.dtype = "float32"  # float32 | bfloat16 (both backends' weights in that dtype)
     c.jax.check.prompts = 3  # synthetic problems; each episode answers wrong, then right

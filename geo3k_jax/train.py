@@ -45,8 +45,19 @@ def model_dir_of(cfg) -> str:
 
 def build(cfg, workdir: str) -> loop.Run:
     """Processes, mesh, data, model, learner and rollout backend for `cfg`."""
-    if cfg.jax.distributed:
-        jax.distributed.initialize()  # multi-host: before any other JAX call
+    if cfg.jax.distributed:  # multi-host: before any other JAX call
+        try:
+            jax.distributed.initialize()
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"jax.distributed=True but JAX found no multi-host cluster to "
+                             f"join ({e}). This config is for a TPU slice: on one TPU host "
+                             "add --config.jax.distributed=False; on a CPU machine use "
+                             "--config=configs/cpu.py") from None
+    platform = jax.devices()[0].platform
+    if cfg.jax.platform and platform != cfg.jax.platform:
+        raise SystemExit(f"this config needs {cfg.jax.platform.upper()} devices "
+                         f"(jax.platform={cfg.jax.platform!r}) and JAX sees {platform}; use "
+                         "--config=configs/cpu.py on a CPU machine")
     if cfg.jax.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.abspath(
             cfg.jax.compilation_cache_dir))

@@ -117,19 +117,29 @@ def _few(keys: list[str]) -> str:
 
 
 def host_params(model) -> dict[str, np.ndarray]:
-    """{checkpoint key: numpy array} gathered from the (possibly sharded) parameters."""
-    return {k: np.asarray(jax.device_get(v)) for k, v in split_params(model)[1].items()}
+    """{checkpoint key: numpy array} gathered from the (possibly sharded) parameters; arrays
+    that span several hosts are all-gathered (every process calls this)."""
+    from jax.experimental import multihost_utils
+
+    def gather(v):
+        if v.is_fully_addressable:
+            return np.asarray(jax.device_get(v))
+        return np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    return {k: gather(v) for k, v in split_params(model)[1].items()}
 
 
 def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
             source_dir: str | Path | None = None) -> Path:
-    """Write `model` as a transformers checkpoint directory; returns it.
+    """Write `model` as a transformers checkpoint directory; returns it. Every process calls
+    this (parameters may span hosts); process 0 writes.
 
     dtype: float32 or ml_dtypes bfloat16 (`jnp.bfloat16`). Tokenizer / processor files are
     copied from `source_dir` when given."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in host_params(model).items()}
+    if jax.process_index() != 0:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     config.dtype = "bfloat16" if np.dtype(dtype) == jnp.bfloat16 else "float32"
     config.save_pretrained(str(out))

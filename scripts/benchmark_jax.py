@@ -6,7 +6,9 @@
 The batch is the cross-backend check's (`geo3k_jax.check_batch`: scripted multi-turn episodes on
 synthetic problems, `config.jax.check.*`). One step = forward + backward over every micro-batch,
 clipping and AdamW: `geo3k_torch.learner.Learner.train_step` (gradient accumulation over the
-micro-batches) and `geo3k_jax.learner.Learner.train_step` (all rows in one jitted step). The first
+micro-batches) and `geo3k_jax.learner.Learner.train_step` (the same accumulation inside one
+compiled step, rows padded to the longest micro-batch). Both include turning the micro-batches
+into model inputs (images through the processor, M-RoPE positions). The first
 JAX call compiles; its excess over the median step is reported as compile time. Prints the median
 of `--steps` timed steps after one warm-up step each. Timing never decides a test.
 """
@@ -27,7 +29,6 @@ from rich.table import Table
 from common.grpo import LossConfig
 from common.processor import load_processor
 from configs import to_dataclass
-from geo3k_jax.batch import device_batch
 from geo3k_jax.check_batch import batches_from_config
 from geo3k_jax.learner import Learner as JaxLearner
 from geo3k_jax.model import split_params
@@ -71,10 +72,12 @@ def main(argv):
 
     model, config = load_jax_model(model_dir)
     merge, params = split_params(model)
-    batch = device_batch(batches, processor, config, agg=loss_cfg.agg, n_tokens=n_tokens,
-                         n_seqs=n_seqs, pad_to=cfg.jax.pad_to)
-    j_learner = JaxLearner(merge, params, loss_cfg, cfg.train, temp)
-    j_first, j_step = _timed(lambda: j_learner.train_step(batch), _STEPS.value)
+    row_len = -(-max(b.num_tokens for b in batches) // cfg.jax.pad_to) * cfg.jax.pad_to
+    j_learner = JaxLearner(merge, params, loss_cfg, cfg.train, temp, processor=processor,
+                           config=config, row_len=row_len, chunk=cfg.jax.logprob_chunk,
+                           remat=cfg.jax.remat)
+    j_first, j_step = _timed(lambda: j_learner.train_step(batches, n_tokens, n_seqs),
+                             _STEPS.value)
 
     tokens = int(sum(b.num_tokens for b in batches))
     table = Table(title=f"one GRPO step, {model_dir}, {jax.devices()[0].platform}, "
@@ -89,7 +92,7 @@ def main(argv):
     console = Console()
     console.print(table)
     console.print(f"{len(batches)} micro-batches / rows, {tokens} tokens (JAX rows padded to "
-                  f"{batch['input_ids'].shape[1]}), {int(n_tokens)} trained tokens, "
+                  f"{row_len}, {j_learner.compiles} compile), {int(n_tokens)} trained tokens, "
                   f"{int(sum(len(b.images) for b in batches))} images, "
                   f"{int(np.sum([len(b.seq_index) for b in batches]))} sequences")
 

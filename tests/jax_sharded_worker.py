@@ -5,6 +5,7 @@ device and on a (data=2, fsdp=2, tensor=2) mesh. Prints one JSON line of differe
 """
 
 import json
+import re
 import sys
 
 import jax
@@ -13,8 +14,9 @@ import numpy as np
 from common.grpo import LossConfig
 from configs.base import JAX_RULES
 from geo3k_jax.model import token_logprobs
-from geo3k_jax.sharding import make_mesh
-from tests.jax_learner_setup import model_and_batch, train_config
+from geo3k_jax.sharding import batch_shardings, make_mesh
+from tests.jax_learner_setup import VISION, model_and_batch, train_config
+from tests.tiny_models import VOCAB
 
 
 def main(arch: str) -> None:
@@ -33,6 +35,13 @@ def main(arch: str) -> None:
                                                    learner.params.items()}, learner)
     (lp1, m1, p1, _), (lp2, m2, p2, sharded) = runs["single"], runs["sharded"]
     q = sharded.params["model.language_model.layers.0.self_attn.q_proj.weight"]
+    # what each device computes: the compiled, partitioned log-prob function's shapes
+    fn = jax.jit(lambda p, b: token_logprobs(merge(p), b),
+                 in_shardings=(sharded.param_sh, batch_shardings(mesh, batch)))
+    hlo = fn.lower(sharded.params, batch).compile().as_text()
+    rows, k = batch["targets"].shape
+    patches = batch["pixel_values"].shape[1]
+    found = lambda pattern: sorted(set(re.findall(pattern, hlo)))  # noqa: E731
     mask = batch["loss_mask"] > 0
     print(json.dumps({
         "rows": int(batch["input_ids"].shape[0]),
@@ -44,7 +53,10 @@ def main(arch: str) -> None:
         "params_abs": max(float(np.abs(p1[k] - p2[k]).max()) for k in p1),
         "q_proj_spec": [str(a) for a in q.sharding.spec],
         "q_proj_shard_shape": list(q.addressable_shards[0].data.shape),
-        "q_proj_shape": list(q.shape)}))
+        "q_proj_shape": list(q.shape),
+        # (rows, K, vocab shard) logits and (rows, P, hidden) patch embeddings per device
+        "logit_rows": found(rf"f32\[(\d+),{k},{VOCAB // 2}\]"),
+        "patch_rows": found(rf"f32\[(\d+),{patches},{VISION['hidden_size']}\]")}))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.rollout import RolloutConfig
 from common.scoring import RewardConfig
-from configs import base, cpu, h100, to_dataclass
+from configs import base, cpu, h100, to_dataclass, tpu
 
 SECTIONS = {"env": EnvConfig, "reward": RewardConfig, "rollout": RolloutConfig,
             "loss": LossConfig}
 
 
-@pytest.mark.parametrize("module", [base, cpu, h100])
+@pytest.mark.parametrize("module", [base, cpu, h100, tpu])
 def test_sections_build_their_dataclasses(module):
     cfg = module.get_config()
     for name, cls in SECTIONS.items():
@@ -45,6 +45,24 @@ def test_h100_recipe():
     assert cfg.rollout.max_response_tokens == 4096 and cfg.env.max_turns == 3
     assert cfg.engine.backend == "sglang" and cfg.loss.tis_cap == 2.0  # TIS on for SGLang
     assert cfg.train.device == "cuda" and cpu.get_config().engine.backend == "local"
+
+
+def test_tpu_recipe_is_the_anchor_on_the_jax_learner():
+    cfg, gpu = tpu.get_config(), h100.get_config()
+    for section in ("rollout", "env", "loss", "reward", "advantage"):
+        assert cfg[section].to_dict() == gpu[section].to_dict(), section
+    assert (cfg.train.lr, cfg.train.prompts_per_step) == (1e-6, 64)
+    assert (cfg.jax.platform, cfg.jax.compute_dtype, cfg.jax.remat) == ("tpu", "bfloat16", True)
+
+
+def test_tpu_recipe_without_a_tpu_stops_with_a_clear_message(tmp_path):
+    for extra in ([], ["--config.jax.distributed=False"]):  # as shipped, and on one host
+        proc = subprocess.run([sys.executable, "-m", "geo3k_jax.train", "--config=configs/tpu.py",
+                               f"--workdir={tmp_path}", *extra],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0, extra
+        assert "TPU" in proc.stderr + proc.stdout and "Traceback" not in proc.stderr, \
+            proc.stderr[-2000:]
 
 
 def test_command_line_typo_is_rejected(tmp_path):

@@ -232,3 +232,5 @@ def test_sharded_step_equals_single_device(arch):
     # Two AdamW steps at lr 1e-3: weights whose gradient is float32 noise around zero may move
     # by a fraction of lr differently when the reduction order changes.
     assert r["params_abs"] <= 1e-4
+    # per-device work shrinks with the data axes (2 x 2): one of the 4 rows' logits and patches
+    assert r["logit_rows"] == ["1"] and r["patch_rows"] == ["1"], r

@@ -1,0 +1,31 @@
+"""The anchor recipe on a TPU slice with the JAX learner: Qwen3-VL-2B-Instruct, multi-turn
+Geometry3K (REFERENCE §3), the same settings as configs/h100.py.
+
+    python -m geo3k_jax.train --config=configs/tpu.py \
+        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k \
+        --config.engine.sglang_urls=http://gpu-host:30000
+
+Learner: parameters and optimizer state sharded FSDP-style over every chip (`jax.mesh`),
+bf16 compute with fp32 state, decoder layers rematerialised, the LM head 1,024 trained tokens
+of a row at a time, 16,384-token rows; on a multi-host slice every host runs this command
+(`jax.distributed`). Rollouts: SGLang servers given by URL (GPU machines the slice can reach),
+synced from the HF export after every step, until the in-process JAX engine exists;
+`--config.engine.backend=local` generates with torch on the host CPU instead (slow, for a
+smoke test). What has run on a TPU so far: nothing (see the README). Refuses to start where
+JAX sees no TPU.
+"""
+
+from configs import h100
+
+
+def get_config():
+    c = h100.get_config()
+    c.train.device = "cpu"  # the torch side (a local engine, if chosen) stays on the host
+    c.engine.sglang_colocated = False  # the servers are not on the TPU hosts
+    c.jax.platform = "tpu"
+    c.jax.distributed = True
+    c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
+    c.jax.compute_dtype = "bfloat16"
+    c.jax.remat = True
+    c.jax.logprob_chunk = 1024
+    return c
