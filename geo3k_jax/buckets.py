@@ -40,15 +40,17 @@ def bucket(n: int, unit: int) -> int:
 
 def step_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int
                ) -> dict[str, int]:
-    """The bucketed sizes this process's rows need: slices, targets, patches, window. Several
-    processes take the maximum of each (the learner does) before `step_arrays`."""
+    """The sizes this process's rows need: slices holding rows (used) and, bucketed, slices,
+    targets, patches, window. Several processes take the maximum of each (the learner does)
+    before `step_arrays`: the compiled loop then runs as many slices everywhere."""
     unit = config.vision_config.spatial_merge_size ** 2
     patches = max((len(r.pixel_values) for r in rows if r.pixel_values is not None), default=0)
     segments = np.full((max(len(rows), 1), row_len), -1, np.int32)
     for i, r in enumerate(rows):
         segments[i, :r.batch.num_tokens] = r.batch.seq_ids
     window = len(attention_windows(segments)[1])
-    return {"slices": bucket(-(-len(rows) // rows_per_slice), 1),
+    used = -(-len(rows) // rows_per_slice)
+    return {"used": used, "slices": bucket(used, 1),
             "targets": bucket(max((len(r.targets) for r in rows), default=1), TARGET_UNIT),
             "patches": bucket(patches, PATCH_UNITS * unit) if patches else 0,
             "window": min(row_len, bucket(window, math.gcd(row_len, BLOCK)))}
@@ -71,5 +73,5 @@ def step_arrays(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len
         out["vision"] = {k: np.stack([s["vision"][k] for s in slices])
                          for k in slices[0]["vision"]}
     out["key_offsets"] = slices[0]["key_offsets"]  # the same W for every slice
-    out["n_slices"] = np.int32(-(-len(rows) // rows_per_slice))
+    out["n_slices"] = np.int32(sizes["used"])
     return out

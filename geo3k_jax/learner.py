@@ -222,7 +222,8 @@ class Learner:
         if key not in self._steps:
             kw, step_sh = {}, None
             if self.mesh is not None:
-                step_sh = batch_shardings(self.mesh, step, row_axis=1)
+                step_sh = batch_shardings(self.mesh, step, row_axis=1,
+                                          processes=self.comm.world)
                 ref_sh = None if self.ref_params is None else self.param_sh
                 kw = dict(in_shardings=(self.param_sh, self.opt_sh, step_sh, ref_sh),
                           out_shardings=(self.param_sh, self.opt_sh, None))

@@ -234,3 +234,33 @@ def test_sharded_step_equals_single_device(arch):
     assert r["params_abs"] <= 1e-4
     # per-device work shrinks with the data axes (2 x 2): one of the 4 rows' logits and patches
     assert r["logit_rows"] == ["1"] and r["patch_rows"] == ["1"], r
+
+
+@pytest.mark.slow
+def test_two_processes_equal_one(setup, tmp_path):
+    """The multi-host path on 2 CPU processes (gloo): per-process rows assembled into global
+    arrays, uneven shares (2 and 1 micro-batches), an export that gathers across processes."""
+    import socket
+
+    from safetensors.numpy import load_file
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.jax_multihost_worker", str(i),
+                               str(port), str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    multi = json.loads((tmp_path / "metrics.json").read_text())
+    assert multi["shares"] == [2, 1]
+    batches = setup.batches[0::2] + setup.batches[1::2][:1]
+    single = setup.learner(LossConfig(tis_cap=2.0), train_config())
+    ref = setup.step(single, batches)  # the same global batch in one process
+    for key in ("loss", "grad_norm", "entropy", "tis_mean"):
+        assert multi[key] == pytest.approx(ref[key], rel=1e-5), key
+    weights = load_file(str(tmp_path / "export" / "model.safetensors"))
+    mine = {k: np.asarray(v) for k, v in single.params.items()}
+    assert weights.keys() == mine.keys()
+    assert max(float(np.abs(weights[k] - mine[k]).max()) for k in mine) <= 1e-4
