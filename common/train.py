@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from absl import logging
 
@@ -35,7 +35,8 @@ from configs import to_dataclass
 
 @dataclasses.dataclass
 class Run:
-    """The pieces an entry point builds for `train`."""
+    """The pieces an entry point builds for `train`; `shutdown` runs after the backend closes
+    (torch: leave the process group)."""
 
     learner: Learner
     backend: Backend
@@ -43,6 +44,7 @@ class Run:
     processor: object
     train_set: Sequence
     test_set: Sequence
+    shutdown: Callable[[], None] = lambda: None
 
 
 def step_config(cfg) -> StepConfig:
@@ -53,7 +55,16 @@ def step_config(cfg) -> StepConfig:
 
 
 def train(cfg, workdir: str | Path, run: Run) -> dict:
-    """Run the configured training; returns the last step's metrics."""
+    """Run the configured training, then close the run's backend (on errors too); returns the
+    last step's metrics."""
+    try:
+        return _loop(cfg, workdir, run)
+    finally:
+        run.backend.close()
+        run.shutdown()
+
+
+def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     # ---- setup -------------------------------------------------------------------------
     workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
     step_cfg = step_config(cfg)

@@ -93,11 +93,7 @@ def build(cfg, workdir: str) -> loop.Run:
 
 def train(cfg, workdir: str) -> dict:
     """Build the JAX run and train it; returns the last step's metrics."""
-    run = build(cfg, workdir)
-    try:
-        return loop.train(cfg, workdir, run)
-    finally:
-        run.backend.close()
+    return loop.train(cfg, workdir, build(cfg, workdir))
 
 
 if __name__ == "__main__":

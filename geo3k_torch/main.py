@@ -59,17 +59,13 @@ def build(cfg, workdir: str) -> loop.Run:
                                 free_memory=torch.cuda.empty_cache if on_gpu else lambda: None)
     else:
         raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
-    return loop.Run(learner, backend, comm, processor, train_set, test_set)
+    return loop.Run(learner, backend, comm, processor, train_set, test_set,
+                    shutdown=distributed.shutdown)
 
 
 def train(cfg, workdir: str) -> dict:
     """Build the torch run and train it; returns the last step's metrics."""
-    run = build(cfg, workdir)
-    try:
-        return loop.train(cfg, workdir, run)
-    finally:
-        run.backend.close()
-        distributed.shutdown()
+    return loop.train(cfg, workdir, build(cfg, workdir))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from common import checkpoints
 from common import train as loop
-from tests.test_train_loop import small_config
+from tests.test_train_loop import assert_same_metrics, crash_after_checkpoint, small_config
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -33,10 +33,7 @@ def run(cfg, workdir):
     """(last metrics, the run's pieces) of a JAX training run."""
     from geo3k_jax.train import build
     pieces = build(cfg, str(workdir))
-    try:
-        return loop.train(cfg, str(workdir), pieces), pieces
-    finally:
-        pieces.backend.close()
+    return loop.train(cfg, str(workdir), pieces), pieces
 
 
 @pytest.mark.slow
@@ -83,28 +80,12 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
 
     # the run interrupted right after its step-2 checkpoint, then resumed
     part = tmp_path / "part"
-    real_save = checkpoints.save
-
-    def crash_after_2(root, step, *args, **kw):
-        out = real_save(root, step, *args, **kw)
-        if step == 2:
-            raise KeyboardInterrupt("simulated crash")
-        return out
-
-    monkeypatch.setattr(checkpoints, "save", crash_after_2)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_after_checkpoint(2, monkeypatch), pytest.raises(KeyboardInterrupt):
         run(jax_config(shared, 4), part)
-    monkeypatch.setattr(checkpoints, "save", real_save)
     cfg = jax_config(shared, 4)
     cfg.train.resume = True
     run(cfg, part)
-    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(rows, resumed):
-        for k in ("train/reward_mean", "train/loss", "train/grad_norm", "train/entropy",
-                  "train/response_len_mean"):
-            if k in a:
-                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k)
+    assert_same_metrics(rows, part)
     w_part = load_file(str(part / "checkpoints" / "step_4" / "model.safetensors"))
     assert max(float(np.abs(w4[k] - w_part[k]).max()) for k in w4) == 0.0
     assert checkpoints.latest(part / "checkpoints") == Path(part / "checkpoints" / "step_4")

@@ -1,6 +1,7 @@
 """The training loop end to end on CPU: what a run leaves in its workdir, exact resume, and the
 GPU recipe refusing to start without CUDA."""
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -41,6 +42,35 @@ def small_config(shared, steps):
     return cfg
 
 
+def assert_same_metrics(rows: list[dict], workdir: Path) -> None:
+    """The metrics.jsonl of `workdir` (a resumed run) equal `rows` (the uninterrupted run's)."""
+    resumed = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [r["step"] for r in rows]
+    for a, b in zip(rows, resumed):
+        for k in ("train/reward_mean", "train/loss", "train/grad_norm", "train/entropy",
+                  "train/response_len_mean"):
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k)
+
+
+@contextlib.contextmanager
+def crash_after_checkpoint(step: int, monkeypatch):
+    """Inside the block, a run raises KeyboardInterrupt right after its step-`step` checkpoint."""
+    real_save = checkpoints.save
+
+    def save_then_crash(root, at, *args, **kw):
+        out = real_save(root, at, *args, **kw)
+        if at == step:
+            raise KeyboardInterrupt("simulated crash")
+        return out
+
+    monkeypatch.setattr(checkpoints, "save", save_then_crash)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(checkpoints, "save", real_save)
+
+
 @pytest.mark.slow
 def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
     full = tmp_path / "full"
@@ -72,28 +102,12 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
 
     # the run interrupted right after its step-2 checkpoint, then resumed
     part = tmp_path / "part"
-    real_save = checkpoints.save
-
-    def crash_after_2(root, step, *args, **kw):
-        out = real_save(root, step, *args, **kw)
-        if step == 2:
-            raise KeyboardInterrupt("simulated crash")
-        return out
-
-    monkeypatch.setattr(checkpoints, "save", crash_after_2)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_after_checkpoint(2, monkeypatch), pytest.raises(KeyboardInterrupt):
         train_main.train(small_config(shared, 4), str(part))
-    monkeypatch.setattr(checkpoints, "save", real_save)
     cfg = small_config(shared, 4)
     cfg.train.resume = True
     train_main.train(cfg, str(part))
-    resumed = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(rows, resumed):
-        for k in ("train/reward_mean", "train/loss", "train/grad_norm", "train/entropy",
-                  "train/response_len_mean"):
-            if k in a:
-                assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-9), (a["step"], k)
+    assert_same_metrics(rows, part)
     w_full = load_file(str(full / "checkpoints" / "step_4" / "model.safetensors"))
     w_part = load_file(str(part / "checkpoints" / "step_4" / "model.safetensors"))
     assert w_full.keys() == w_part.keys()
