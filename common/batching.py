@@ -62,7 +62,8 @@ class PackedBatch:
 
     input_ids, loss_mask, advantages, rollout_logprobs, seq_ids: (T,); cu_seqlens: (S+1,) with
     sequence s at [cu_seqlens[s], cu_seqlens[s+1]); image_counts, seq_index: (S,); images: the
-    sequences' images in order (sum(image_counts) of them).
+    sequences' images in order (sum(image_counts) of them); old_logprobs: (T,) the behaviour
+    policy's log-probs when several updates share one rollout (None: the current weights').
     """
 
     input_ids: np.ndarray
@@ -74,6 +75,7 @@ class PackedBatch:
     image_counts: np.ndarray
     seq_index: np.ndarray
     images: list
+    old_logprobs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,10 +20,15 @@ class Learner(Protocol):
     def train_step(self, batches: Sequence[PackedBatch], n_tokens: float,
                    n_seqs: float) -> dict[str, float]:
         """One optimizer step on this process's micro-batches (gradient accumulation over
-        them); n_tokens / n_seqs count the masked tokens / sequences of the GLOBAL batch.
+        them); n_tokens / n_seqs count the masked tokens / sequences of the GLOBAL batch. The
+        ratio's "old" log-probs are a batch's `old_logprobs`, else the current weights' own.
         Returns the step's metrics over every process: loss, grad_norm, lr, skipped, and the
         token means entropy, clip_frac, approx_kl, logp_diff_mean (kl, tis_mean when on),
         plus logp_diff_max."""
+
+    def logprobs(self, batches: Sequence[PackedBatch]) -> list:
+        """Log-probs of each micro-batch's tokens under the current weights, no gradient:
+        one (T,) float32 array per micro-batch, 0 where the loss mask is 0."""
 
     def export_hf(self, out_dir: Path) -> None:
         """Current weights as a Hugging Face model directory in `out_dir` (process 0 writes;

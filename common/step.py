@@ -31,6 +31,11 @@ class StepConfig:
     normalize_std: bool = True
     filter_equal_groups: bool = True
     micro_batch_tokens: int = 8192
+    updates_per_rollout: int = 1
+
+    def __post_init__(self):
+        if self.updates_per_rollout < 1:
+            raise ValueError(f"updates_per_rollout must be >= 1, got {self.updates_per_rollout}")
 
 
 def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepConfig,
@@ -68,7 +73,8 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
     metrics: dict[str, float] = {}
     if counts["seqs"] > 0:  # no group with a reward spread on any process: nothing to learn
         with timed(times, "train"), train_context():
-            metrics = learner.train_step(batches, counts["tokens"], counts["seqs"])
+            metrics = update(learner, batches, counts["tokens"], counts["seqs"],
+                             cfg.updates_per_rollout, comm)
     world, budget = comm.world, cfg.micro_batch_tokens
     metrics.update(times)
     metrics.update({
@@ -79,6 +85,33 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
         "rollout_tokens_per_s": counts["generated"] / max(times["time_rollout"], 1e-9) / world,
         "train_tokens_per_s": counts["packed"] / max(times.get("time_train", 0.0), 1e-9) / world})
     return trajs, metrics
+
+
+def update(learner: Learner, batches: list[PackedBatch], n_tokens: float, n_seqs: float,
+           updates: int = 1, comm: Collectives = SingleProcess()) -> dict[str, float]:
+    """Train on one rollout's micro-batches: one optimizer step (updates = 1, the anchor
+    recipe), or `updates` steps on consecutive mini-batches of them (PPO-style), all against
+    the behaviour policy's log-probs, computed once before the first step, so that the ratio,
+    clipping, dual clip and KL act. Metrics are averaged over the steps (skipped: summed)."""
+    if updates == 1:
+        return learner.train_step(batches, n_tokens, n_seqs)
+    old = learner.logprobs(batches)
+    batches = [dataclasses.replace(b, old_logprobs=o) for b, o in zip(batches, old)]
+    steps = []
+    for part in np.array_split(np.arange(len(batches)), updates):  # same split on every process
+        mini = [batches[i] for i in part]
+        counts = comm.sum_scalars({"tokens": float(sum(b.loss_mask.sum() for b in mini)),
+                                   "seqs": float(sum(_trained_sequences(b) for b in mini))})
+        if counts["seqs"] > 0:
+            steps.append(learner.train_step(mini, counts["tokens"], counts["seqs"]))
+    out = {k: float(np.mean([m[k] for m in steps])) for k in steps[0]}
+    out["skipped"] = float(sum(m["skipped"] for m in steps))
+    return out
+
+
+def _trained_sequences(b: PackedBatch) -> int:
+    """Sequences of a micro-batch with at least one trained token (fillers have none)."""
+    return int((np.add.reduceat(b.loss_mask, b.cu_seqlens[:-1]) > 0).sum())
 
 
 def spare_sequence(trajs: Sequence[Trajectory]) -> TrainSequence | None:

@@ -51,7 +51,8 @@ def step_config(cfg) -> StepConfig:
     """The GRPO step's settings from the config."""
     return StepConfig(to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
                       to_dataclass(RewardConfig, cfg.reward), cfg.advantage.normalize_std,
-                      cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens)
+                      cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens,
+                      cfg.train.updates_per_rollout)
 
 
 def train(cfg, workdir: str | Path, run: Run) -> dict:

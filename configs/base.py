@@ -106,6 +106,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 100
     c.train.prompts_per_step = 16
     c.train.micro_batch_tokens = 8192
+    # Optimizer steps per rollout, each on a consecutive share of its micro-batches, against
+    # the behaviour policy's log-probs (1: the anchor recipe; >1: the ratio and clipping act).
+    c.train.updates_per_rollout = 1
     c.train.lr = 1e-6
     c.train.lr_schedule = "constant"  # constant | linear | cosine
     c.train.warmup_steps = 0

@@ -15,6 +15,8 @@ backends' inputs identical, which is what the cross-backend check compares.
     advantages   (B, T) float32   the sequence's advantage on its masked tokens
     rollout_logprobs (B, T) float32
     weights      (B, T) float32   loss weights (`common.grpo.token_weights`) for the global batch
+    old_logprobs (B, T) float32   the behaviour policy's log-probs, only when the micro-batches
+                                  carry them (several updates on one rollout)
     attn_starts  (B, T / block) int32  first key of each query block's attention window
     targets      (B, K) int32     positions of the row's trained tokens (loss mask 1), padded
                                   with 0 (a sequence start, never trained)
@@ -92,7 +94,13 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
            "positions": np.zeros((n_rows, 3, length), np.int32),
            "segments": np.full((n_rows, length), -1, np.int32),
            "targets": np.zeros((n_rows, n_targets), np.int32)}
-    for key in ("loss_mask", "advantages", "rollout_logprobs", "weights"):
+    keys = ["loss_mask", "advantages", "rollout_logprobs", "weights"]
+    behaviour = [row.batch.old_logprobs is not None for row in rows]
+    if any(behaviour):
+        if not all(behaviour):
+            raise ValueError("some micro-batches carry old_logprobs and others do not")
+        keys.append("old_logprobs")
+    for key in keys:
         out[key] = np.zeros((n_rows, length), np.float32)
     vision = []
     for r, row in enumerate(rows):
@@ -107,6 +115,8 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         out["advantages"][r, :t] = b.advantages
         out["rollout_logprobs"][r, :t] = b.rollout_logprobs
         out["weights"][r, :t] = row.weights
+        if "old_logprobs" in out:
+            out["old_logprobs"][r, :t] = b.old_logprobs
         out["targets"][r, :len(row.targets)] = row.targets
     out["attn_starts"], out["key_offsets"] = attention_windows(out["segments"],
                                                                min_window=min_window)

@@ -3,7 +3,7 @@
 The step accumulates gradients over S "slices"; a slice is R rows (R = the mesh's data-parallel
 size), one packed micro-batch per row (`geo3k_jax.batch`), every row `row_len` tokens. So that a
 whole run compiles a handful of times, every size that follows the data is rounded up to a
-bucket (a unit times a power of two), the same for every slice of the step:
+bucket (`bucket`: a unit times 1, 2, 3, 4, 6, 8, 12, ...), the same for every slice of the step:
 
     S  slices (the compiled loop runs only the real ones)   K  trained tokens per row
     W  attention keys per query block                       P  image patches per row
@@ -31,11 +31,13 @@ PATCH_UNITS = 16  # image patches per row: multiples of 16 merge units times a p
 
 
 def bucket(n: int, unit: int) -> int:
-    """The smallest unit * 2**k >= n (at least `unit`)."""
-    size = unit
-    while size < n:
-        size *= 2
-    return size
+    """The smallest rung >= n of the ladder unit x (1, 2, 3, 4, 6, 8, 12, 16, 24, ...): rungs at
+    most 1.5x apart, so padding wastes at most a third of the work while a run meets only a
+    logarithmic number of shapes."""
+    rung = 1
+    while unit * rung < n:
+        rung = rung * 4 // 3 if rung % 3 == 0 else rung * 3 // 2 if rung > 1 else 2
+    return unit * rung
 
 
 def step_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int

@@ -78,7 +78,8 @@ def grpo_loss(merge: Callable, params: dict, batch: dict, loss_cfg: LossConfig,
             raise ValueError("kl_coef > 0 needs reference parameters")
         ref = jax.lax.stop_gradient(token_logprobs(merge(cast(ref_params)), batch, temperature,
                                                    chunk=chunk))
-    loss, sums = loss_from_logprobs(logp, jax.lax.stop_gradient(logp), batch, loss_cfg, ref)
+    old = batch["old_logprobs"] if "old_logprobs" in batch else jax.lax.stop_gradient(logp)
+    loss, sums = loss_from_logprobs(logp, old, batch, loss_cfg, ref)
     sums["entropy"] = jnp.sum(entropy * batch["loss_mask"])
     return loss, sums
 
@@ -193,8 +194,31 @@ class Learner:
         n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns loss,
         grad_norm, lr, skipped, and token means of entropy, clip_frac, approx_kl, kl,
         tis_mean, logp_diff_mean, plus logp_diff_max and compiles (of the step, this run)."""
+        return self.train_arrays(self._step_arrays(batches, n_tokens, n_seqs)[0])
+
+    def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
+        """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
+        mask): the behaviour policy when several updates share one rollout."""
+        step, local = self._step_arrays(batches, 1.0, 1.0)
+        key = ("logprobs",) + tuple(sorted(step))
+        if key not in self._steps:
+            self._steps[key] = jax.jit(self._logprobs)
+        step_sh = None if self.mesh is None else batch_shardings(
+            self.mesh, step, row_axis=1, processes=self.comm.world)
+        if step_sh is not None:
+            step = jax.tree.map(_global_array, step, step_sh)
+        out = self._steps[key](self.params, step)  # (S, R, T)
+        if not out.is_fully_addressable:  # this process's rows only
+            from jax.experimental import multihost_utils
+            out = multihost_utils.global_array_to_host_local_array(
+                out, self.mesh, P(None, BATCH_AXES))
+        out = np.asarray(out)
+        return [out[i // local, i % local, :b.num_tokens] for i, b in enumerate(batches)]
+
+    def _step_arrays(self, batches, n_tokens: float, n_seqs: float) -> tuple[dict, int]:
+        """(this process's step arrays, its rows per slice), shapes agreed over processes."""
         if self.processor is None or self.config is None:
-            raise ValueError("train_step needs the learner's processor and config")
+            raise ValueError("the JAX learner needs its processor and config for micro-batches")
         rows = [host_row(b, self.processor, self.config, agg=self.loss_cfg.agg,
                          n_tokens=n_tokens, n_seqs=n_seqs) for b in batches]
         row_len = self.row_len or self.cfg.micro_batch_tokens
@@ -202,9 +226,17 @@ class Learner:
         sizes = step_sizes(rows, self.config, rows_per_slice=local, row_len=row_len)
         sizes = {k: int(v) for k, v in self.comm.sum_scalars(
             sizes, max_keys=tuple(sizes)).items()}  # every process pads to the same shapes
-        step = step_arrays(rows, self.config, rows_per_slice=local, row_len=row_len,
-                           sizes=sizes)
-        return self.train_arrays(step)
+        return step_arrays(rows, self.config, rows_per_slice=local, row_len=row_len,
+                           sizes=sizes), local
+
+    def _logprobs(self, params, step):
+        cast = params if self.compute_dtype is None else jax.tree.map(
+            lambda a: a.astype(self.compute_dtype), params)
+        model = self.merge(cast)
+        arrays = {k: v for k, v in step.items() if k not in ("n_slices", "key_offsets")}
+        return jax.lax.map(lambda sl: token_logprobs(
+            model, dict(sl, key_offsets=step["key_offsets"]), self.temperature,
+            chunk=self.chunk), arrays)
 
     def train_arrays(self, step: dict) -> dict[str, float]:
         """One optimizer step on a step's arrays (`geo3k_jax.buckets.step_arrays`, this

@@ -7,9 +7,10 @@
 Weights come from `common.grpo.token_weights` with the GLOBAL token / sequence counts of the
 whole batch (every rank, every micro-batch), so accumulated gradients equal the full-batch
 gradient. Under FSDP the gradients are averaged over ranks, hence the loss is scaled by the world
-size. One optimizer step per rollout (the anchor recipe): the "old" log-probs are the learner's
-own log-probs at the current weights, detached, and their distance to the engine's rollout
-log-probs is reported (mean and max over trained tokens).
+size. The "old" log-probs of the ratio are a batch's `old_logprobs` (computed once by `logprobs`
+before the first of several updates on one rollout) or, with one optimizer step per rollout (the
+anchor recipe), the learner's own log-probs at the current weights, detached; their distance to
+the engine's rollout log-probs is reported (mean and max over trained tokens).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class Learner:
             with torch.no_grad():
                 ref = self._forward(self.ref_model, batch, targets, False)
         rollout = const(batch.rollout_logprobs)
-        terms = per_token_terms(logp, logp.detach(), const(batch.advantages), self.loss_cfg,
+        old = logp.detach() if batch.old_logprobs is None else const(batch.old_logprobs)
+        terms = per_token_terms(logp, old, const(batch.advantages), self.loss_cfg,
                                 ref_logp=ref, rollout_logp=rollout, xp=torch)
         loss = (terms["loss"] * const(weights)).sum() * self.world_size
         with torch.no_grad():
@@ -121,6 +123,20 @@ class Learner:
         out = {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
         out.update({k: (v if k in ("loss", "logp_diff_max") else v / n)
                     for k, v in sums.items()})
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
+        """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
+        mask): the behaviour policy when several updates share one rollout."""
+        self.model.eval()
+        out = []
+        for batch in batches:
+            idx = np.nonzero(batch.loss_mask)[0]
+            logp = self._forward(self.model, batch, torch.from_numpy(idx).to(self.device), False)
+            full = np.zeros(batch.num_tokens, np.float32)
+            full[idx] = logp.float().cpu().numpy()
+            out.append(full)
         return out
 
     def export_hf(self, out_dir: Path) -> None:

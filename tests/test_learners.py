@@ -38,14 +38,14 @@ def tiny(tmp_path_factory):
                 n_tokens=float(sum(s.loss_mask.sum() for s in seqs)), n_seqs=float(len(seqs)))
 
 
-def torch_learner(tiny):
+def torch_learner(tiny, train_cfg=None):
     from geo3k_torch.learner import Learner
     from geo3k_torch.model import load_model
-    return Learner(load_model(tiny["path"]), tiny["processor"], LOSS, train_config(), 1.0,
-                   model_dir=tiny["path"])
+    return Learner(load_model(tiny["path"]), tiny["processor"], LOSS,
+                   train_cfg or train_config(), 1.0, model_dir=tiny["path"])
 
 
-def jax_learner(tiny):
+def jax_learner(tiny, train_cfg=None):
     import jax
     from geo3k_jax.learner import Learner
     from geo3k_jax.model import split_params
@@ -53,8 +53,9 @@ def jax_learner(tiny):
     jax.config.update("jax_default_matmul_precision", "highest")
     model, config = load_model(tiny["path"])
     merge, params = split_params(model)
-    return Learner(merge, params, LOSS, train_config(), 1.0, processor=tiny["processor"],
-                   config=config, row_len=512, model_dir=tiny["path"])
+    return Learner(merge, params, LOSS, train_cfg or train_config(), 1.0,
+                   processor=tiny["processor"], config=config, row_len=512,
+                   model_dir=tiny["path"])
 
 
 LEARNERS = pytest.mark.parametrize("make_learner", [torch_learner, jax_learner],
@@ -106,3 +107,45 @@ def test_resumed_step_equals_uninterrupted(make_learner, tiny, tmp_path):
     assert a.keys() == b.keys()
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) == 0.0
     assert max(float(np.abs(a[k] - w0[k]).max()) for k in a) > 0  # the second step moved them
+
+
+@LEARNERS
+def test_several_updates_per_rollout_use_the_behaviour_policy(make_learner, tiny):
+    """Four updates on one rollout: after the first, the ratio to the behaviour log-probs
+    leaves 1 and clipping acts, and each update's loss is the numpy reference on the learner's
+    current log-probs against the behaviour ones."""
+    import dataclasses
+
+    learner = make_learner(tiny, train_config(lr=0.05, lr_schedule="constant",
+                                              warmup_steps=0))
+    batches = tiny["batches"]
+    old = learner.logprobs(batches)
+    mask = [b.loss_mask > 0 for b in batches]
+    for o, b, m in zip(old, tiny["logp"], mask):  # the current policy: transformers' log-probs
+        np.testing.assert_allclose(o[m], b, atol=1e-5)
+    batches = [dataclasses.replace(b, old_logprobs=o) for b, o in zip(batches, old)]
+    for i, b in enumerate(batches):
+        now = learner.logprobs([b])[0]
+        n_tokens, n_seqs = float(b.loss_mask.sum()), float(len(b.seq_index))
+        want, ref = policy_loss(now, b.old_logprobs, b.advantages, b.loss_mask, LOSS,
+                                rollout_logp=b.rollout_logprobs, seq_ids=b.seq_ids,
+                                n_tokens=n_tokens, n_seqs=n_seqs)
+        got = learner.train_step([b], n_tokens, n_seqs)
+        assert got["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6), i
+        assert got["clip_frac"] == pytest.approx(ref["clip_frac"], abs=1e-6), i
+        if i == 0:  # the behaviour policy itself: ratio 1
+            assert got["clip_frac"] == 0.0 and abs(got["approx_kl"]) < 1e-6
+    assert got["clip_frac"] > 0 and got["approx_kl"] > 1e-4  # later updates: off-policy
+
+
+@pytest.mark.parametrize("make_learner", [torch_learner], ids=["torch"])
+def test_one_update_per_rollout_is_the_plain_step(make_learner, tiny):
+    """common.step.update with updates=1 is train_step itself, bit for bit."""
+    from common.step import update
+
+    a, b = make_learner(tiny), make_learner(tiny)
+    ma = update(a, tiny["batches"], tiny["n_tokens"], tiny["n_seqs"], updates=1)
+    mb = step(b, tiny)
+    assert ma == mb
+    for (k, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(pa, pb), k
