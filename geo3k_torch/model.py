@@ -3,8 +3,8 @@
 A packed micro-batch (`common.batching.PackedBatch`) is one row of T tokens holding S sequences.
 Its position ids are computed per sequence by `common.mrope` (3-D M-RoPE for image tokens) and
 passed in transformers' (4, 1, T) layout: row 0, the text position, restarts at 0 at every
-sequence, which is how the attention mask finds the sequence boundaries (no attention crosses
-them). Log-probs are read only where they are needed (the masked tokens), in fp32 from
+sequence, which is how the attention finds the sequence boundaries (no attention crosses them;
+with `geo3k_torch.attention` each sequence is attended on its own). Log-probs are read only where they are needed (the masked tokens), in fp32 from
 `logits / temperature`.
 """
 
@@ -16,10 +16,13 @@ import torch
 from common.batching import PackedBatch
 from common.mrope import packed_position_ids
 from common.processor import image_inputs
+from geo3k_torch import attention
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = "sdpa"):
-    """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode."""
+def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attention.NAME):
+    """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode.
+    attn: "packed_sdpa" (`geo3k_torch.attention`: packed rows attend per sequence) or any
+    transformers attention implementation."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
