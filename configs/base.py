@@ -109,6 +109,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Optimizer steps per rollout, each on a consecutive share of its micro-batches, against
     # the behaviour policy's log-probs (1: the anchor recipe; >1: the ratio and clipping act).
     c.train.updates_per_rollout = 1
+    # Trained tokens whose (tokens x vocabulary) logits exist at once in the learner's LM head
+    # (per micro-batch in torch, per row in JAX); 0 = all of them.
+    c.train.logprob_chunk = 1024
     c.train.lr = 1e-6
     c.train.lr_schedule = "constant"  # constant | linear | cosine
     c.train.warmup_steps = 0
@@ -143,7 +146,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.rules = JAX_RULES
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
-    c.jax.logprob_chunk = 1024  # trained tokens of a row whose logits exist at once; 0 = all
     c.jax.remat = False  # recompute each decoder layer in the backward pass (less memory)
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)

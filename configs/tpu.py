@@ -27,5 +27,4 @@ def get_config():
     c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
     c.jax.compute_dtype = "bfloat16"
     c.jax.remat = True
-    c.jax.logprob_chunk = 1024
     return c

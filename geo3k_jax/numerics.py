@@ -137,7 +137,7 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
         (loss, _), grads = grad_fn(params, batch)
         learner = JaxLearner(merge, params, loss_cfg, train_cfg, temperature, mesh=mesh,
                              rules=jcfg.rules, processor=processor, config=config,
-                             row_len=batch["input_ids"].shape[1], chunk=jcfg.logprob_chunk)
+                             row_len=batch["input_ids"].shape[1], chunk=train_cfg.logprob_chunk)
         start = time.perf_counter()
         learner.train_step(batches, n_tokens, n_seqs)
         compile_and_step = time.perf_counter() - start

@@ -77,7 +77,7 @@ def build(cfg, workdir: str) -> loop.Run:
                       processor=processor, config=config, mesh=mesh, rules=cfg.jax.rules,
                       compute_dtype=DTYPES[cfg.jax.compute_dtype],
                       ref_params=params if loss_cfg.kl_coef else None,
-                      chunk=cfg.jax.logprob_chunk, remat=cfg.jax.remat, comm=comm,
+                      chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
                       model_dir=model_dir)
     if cfg.engine.backend == "local":
         from geo3k_torch.backend import LocalBackend

@@ -37,8 +37,10 @@ class Learner:
 
     def __init__(self, model, processor, loss_cfg: LossConfig, train_cfg, temperature: float,
                  device: torch.device | str = "cpu", ref_model=None,
-                 comm: Collectives = SingleProcess(), model_dir: str | None = None):
+                 comm: Collectives = SingleProcess(), model_dir: str | None = None,
+                 chunk: int = 0):
         self.model, self.processor, self.loss_cfg = model, processor, loss_cfg
+        self.chunk = chunk  # trained tokens whose logits exist at once (0: all)
         self.cfg, self.temperature, self.model_dir = train_cfg, temperature, model_dir
         self.device, self.ref_model, self.comm = torch.device(device), ref_model, comm
         self.world_size = comm.world
@@ -56,9 +58,9 @@ class Learner:
     def _forward(self, model, batch: PackedBatch, targets: torch.Tensor, entropy: bool):
         inputs = packed_inputs(batch, self.processor, model.config, self.device)
         if self.autocast is None:
-            return token_logprobs(model, inputs, targets, self.temperature, entropy)
+            return token_logprobs(model, inputs, targets, self.temperature, entropy, self.chunk)
         with self.autocast:
-            return token_logprobs(model, inputs, targets, self.temperature, entropy)
+            return token_logprobs(model, inputs, targets, self.temperature, entropy, self.chunk)
 
     def micro_batch_loss(self, batch: PackedBatch, n_tokens: float, n_seqs: float) -> tuple:
         """Loss of one micro-batch (already scaled for accumulation) and its metric sums."""

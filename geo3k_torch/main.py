@@ -48,7 +48,8 @@ def build(cfg, workdir: str) -> loop.Run:
     if comm.world > 1:
         distributed.parallelize(model, mixed_precision=on_gpu and cfg.train.bf16)
     learner = Learner(model, processor, loss_cfg, cfg.train, cfg.rollout.temperature, device,
-                      ref_model=ref_model, comm=comm, model_dir=model_dir)
+                      ref_model=ref_model, comm=comm, model_dir=model_dir,
+                      chunk=cfg.train.logprob_chunk)
     if cfg.engine.backend == "local":
         from geo3k_torch.backend import LocalBackend
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,

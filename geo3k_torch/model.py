@@ -48,20 +48,55 @@ def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | 
 
 
 def token_logprobs(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor,
-                   temperature: float = 1.0, with_entropy: bool = False):
+                   temperature: float = 1.0, with_entropy: bool = False, chunk: int = 0):
     """log p(token t | tokens < t) at the positions `targets` (K,) of the packed row.
 
     Every target must have a predecessor in its own sequence (its loss mask is 1, so it is never
     the first token of a sequence). Only the K needed logits rows are computed (the root forward
-    with `logits_to_keep`, so FSDP's hooks run). Returns (K,) fp32 log-probs and, with
-    `with_entropy`, (K,) detached entropies of the same distributions.
+    with `logits_to_keep`, so FSDP's hooks run), `chunk` rows at a time when 0 < chunk < K (each
+    chunk's (chunk, vocab) logits are recomputed in the backward pass: the K x vocab logits never
+    exist at once). Returns (K,) fp32 log-probs and, with `with_entropy`, (K,) detached
+    entropies of the same distributions.
     """
+    ids = inputs["input_ids"][0, targets]
+    if 0 < chunk < len(targets):
+        head = model.lm_head
+        model.lm_head = _ChunkedHead(head, ids, temperature, chunk)
+        try:
+            out = model(**inputs, use_cache=False, logits_to_keep=targets - 1).logits[0]
+        finally:
+            model.lm_head = head
+        return (out[:, 0], out[:, 1]) if with_entropy else out[:, 0]
     out = model(**inputs, use_cache=False, logits_to_keep=targets - 1)
-    logits = out.logits[0].float() / temperature  # (K, V)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, inputs["input_ids"][0, targets][:, None])[:, 0]
+    return _logprobs(out.logits[0], ids, temperature, with_entropy)
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float, with_entropy: bool):
+    """(K, V) logits, (K,) token ids -> (K,) fp32 log-probs [and (K,) detached entropies]."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, ids[:, None])[:, 0]
     if not with_entropy:
         return logp
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+class _ChunkedHead(torch.nn.Module):
+    """Stands in for the LM head during one forward: (1, K, hidden) -> (1, K, 2) log-probs of
+    `ids` and entropies, `chunk` rows at a time, each chunk checkpointed."""
+
+    def __init__(self, head: torch.nn.Module, ids: torch.Tensor, temperature: float, chunk: int):
+        super().__init__()
+        self.head, self.ids, self.temperature, self.chunk = head, ids, temperature, chunk
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        parts = [checkpoint(self._part, hidden[0, a:a + self.chunk], self.ids[a:a + self.chunk],
+                            use_reentrant=False) for a in range(0, hidden.shape[1], self.chunk)]
+        return torch.cat(parts)[None]
+
+    def _part(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logp, entropy = _logprobs(self.head(hidden), ids, self.temperature, True)
+        return torch.stack([logp, entropy], dim=-1)

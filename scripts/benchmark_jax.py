@@ -74,7 +74,7 @@ def main(argv):
     merge, params = split_params(model)
     row_len = -(-max(b.num_tokens for b in batches) // cfg.jax.pad_to) * cfg.jax.pad_to
     j_learner = JaxLearner(merge, params, loss_cfg, cfg.train, temp, processor=processor,
-                           config=config, row_len=row_len, chunk=cfg.jax.logprob_chunk,
+                           config=config, row_len=row_len, chunk=cfg.train.logprob_chunk,
                            remat=cfg.jax.remat)
     j_first, j_step = _timed(lambda: j_learner.train_step(batches, n_tokens, n_seqs),
                              _STEPS.value)

@@ -50,7 +50,8 @@ def main(out, arch, agg, layout="strided"):
     with cfg.unlocked():
         cfg.lr = 1e-3
     comm = distributed.TorchCollectives()
-    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0), cfg, 1.0, comm=comm)
+    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0), cfg, 1.0, comm=comm,
+                      chunk=8)  # the LM head 8 trained tokens at a time, under FSDP too
     budget = max(len(s) for s in seqs)  # several micro-batches: accumulation is exercised too
     batches = pack(mine, budget)
     n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]
