@@ -34,6 +34,8 @@ from geo3k_torch.setup import prepare_model_dir, resolve_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Measured rounds (after one warm-up round).")
+_ATTN = flags.DEFINE_string("attn", "packed_sdpa", "The learner's attention: packed_sdpa "
+                            "(per sequence of a packed row) or sdpa (block-diagonal mask).")
 
 
 def _sync(device):
@@ -50,7 +52,7 @@ def main(argv):
     train_set, _ = prepare_data(cfg)
     processor = load_processor(model_dir)
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.train.bf16 else torch.float32
-    model = load_model(model_dir).to(device)
+    model = load_model(model_dir, attn=_ATTN.value).to(device)
     pad = processor.tokenizer.pad_token_id
     engine = LocalEngine(model, processor, pad if pad is not None else 0, cfg.seed, device)
     learner = Learner(model, processor, to_dataclass(LossConfig, cfg.loss), cfg.train,
@@ -85,6 +87,7 @@ def main(argv):
             "micro-batches": float(len(batches)),
             "rollout s / step": t1 - t0, "train s / step": t3 - t2})
     print(f"\nconfig: {cfg.model.path or cfg.model.tiny_dir}, device {device}, dtype {dtype}, "
+          f"attention {_ATTN.value}, "
           f"{cfg.train.prompts_per_step} prompts x {cfg.rollout.n_samples} samples, "
           f"micro-batch budget {cfg.train.micro_batch_tokens} tokens, {_ROUNDS.value} rounds")
     print(f"| {'quantity':<28} | {'mean':>10} |")
