@@ -35,7 +35,7 @@ from common.reward import grade_answer
 # Reason codes carried in `info["reason"]`.
 CORRECT = "correct"
 WRONG = "wrong"
-REPEATED = "repeated"  # wrong, and the same answer as an earlier turn
+REPEATED = "repeated"  # wrong, and the same answer (as math) as an earlier turn
 NO_TOOL_CALL = "no_tool_call"
 MALFORMED = "malformed_json"
 UNKNOWN_TOOL = "unknown_tool"
@@ -68,7 +68,8 @@ LAST_CHANCE = " You have one attempt left."
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    """Episode rules. `rel_tol` > 0 accepts numeric answers within that relative tolerance."""
+    """Episode rules. `rel_tol` > 0 accepts numeric answers within that relative tolerance;
+    `rel_tol` and `grade_timeout_s` grade the reward's boxed answers too (`common.scoring`)."""
 
     max_turns: int = 3
     end_on_correct: bool = True
@@ -184,6 +185,12 @@ class Geo3kEnv:
         return bool(self._grader(answer, self.ground_truth, rel_tol=self.config.rel_tol,
                                  timeout_s=self.config.grade_timeout_s))
 
+    def _same(self, answer: str, earlier: str) -> bool:
+        """Whether `answer` repeats an earlier wrong answer: equal as math (`12`, `12.0` and
+        `x = 12` are one answer), judged by the grader itself, exactly."""
+        return answer == earlier or bool(self._grader(
+            answer, earlier, rel_tol=0.0, timeout_s=self.config.grade_timeout_s))
+
     def step(self, response_text: str) -> tuple[dict, bool, dict]:
         """Score one assistant turn.
 
@@ -208,7 +215,7 @@ class Geo3kEnv:
                 if self.first_correct_turn is None:
                     self.first_correct_turn = self.turn
             else:
-                reason = REPEATED if answer in self.tried else WRONG
+                reason = REPEATED if any(self._same(answer, t) for t in self.tried) else WRONG
             self.tried.append(answer)
         cfg = self.config
         self.done = (

@@ -239,7 +239,7 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
     trajectories = []
     for prompt, g, k, plen, ep in episodes:
         score = score_episode([t.text for t in ep.turns], [t.info for t in ep.turns],
-                              prompt.answer, reward_config, ep.env.choices)
+                              prompt.answer, reward_config, ep.env.choices, env_config)
         aborted = ep.status == ABORTED
         trajectories.append(Trajectory(
             uid=prompt.uid, group_id=g, sample_idx=k, answer=prompt.answer,

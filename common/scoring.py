@@ -1,17 +1,22 @@
-"""The episode reward: one number per multi-turn episode, read from the model's own turns only.
+"""The episode reward: one answer per turn, read from the model's own turns only.
 
-Where correctness comes from (`RewardConfig.source`):
-  * `tool`: the first tool call the environment scored correct;
-  * `boxed`: the last `\\boxed{}` of the model's turns (the default math reward model, applied to
-    the assistant text alone: the environment's feedback is never read);
-  * `tool_or_boxed` (default): `tool`, else `boxed`. With `end_on_correct` the episode stops at a
-    correct call, before any box, so the tool result must count.
+A turn's answer (`turn_answer`) is the argument of its valid tool call; a turn without one
+answers with its last `\\boxed{}` (the environment's feedback is never read). A box written in
+the same turn as a valid call is not a second guess: hedging (box one choice, call the tool with
+another) earns nothing a single answer would not. `RewardConfig.source` narrows that:
+  * `tool`: only tool-call answers count;
+  * `boxed`: only boxes count (a turn's last box; the default math reward of single-turn runs);
+  * `tool_or_boxed` (default): the rule above.
 
-reward = correct * turn_discount ** (turn of the first correct answer - 1)
+reward = max over turns t of correct(answer_t) * turn_discount ** (t - 1)
          + format_bonus * (at least one well-formed tool call)
 
-Binary by default (discount 1, bonus 0): fractional rewards made equal-reward groups produce
-non-zero advantages in one anchor; `common.grpo` also zeroes such groups exactly.
+(AReaL's rule; with a discount <= 1 the max is at the first correct turn, `correct_turn`.) A
+tool answer is correct when the environment scored it 1.0; a boxed one is graded with the
+environment's own setting (`EnvConfig.rel_tol`, `grade_timeout_s`), so the environment's verdict
+and the reward can never disagree. Binary by default (discount 1, bonus 0): fractional rewards
+made equal-reward groups produce non-zero advantages in one anchor; `common.grpo` also zeroes
+such groups exactly.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from common.env import resolve_choice
+from common.env import EnvConfig, resolve_choice
 from common.reward import extract_last_boxed, grade_answer
 
 SOURCES = ("tool", "boxed", "tool_or_boxed")
@@ -30,8 +35,6 @@ class RewardConfig:
     source: str = "tool_or_boxed"
     turn_discount: float = 1.0
     format_bonus: float = 0.0
-    rel_tol: float = 0.0
-    timeout_s: float = 5.0
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -47,28 +50,38 @@ class EpisodeScore:
     correct_turn: int | None  # 1-based turn of the first correct answer
 
 
-def _boxed_turn(texts: Sequence[str], answer: str, cfg: RewardConfig,
-                choices: Sequence[str] | None) -> int | None:
-    """1-based turn holding the last box of the model's turns, if that box is correct."""
-    for turn in range(len(texts), 0, -1):
-        boxed = extract_last_boxed(texts[turn - 1])
+def turn_answer(text: str, info: dict, source: str) -> tuple[str, str] | None:
+    """("tool" | "boxed", answer) of one turn under `source`, or None if it gave no answer."""
+    if source != "boxed" and info.get("tool_score") is not None:
+        return "tool", str(info["parsed_answer"])
+    if source != "tool":
+        boxed = extract_last_boxed(text)
         if boxed is not None:
-            ok = grade_answer(resolve_choice(boxed, choices), answer, rel_tol=cfg.rel_tol,
-                              timeout_s=cfg.timeout_s)
-            return turn if ok else None
+            return "boxed", boxed
     return None
 
 
 def score_episode(texts: Sequence[str], infos: Sequence[dict], answer: str,
-                  cfg: RewardConfig = RewardConfig(),
-                  choices: Sequence[str] | None = None) -> EpisodeScore:
-    """Score an episode from its assistant texts and the environment's per-turn infos.
-    With `choices`, a boxed choice letter stands for that choice."""
+                  cfg: RewardConfig = RewardConfig(), choices: Sequence[str] | None = None,
+                  env_cfg: EnvConfig = EnvConfig()) -> EpisodeScore:
+    """Score an episode from its assistant texts and the environment's per-turn infos. With
+    `choices`, a boxed choice letter stands for that choice (as the environment reads calls)."""
+    if len(texts) != len(infos):
+        raise ValueError(f"{len(texts)} turn texts but {len(infos)} turn infos")
     turn = None
-    if cfg.source in ("tool", "tool_or_boxed"):
-        turn = next((i["turn"] for i in infos if i.get("tool_score") == 1.0), None)
-    if turn is None and cfg.source in ("boxed", "tool_or_boxed"):
-        turn = _boxed_turn(texts, answer, cfg, choices)
+    for t, (text, info) in enumerate(zip(texts, infos), start=1):
+        given = turn_answer(text, info, cfg.source)
+        if given is None:
+            continue
+        kind, value = given
+        if kind == "tool":
+            ok = info["tool_score"] == 1.0
+        else:
+            ok = grade_answer(resolve_choice(value, choices), answer, rel_tol=env_cfg.rel_tol,
+                              timeout_s=env_cfg.grade_timeout_s)
+        if ok:
+            turn = t
+            break
     correct = turn is not None
     reward = cfg.turn_discount ** (turn - 1) if correct else 0.0
     if cfg.format_bonus and any(i.get("tool_score") is not None for i in infos):

@@ -52,7 +52,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.max_turns = 3
     c.env.end_on_correct = True
     c.env.end_on_no_tool_call = True
-    c.env.rel_tol = 0.0
+    # One grading setting for the environment's verdicts AND the reward (they cannot disagree):
+    c.env.rel_tol = 0.0  # relative tolerance for numeric answers (0: exact)
     c.env.grade_timeout_s = 5.0
     c.env.accept_choice_letter = True
 
@@ -61,8 +62,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward.source = "tool_or_boxed"
     c.reward.turn_discount = 1.0
     c.reward.format_bonus = 0.0
-    c.reward.rel_tol = 0.0
-    c.reward.timeout_s = 5.0
 
     # Multi-turn sampling (common.rollout.RolloutConfig).
     c.rollout = ml_collections.ConfigDict()
