@@ -37,6 +37,7 @@ setup(
         "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
         # GPU rollouts: SGLang brings its own CUDA torch build.
         "gpu": ["sglang>=0.5"],
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+        # trl ships Qwen's published chat templates, which the tests render with.
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "trl>=1.16"],
     },
 )

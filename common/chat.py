@@ -9,7 +9,17 @@
     generated tokens are never re-tokenized. The text between the end of the assistant's content
     and its turn-end token is template-specific and handled generally: if the model's last token
     was the turn-end token, what the template writes after it is prepended; otherwise (it stopped
-    on another stop token) the turn is closed with the template's own turn-end text.
+    on another stop token) the turn is closed with the template's own turn-end text. The
+    feedback's content is plain text (it repeats what the model wrote): where it holds the text
+    of a special or added token (`<|image_pad|>`, `<|im_start|>`, ...) it is encoded on its own
+    with those split into ordinary tokens, so none can come from model text.
+
+Templates without tool support. Qwen2.5-VL's published template ignores `tools=` and writes a
+`tool` message under a role the model never saw. The renderer detects whether the template
+renders the tool schema (`tool_format="auto"`); where it does not, it writes the schema into the
+system prompt in Qwen's Hermes form (`<tools>` with one JSON schema per line, the `<tool_call>`
+format) and sends feedback as a user message wrapped in `<tool_response>` tags, as Qwen2.5 renders
+tool results. `tool_format="template"` or `"system_prompt"` forces either way.
 
 Works with any processor offering `apply_chat_template`, a `tokenizer` and `__call__(text=,
 images=)`; nothing here imports torch.
@@ -17,21 +27,49 @@ images=)`; nothing here imports torch.
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Sequence
 
 from common.prompts import TOOLS
 
 _PROBE_USER = {"role": "user", "content": "Q"}
 _PROBE_REPLY = "A1b2C3"  # an assistant content the template cannot confuse with its own text
+_PROBE_FEEDBACK = "F9e8D7"  # stands for the feedback text while the template is rendered
+TOOL_FORMATS = ("auto", "template", "system_prompt")
+
+log = logging.getLogger(__name__)
+
+
+def hermes_tool_block(tools: list[dict]) -> str:
+    """The tool schema as Qwen's Hermes-style system-prompt section: the schemas as JSON lines
+    inside <tools></tools>, then how to write a call inside <tool_call></tool_call>."""
+    schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call functions to help with the user's request.\n\n"
+            "The function signatures are inside <tools></tools> XML tags:\n<tools>\n"
+            f"{schemas}\n</tools>\n\nFor each call, write a JSON object with the function name "
+            "and its arguments inside <tool_call></tool_call> XML tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 class ChatRenderer:
     """Renders chat messages with `processor`'s template. See the module docstring."""
 
-    def __init__(self, processor: Any, tools: list[dict] | None = TOOLS):
+    def __init__(self, processor: Any, tools: list[dict] | None = TOOLS,
+                 tool_format: str = "auto"):
+        if tool_format not in TOOL_FORMATS:
+            raise ValueError(f"tool_format must be one of {TOOL_FORMATS}, got {tool_format!r}")
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
         self.tools = tools
+        self._added_tokens = tuple(self.tokenizer.get_added_vocab())  # specials included
+        self.tool_format = "template"
+        if tools and tool_format == "auto" and not self._template_renders_tools():
+            log.warning("the chat template does not render tools: the tool schema goes into the "
+                        "system prompt and feedback into <tool_response> user turns")
+            tool_format = "system_prompt"
+        if tools and tool_format == "system_prompt":
+            self.tool_format = tool_format
         turn = self._render([_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}], False)
         if _PROBE_REPLY not in turn:
             raise ValueError("the chat template does not render assistant content verbatim")
@@ -54,12 +92,53 @@ class ChatRenderer:
                 stops.append(t)
         self.stop_token_ids = tuple(stops)
 
+    def _template_renders_tools(self) -> bool:
+        name = self.tools[0]["function"]["name"]
+        with_tools = self.processor.apply_chat_template(
+            [_PROBE_USER], tools=self.tools, add_generation_prompt=True, tokenize=False)
+        return name in with_tools
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        """The template's text of `messages` as this renderer presents them (the tool schema
+        where the template takes it, feedback in a role it knows)."""
+        return self._render([self.template_message(m) for m in messages], generation_prompt)
+
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        if self.tool_format == "system_prompt":
+            return self.processor.apply_chat_template(
+                self._with_tool_block(messages), add_generation_prompt=generation_prompt,
+                tokenize=False)
         return self.processor.apply_chat_template(
             messages, tools=self.tools, add_generation_prompt=generation_prompt, tokenize=False)
 
+    def _with_tool_block(self, messages: list[dict]) -> list[dict]:
+        """The conversation with the tool schema at the end of its system prompt."""
+        block = hermes_tool_block(self.tools)
+        messages = list(messages)
+        if messages and messages[0]["role"] == "system":
+            content = messages[0]["content"]
+            if not isinstance(content, str):
+                content = "".join(p.get("text", "") for p in content)
+            messages[0] = dict(messages[0], content=f"{content}\n\n{block}")
+        else:
+            messages.insert(0, {"role": "system", "content": block})
+        return messages
+
+    def template_message(self, message: dict) -> dict:
+        """A feedback message in a role the template knows: a tool result becomes a user turn
+        wrapped in <tool_response> tags when the template has no tool role."""
+        if self.tool_format == "system_prompt" and message["role"] == "tool":
+            return {"role": "user",
+                    "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        return message
+
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Tokens of `text` with no special or added token recognised in it."""
+        return list(self.tokenizer(text, add_special_tokens=False,
+                                   split_special_tokens=True)["input_ids"])
 
     def prompt_ids(self, messages: list[dict], images: Sequence[Any]) -> list[int]:
         """Token ids of the prompt with images expanded, ending with the generation prompt."""
@@ -73,17 +152,25 @@ class ChatRenderer:
     def observation_ids(self, message: dict, last_token: int) -> list[int]:
         """Tokens that follow an assistant turn ending in `last_token`: `message`, then the
         generation prompt of the next assistant turn. Loss mask 0 in the trajectory."""
+        feedback = message["content"]
         probe = [_PROBE_USER, {"role": "assistant", "content": _PROBE_REPLY}]
-        full = self._render(probe + [message], True)
+        full = self._render(probe + [self.template_message(
+            dict(message, content=_PROBE_FEEDBACK))], True)
         if not full.startswith(self._prefix):
             raise ValueError("the chat template rewrites earlier turns when a message is added; "
                              "observation tokens cannot be taken as a suffix")
         added = full[len(self._prefix):]
+        if added.count(_PROBE_FEEDBACK) != 1:
+            raise ValueError("the chat template does not write a feedback message's content "
+                             "verbatim, once")
+        before, after = added.split(_PROBE_FEEDBACK)
         if last_token == self.turn_end_id:
             head = self._after_content[len(self._turn_end_text):]
         else:
             head = self._after_content
-        return self._encode(head + added)
+        if not any(t in feedback for t in self._added_tokens):  # plain text already
+            return self._encode(head + before + feedback + after)
+        return self._encode(head + before) + self._encode_plain(feedback) + self._encode(after)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of generated ids, special tokens included (the environment parses tool tags)."""

@@ -70,7 +70,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
     step_cfg = step_config(cfg)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
-    renderer = ChatRenderer(run.processor)
+    renderer = ChatRenderer(run.processor, tool_format=cfg.model.tool_format)
     sampler = PromptSampler(len(run.train_set), cfg.seed)
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None

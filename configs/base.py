@@ -46,6 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_arch = "qwen3_vl"
     c.model.tiny_vocab = "small"
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
+    # How the tool reaches the model: auto (the template's own tool support where it has it,
+    # else the schema in the system prompt, as for Qwen2.5-VL) | template | system_prompt.
+    c.model.tool_format = "auto"
 
     # The environment (common.env.EnvConfig).
     c.env = ml_collections.ConfigDict()

@@ -58,7 +58,7 @@ def main(argv):
     learner = Learner(model, processor, to_dataclass(LossConfig, cfg.loss), cfg.train,
                       cfg.rollout.temperature, device)
     roll_cfg = to_dataclass(RolloutConfig, cfg.rollout)
-    renderer = ChatRenderer(processor)
+    renderer = ChatRenderer(processor, tool_format=cfg.model.tool_format)
     sampler = PromptSampler(len(train_set), cfg.seed)
     rng = np.random.default_rng(0)
     rows = []
