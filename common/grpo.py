@@ -18,6 +18,14 @@ loss is always sum_t weight_t * loss_t:
 With gradient accumulation the weights use the global `n_tokens` / `n_seqs` of the whole batch,
 so that the micro-batch losses add up to the full-batch loss.
 
+Which KL estimators make sense as a LOSS term (samples from the current policy, d = logp - ref):
+  * k1 = d: an unbiased estimate of KL's value, but its gradient, grad logp, has expectation zero
+    under the policy: as a loss it only adds noise (and it is not >= 0). Use it to monitor.
+  * k2 = d^2 / 2: its gradient is d * grad logp, the gradient of KL(pi || ref) (the usual
+    choice for a KL loss, GRPO-style).
+  * k3 = exp(-d) - 1 + d ("low_var_kl"): >= 0, low variance as a value; its gradient
+    (1 - exp(-d)) grad logp is that of KL(ref || pi) to first order, and 0 at pi = ref.
+
 `per_token_terms` is written once against an array namespace `xp`: the torch and JAX learners
 call it with `torch` / `jax.numpy`, so the formulas exist in one place only.
 """
@@ -85,7 +93,8 @@ class LossConfig:
 
 
 def kl_penalty(logp, ref_logp, estimator: str, xp=np):
-    """Per-token KL estimate to the reference policy, clamped to +-10. Shapes as the inputs."""
+    """Per-token KL estimate to the reference policy, clamped to +-10. Shapes as the inputs.
+    k2 or k3 as a loss term; k1's gradient has zero mean (see the module docstring)."""
     d = logp - ref_logp
     if estimator == "k1":
         kl = d

@@ -70,13 +70,13 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
              "generated": float(sum(t.num_generated for t in trajs))}, max_keys=("micro",))
         if comm.world > 1:  # every process runs as many forward/backward passes
             batches = even_out(batches, int(counts["micro"]), spare_sequence(trajs))
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"time_train": 0.0}
     if counts["seqs"] > 0:  # no group with a reward spread on any process: nothing to learn
         with timed(times, "train"), train_context():
-            metrics = update(learner, batches, counts["tokens"], counts["seqs"],
+            metrics |= update(learner, batches, counts["tokens"], counts["seqs"],
                              cfg.updates_per_rollout, comm)
     world, budget = comm.world, cfg.micro_batch_tokens
-    metrics.update(times)
+    metrics.update(times)  # (time_train stays 0.0 when nothing trained)
     metrics.update({
         "filtered_groups": counts["filtered"], "sequences": counts["seqs"],
         "grader_calls": counts["grader_calls"], "grader_timeouts": counts["grader_timeouts"],

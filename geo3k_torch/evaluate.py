@@ -44,7 +44,8 @@ def run(cfg, split: str = "test") -> dict:
     pad = processor.tokenizer.pad_token_id
     engine = LocalEngine(model, processor, pad if pad is not None else 0, cfg.seed, device)
     torch.manual_seed(cfg.seed)
-    return evaluate([data[i] for i in range(n)], engine, ChatRenderer(processor, tool_format=cfg.model.tool_format),
+    renderer = ChatRenderer(processor, tool_format=cfg.model.tool_format)
+    return evaluate([data[i] for i in range(n)], engine, renderer,
                     to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
                     to_dataclass(RewardConfig, cfg.reward), n_samples=cfg.eval.n_samples)
 
