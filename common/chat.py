@@ -91,6 +91,9 @@ class ChatRenderer:
                     and t not in stops:
                 stops.append(t)
         self.stop_token_ids = tuple(stops)
+        vocab = self.tokenizer.get_vocab()
+        self.placeholder_ids = tuple(vocab[t] for t in ("<|image_pad|>", "<|video_pad|>")
+                                     if t in vocab)
 
     def _template_renders_tools(self) -> bool:
         name = self.tools[0]["function"]["name"]

@@ -9,12 +9,13 @@ from typing import Sequence
 
 import numpy as np
 
-from common.rollout import ABORTED, TRUNCATED, Trajectory
+from common.rollout import ABORT_REASONS, ABORTED, TRUNCATED, Trajectory
 
 
 def rollout_metrics(trajs: Sequence[Trajectory], max_turns: int) -> dict[str, float]:
     """Means over trajectories (aborted ones count only in `aborted`).
 
+    trajectories, aborted (and aborted_<reason> for each `ABORT_REASONS`), truncated;
     reward_mean/std, accuracy, tool_call_rate (share of turns with a well-formed tool call),
     turns_mean, response_len_mean (tokens after the prompt), generated_len_mean (tokens the
     model sampled), truncated / aborted (counts), solved_turn_k (share solved first on turn k).
@@ -23,6 +24,8 @@ def rollout_metrics(trajs: Sequence[Trajectory], max_turns: int) -> dict[str, fl
     out: dict[str, float] = {"trajectories": float(len(trajs)),
                              "aborted": float(len(trajs) - len(done)),
                              "truncated": float(sum(t.status == TRUNCATED for t in done))}
+    for reason in ABORT_REASONS:
+        out[f"aborted_{reason}"] = float(sum(t.abort_reason == reason for t in trajs))
     if not done:
         return out
     rewards = np.array([t.reward for t in done])

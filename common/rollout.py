@@ -12,8 +12,10 @@ alone (`Renderer.observation_ids`). All active episodes of a turn go to the engi
 
 Limits: a response budget shared by all turns (generated and observation tokens both count) and
 a context limit (prompt + response). Each episode ends `completed` (the environment said done),
-`truncated` (budget or context reached) or `aborted` (the engine failed a request more than
-`max_retries` times; aborted episodes are excluded from training, the others go on).
+`truncated` (budget or context reached) or `aborted`, with an `abort_reason`: `engine` (the
+engine failed a request more than `max_retries` times) or `placeholder` (it sampled an image or
+video placeholder id, `Renderer.placeholder_ids`: such a token would make the learner look for
+an image that is not there). Aborted episodes are excluded from training, the others go on.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from common.env import EnvConfig, Geo3kEnv
 from common.scoring import RewardConfig, score_episode
 
 COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
+ABORT_REASONS = ("engine", "placeholder")
 EXPORT_STYLES = ("concat", "individual")
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class Renderer(Protocol):
     """Turns chat messages into the model's token ids (see `common.chat.ChatRenderer`)."""
 
     stop_token_ids: tuple[int, ...]
+    placeholder_ids: tuple[int, ...]  # image / video placeholders: never valid model output
 
     def prompt_ids(self, messages: list[dict], images: Sequence[Any]) -> list[int]: ...
 
@@ -103,6 +107,7 @@ class Trajectory:
     reward: float = 0.0
     correct: bool = False
     correct_turn: int | None = None
+    abort_reason: str | None = None  # one of ABORT_REASONS when aborted
 
     @property
     def response_len(self) -> int:
@@ -123,6 +128,7 @@ class _Episode:
     env: Geo3kEnv
     turns: list[Turn] = dataclasses.field(default_factory=list)
     status: str | None = None
+    abort_reason: str | None = None
 
 
 def generate_with_retries(engine: Engine, requests: list[Request],
@@ -160,8 +166,8 @@ def generate_with_retries(engine: Engine, requests: list[Request],
     return results
 
 
-def _close(ep: _Episode, status: str) -> None:
-    ep.status = status
+def _close(ep: _Episode, status: str, abort_reason: str | None = None) -> None:
+    ep.status, ep.abort_reason = status, abort_reason
 
 
 def _advance(ep: _Episode, out: Completion, renderer: Renderer, cfg: RolloutConfig,
@@ -204,6 +210,7 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
     `prompts` are `common.data.Prompt`-like objects (`uid`, `messages`, `images`, `answer`).
     Group ids are `group_offset + prompt index`. Rewards are scored here (`common.scoring`).
     """
+    placeholders = set(renderer.placeholder_ids)
     episodes: list[tuple[Any, int, int, int, _Episode]] = []
     for g, prompt in enumerate(prompts):
         ids = renderer.prompt_ids(prompt.messages, prompt.images)
@@ -230,7 +237,9 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
         outs = generate_with_retries(engine, requests, cfg.max_retries)
         for (plen, ep), out, req in zip(active, outs, requests):
             if out is None:
-                _close(ep, ABORTED)
+                _close(ep, ABORTED, "engine")
+            elif placeholders.intersection(out.token_ids):
+                _close(ep, ABORTED, "placeholder")
             elif len(out.token_ids) > req.sampling.max_new_tokens:
                 raise ValueError(f"engine returned {len(out.token_ids)} tokens for "
                                  f"max_new_tokens={req.sampling.max_new_tokens}")
@@ -247,7 +256,7 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
             rollout_logprobs=np.asarray(ep.logps, np.float32), prompt_len=plen,
             images=list(prompt.images), turns=ep.turns, status=ep.status,
             reward=0.0 if aborted else score.reward, correct=score.correct and not aborted,
-            correct_turn=None if aborted else score.correct_turn))
+            correct_turn=None if aborted else score.correct_turn, abort_reason=ep.abort_reason))
     return trajectories
 
 

@@ -17,6 +17,7 @@ class CharRenderer:
     """A renderer whose ids are character codes: easy to predict exactly in tests."""
 
     stop_token_ids = (TURN_END, EOS)
+    placeholder_ids = (IMAGE,)
 
     def prompt_ids(self, messages, images):
         text = "".join(p.get("text", "") for m in messages[1:] for p in m["content"])

@@ -44,6 +44,7 @@ def text_of(token):
 
 class TaskRenderer:
     stop_token_ids = (STOP,)
+    placeholder_ids = (IDS["image_token_id"], IDS["video_token_id"])
 
     def __init__(self, processor):
         self.processor = processor

@@ -132,6 +132,7 @@ def test_request_failing_too_often_is_aborted_others_go_on(renderer):
                              "0-1": [Reply(call("5")), Reply(call("12"))]})
     t0, t1 = rollout([prompt], engine, renderer, RolloutConfig(n_samples=2, max_retries=1))
     assert t0.status == "aborted" and t0.reward == 0.0 and not t0.correct
+    assert t0.abort_reason == "engine"
     assert t0.response_len == 0
     assert t1.status == "completed" and t1.reward == 1.0 and len(t1.turns) == 2
 
@@ -199,3 +200,19 @@ def test_fatal_engine_error_is_raised_not_retried(renderer):
     with pytest.raises(FatalEngineError, match="image tokens"):
         rollout([make_prompt()], Broken(), renderer, RolloutConfig(n_samples=2, max_retries=3))
     assert Broken.calls == 1
+
+
+def test_a_sampled_placeholder_aborts_that_episode_only(renderer):
+    """An engine that does not ban image placeholders (SGLang) samples one: that episode is
+    aborted with its own reason and counted; the group's other episodes go on."""
+    from common.metrics import rollout_metrics
+    prompt = make_prompt(answer="12")
+    engine = ScriptedEngine({"0-0": [Reply("look " + chr(IMAGE) + " " + call("12"))],
+                             "0-1": [Reply(call("7")), Reply(call("12"))]})
+    cfg = RolloutConfig(n_samples=2, max_response_tokens=1000, max_context_tokens=2000)
+    bad, good = rollout([prompt], engine, renderer, cfg)
+    assert (bad.status, bad.abort_reason, bad.reward, bad.correct) == ("aborted", "placeholder",
+                                                                       0.0, False)
+    assert (good.status, good.abort_reason, good.reward) == ("completed", None, 1.0)
+    m = rollout_metrics([bad, good], max_turns=3)
+    assert (m["aborted"], m["aborted_placeholder"], m["aborted_engine"]) == (1.0, 1.0, 0.0)
