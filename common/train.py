@@ -17,7 +17,6 @@ from typing import Callable, Sequence
 from absl import logging
 
 from common import checkpoints
-from common.chat import ChatRenderer
 from common.engine import Backend
 from common.env import EnvConfig
 from common.evaluate import evaluate
@@ -28,6 +27,7 @@ from common.report import RunLog, dump_rollouts
 from common.rollout import RolloutConfig
 from common.sampler import PromptSampler
 from common.scoring import RewardConfig
+from common.setup import make_renderer
 from common.step import StepConfig, grpo_step
 from common.timing import timed
 from configs import to_dataclass
@@ -69,7 +69,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
     step_cfg = step_config(cfg)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
-    renderer = ChatRenderer(run.processor)
+    renderer = make_renderer(cfg, run.processor)
     sampler = PromptSampler(len(run.train_set), cfg.seed)
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
