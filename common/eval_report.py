@@ -72,7 +72,8 @@ def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "")
         ys = [v[mode] for _, v in bars if mode in v]
         drawn = ax.bar(xs, ys, width, color=colors[mode], label=mode)
         ax.bar_label(drawn, fmt="%.2f", fontsize=8, padding=2)
-    ax.set_xticks(x, [label.replace(", ", "\n") for label, _ in bars], fontsize=9)
+    ax.set_xticks(x, [label.replace(", ", "\n").replace(" (", "\n(") for label, _ in bars],
+                  fontsize=9)
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("share of test problems")
     ax.grid(axis="y", alpha=0.3)

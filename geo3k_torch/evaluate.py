@@ -20,15 +20,11 @@ import torch
 from absl import app, flags
 from ml_collections import config_flags
 
-from common.env import EnvConfig
 from common.eval_report import markdown, write_report
-from common.evaluate import evaluate
 from common.learner import SingleProcess
 from common.processor import load_processor
-from common.rollout import RolloutConfig
-from common.scoring import RewardConfig
 from common.setup import make_renderer, prepare_data
-from configs import to_dataclass
+from common.train import evaluate_split
 from geo3k_torch.setup import prepare_model_dir, resolve_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
@@ -40,8 +36,10 @@ def make_backend(cfg, model_dir: str, processor, device, workdir: str):
     """The configured rollout backend serving `model_dir` (its `.engine` generates)."""
     if cfg.engine.backend == "local":
         from geo3k_torch.backend import LocalBackend
+        from geo3k_torch.model import load_model
+        model = load_model(model_dir).to(device).eval().requires_grad_(False)
         return LocalBackend(processor, model_dir, seed=cfg.seed, device=device,
-                            comm=SingleProcess())
+                            comm=SingleProcess(), model=model)
     if cfg.engine.backend == "sglang":
         from common.sglang_backend import SGLangBackend
         return SGLangBackend(cfg, model_dir, processor, workdir, SingleProcess())
@@ -53,16 +51,12 @@ def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
     device = resolve_device(cfg)
     model_dir = prepare_model_dir(cfg)
     train_set, test_set = prepare_data(cfg)
-    data = test_set if split == "test" else train_set
-    n = len(data) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(data))
     processor = load_processor(model_dir)
     torch.manual_seed(cfg.seed)
     backend = make_backend(cfg, model_dir, processor, device, workdir)
     try:
-        return evaluate([data[i] for i in range(n)], backend.engine,
-                        make_renderer(cfg, processor), to_dataclass(RolloutConfig, cfg.rollout),
-                        to_dataclass(EnvConfig, cfg.env), to_dataclass(RewardConfig, cfg.reward),
-                        n_samples=cfg.eval.n_samples)
+        return evaluate_split(cfg, test_set if split == "test" else train_set, backend.engine,
+                              make_renderer(cfg, processor))
     finally:
         backend.close()
 
