@@ -245,10 +245,11 @@ def _convert(row: dict, uid: str, source: str, base_dir: str | os.PathLike, show
 
 
 def row_to_prompt(row: dict, uid: str, source: str = "", base_dir: str | os.PathLike = ".",
-                  show_choices: bool = True, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Prompt:
+                  show_choices: bool = True, max_image_pixels: int = MAX_IMAGE_PIXELS,
+                  system: str = SYSTEM_PROMPT) -> Prompt:
     """One row (a dict of the columns above) as a `Prompt`; raises `DataError` if it is bad."""
     try:
-        return _convert(row, uid, source, base_dir, show_choices, max_image_pixels)
+        return _convert(row, uid, source, base_dir, show_choices, max_image_pixels, system)
     except _BadRow as e:
         raise DataError(f"{source or uid}: {e.reason}: {e.detail}", e.reason) from None
 
