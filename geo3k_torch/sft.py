@@ -32,7 +32,7 @@ from common.report import RunLog
 from common.sampler import PromptSampler
 from common.setup import check_config, make_renderer, prepare_data
 from common.sft import sft_example, sft_messages
-from common.train import evaluate_split, summary
+from common.train import evaluate_split
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model

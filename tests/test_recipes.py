@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from configs import h100_areal, h100_single_turn, sft
-from geo3k_torch import main as train_main, sft as sft_main
+from geo3k_torch import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
