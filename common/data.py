@@ -214,7 +214,7 @@ def build_messages(problem: str, n_images: int, choices: list[str] | None = None
 
 
 def _convert(row: dict, uid: str, source: str, base_dir: str | os.PathLike, show_choices: bool,
-             max_pixels: int) -> Prompt:
+             max_pixels: int, system: str = SYSTEM_PROMPT) -> Prompt:
     problem = row.get("problem")
     problem = "" if problem is None else str(problem)
     if not problem.replace(PLACEHOLDER, "").strip():
@@ -240,15 +240,16 @@ def _convert(row: dict, uid: str, source: str, base_dir: str | os.PathLike, show
                 c is not None and str(c).strip() for c in choices):
             raise _BadRow(BAD_CHOICES, f"choices must be a list of non-empty strings: {choices!r}")
         choices = [_answer_text(c) for c in choices] or None
-    messages = build_messages(problem, len(images), choices if show_choices else None)
+    messages = build_messages(problem, len(images), choices if show_choices else None, system)
     return Prompt(uid, messages, images, answer, choices, source, problem)
 
 
 def row_to_prompt(row: dict, uid: str, source: str = "", base_dir: str | os.PathLike = ".",
-                  show_choices: bool = True, max_image_pixels: int = MAX_IMAGE_PIXELS) -> Prompt:
+                  show_choices: bool = True, max_image_pixels: int = MAX_IMAGE_PIXELS,
+                  system: str = SYSTEM_PROMPT) -> Prompt:
     """One row (a dict of the columns above) as a `Prompt`; raises `DataError` if it is bad."""
     try:
-        return _convert(row, uid, source, base_dir, show_choices, max_image_pixels)
+        return _convert(row, uid, source, base_dir, show_choices, max_image_pixels, system)
     except _BadRow as e:
         raise DataError(f"{source or uid}: {e.reason}: {e.detail}", e.reason) from None
 
@@ -320,9 +321,11 @@ def _sources(path: Path, split: str) -> Iterator[tuple[str, Path, Iterator[list[
 
 def load_split(path: str | os.PathLike, split: str = "train", skip_bad: bool = False,
                show_choices: bool = True,
-               max_image_pixels: int = MAX_IMAGE_PIXELS) -> Geo3kSplit:
+               max_image_pixels: int = MAX_IMAGE_PIXELS,
+               system: str = SYSTEM_PROMPT) -> Geo3kSplit:
     """All prompts of `split` from `path` (a parquet file, a directory of them, or a
-    `save_to_disk` directory). Bad rows raise `DataError`, or are counted when `skip_bad`."""
+    `save_to_disk` directory), each starting with the `system` message. Bad rows raise
+    `DataError`, or are counted when `skip_bad`."""
     path = Path(path)
     prompts: list[Prompt] = []
     skipped: collections.Counter = collections.Counter()
@@ -338,7 +341,8 @@ def load_split(path: str | os.PathLike, split: str = "train", skip_bad: bool = F
                 try:
                     if uid in seen:
                         raise _BadRow(DUPLICATE_UID, f"uid {uid!r} already used")
-                    prompt = _convert(row, uid, source, base, show_choices, max_image_pixels)
+                    prompt = _convert(row, uid, source, base, show_choices, max_image_pixels,
+                                      system)
                 except _BadRow as e:
                     if not skip_bad:
                         raise DataError(f"{label}: row {local - 1}: {e.reason}: {e.detail}",

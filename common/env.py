@@ -77,12 +77,15 @@ class EnvConfig:
     rel_tol: float = 0.0
     grade_timeout_s: float = 5.0
     accept_choice_letter: bool = True  # "B" means the second listed choice, when there are choices
+    feedback_role: str = "tool"  # the role of feedback on a tool call: tool | user (AReaL's)
 
     def __post_init__(self):
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.rel_tol < 0:
             raise ValueError(f"rel_tol must be >= 0, got {self.rel_tol}")
+        if self.feedback_role not in ("tool", "user"):
+            raise ValueError(f"feedback_role must be tool or user, got {self.feedback_role!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +233,9 @@ class Geo3kEnv:
         text = FEEDBACK[reason].format(answer=call.answer, name=call.name)
         if self.turn == cfg.max_turns - 1:
             text += LAST_CHANCE
-        # A reply to an actual call is a tool response; a reminder after no call is a user turn.
-        role = "user" if reason == NO_TOOL_CALL else "tool"
+        # A reply to an actual call is a tool response (or, with feedback_role=user, a user turn as
+        # in AReaL's recipe); a reminder after no call is always a user turn.
+        role = "user" if reason == NO_TOOL_CALL else cfg.feedback_role
         return {"role": role, "content": text, "reason": reason}, False, info
 
     @staticmethod

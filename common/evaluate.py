@@ -1,28 +1,86 @@
-"""Score a policy on a split: greedy and sampled accuracy, accuracy by turn, turns, tool use.
+"""Score a policy on a split, separating geometry from retrying.
 
-Backend-agnostic: it needs an `Engine` and a `Renderer`, like the rollout. The torch CLI
-(`python -m geo3k_torch.evaluate`) wraps it for a checkpoint directory.
+    out = evaluate(prompts, engine, renderer, roll_cfg, env_cfg, reward_cfg, n_samples=8)
+
+Two modes: greedy (temperature 0, one episode per prompt) and, with `n_samples` > 0, sampled
+(`n_samples` episodes per prompt at the rollout temperature). Every key comes once per mode,
+prefixed `greedy_` / `sampled_`:
+
+    first_try_accuracy   solved on turn 1, before any feedback (the model's own geometry)
+    accuracy             solved on any turn, with the environment's feedback (the trained task)
+    solved_by_turn_k     solved on one of turns 1..k (cumulative; k = 1..max_turns)
+    pass_at_k            unbiased pass@k over the sampled episodes, first-try correctness
+    final_pass_at_k      the same with correctness on any turn (sampled mode only, both)
+    tool_call_rate, response_len_mean, turns_mean, solved_turn_k, ...
+                         everything `common.metrics.rollout_metrics` reports
+
+`accuracy - first_try_accuracy` is what the feedback buys; comparing first-try pass@k with the
+with-feedback accuracy tells whether K tries with feedback beat K independent tries. The training
+loop's periodic evaluation (`common.train`) logs these keys as `eval/*`; the torch CLI
+(`python -m geo3k_torch.evaluate`) writes them for a checkpoint directory.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Callable, Sequence
 
+import numpy as np
+
 from common.env import EnvConfig
 from common.metrics import rollout_metrics
-from common.rollout import RolloutConfig, rollout
+from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.scoring import RewardConfig
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    # C(n-c, k) / C(n, k) = prod_{i = n-c+1}^{n} (1 - k / i), stable for large n
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n samples: 1, 2, 4, ... below n, and n."""
+    ks = [1 << i for i in range(n.bit_length()) if (1 << i) < n]
+    return ks + [n]
+
+
+def outcome_metrics(trajs: Sequence[Trajectory], max_turns: int) -> dict[str, float]:
+    """first_try_accuracy, accuracy, solved_by_turn_k over non-aborted episodes, plus (when every
+    prompt has the same number n > 1 of episodes) pass_at_k / final_pass_at_k for k in
+    `pass_ks(n)`; aborted episodes count as failures there."""
+    done = [t for t in trajs if t.status != ABORTED]
+    if not done:
+        return {}
+    turn = np.array([t.correct_turn if t.correct else 0 for t in done])  # 0: never solved
+    out = {"first_try_accuracy": float(np.mean(turn == 1)),
+           "accuracy": float(np.mean(turn > 0))}
+    for k in range(1, max_turns + 1):
+        out[f"solved_by_turn_{k}"] = float(np.mean((turn > 0) & (turn <= k)))
+    groups = collections.defaultdict(list)
+    for t in trajs:
+        groups[t.uid].append(t)
+    sizes = {len(g) for g in groups.values()}
+    if len(sizes) == 1 and (n := sizes.pop()) > 1:
+        first = [sum(t.correct and t.correct_turn == 1 and t.status != ABORTED for t in g)
+                 for g in groups.values()]
+        final = [sum(t.correct and t.status != ABORTED for t in g) for g in groups.values()]
+        for k in pass_ks(n):
+            out[f"pass_at_{k}"] = float(np.mean([pass_at_k(n, c, k) for c in first]))
+            out[f"final_pass_at_{k}"] = float(np.mean([pass_at_k(n, c, k) for c in final]))
+    return out
 
 
 def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
              env_cfg: EnvConfig = EnvConfig(), reward_cfg: RewardConfig = RewardConfig(),
              n_samples: int = 1, gather: Callable[[object], list] = lambda x: [x]) -> dict:
-    """Greedy (temperature 0, one episode per prompt) and, if `n_samples` > 0, sampled episodes
-    at the rollout temperature. `gather` collects every rank's trajectories (data parallel).
-
-    Returns greedy_* and sampled_* versions of `common.metrics.rollout_metrics`'s keys.
-    """
+    """Greedy and sampled metrics of `prompts` (see the module docstring). `gather` collects
+    every rank's trajectories (data parallel); prompts of one uid must stay on one rank."""
     out = {}
     modes = [("greedy", dataclasses.replace(roll_cfg, n_samples=1, temperature=0.0))]
     if n_samples > 0:
@@ -30,6 +88,7 @@ def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
     for name, cfg in modes:
         trajs = rollout(prompts, engine, renderer, cfg, env_cfg, reward_cfg) if prompts else []
         merged = [t for part in gather(trajs) for t in part]
-        out.update({f"{name}_{k}": v for k, v in rollout_metrics(merged,
-                                                                  env_cfg.max_turns).items()})
+        metrics = rollout_metrics(merged, env_cfg.max_turns)
+        metrics.update(outcome_metrics(merged, env_cfg.max_turns))
+        out.update({f"{name}_{k}": v for k, v in metrics.items()})
     return out

@@ -1,4 +1,8 @@
-"""The scoring tool's schema and the system prompt every Geometry3K prompt starts with.
+"""The scoring tool's schema and the system prompts a Geometry3K prompt starts with.
+
+Two prompt styles (`data.prompt_style`): `tool` (the multi-turn task: the tool's schema goes to
+the chat template, the system prompt asks for a tool call) and `boxed` (the single-turn task of
+slime's single-turn example and of SFT: no tool, the final answer in `\\boxed{}`).
 
 The schema is in the form chat templates take as `tools=` (OpenAI / Qwen function format), so
 `processor.apply_chat_template(messages, tools=TOOLS)` renders it in the model's own way.
@@ -37,3 +41,18 @@ SYSTEM_PROMPT = (
     "with your final answer. If the tool says the answer is wrong, think again and call it with "
     "a different answer. Finish with the final answer in \\boxed{}."
 )
+
+BOXED_SYSTEM_PROMPT = (
+    "You are solving a geometry problem about the diagram shown. Read the numbers you need from "
+    "the diagram, reason step by step, and put the final answer in \\boxed{}."
+)
+
+# style -> (system prompt, tools for the chat template)
+PROMPT_STYLES = {"tool": (SYSTEM_PROMPT, TOOLS), "boxed": (BOXED_SYSTEM_PROMPT, None)}
+
+
+def prompt_style(name: str) -> tuple[str, list[dict] | None]:
+    """(system prompt, tool schemas or None) of a prompt style."""
+    if name not in PROMPT_STYLES:
+        raise ValueError(f"data.prompt_style must be one of {sorted(PROMPT_STYLES)}, got {name!r}")
+    return PROMPT_STYLES[name]

@@ -77,7 +77,8 @@ class RunLog:
 
     def plot(self, name: str = "curve.png") -> Path:
         """Train reward (raw and 10-step mean), accuracy when it differs from the reward, tool-call
-        rate, and eval accuracy as points, against step. Returns the PNG path."""
+        rate, and eval accuracy as points, against step; an SFT run's loss instead of the
+        reward. Returns the PNG path."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -85,6 +86,11 @@ class RunLog:
         rows = self.rows()
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
         pts = [(r["step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r]
+        sft = not pts  # an SFT run (geo3k_torch.sft) has a loss and no reward
+        loss = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
+        if sft and loss:
+            steps, vals = map(np.asarray, zip(*loss))
+            ax.plot(steps, vals, color="tab:red", lw=1.5, label="SFT loss per assistant token")
         if pts:
             steps, reward = map(np.asarray, zip(*pts))
             ax.plot(steps, reward, color="tab:blue", alpha=0.3, lw=1)
@@ -103,10 +109,13 @@ class RunLog:
             if pts:
                 ax.plot(*zip(*pts), "o--", label=label)
         ax.set_xlabel("step")
-        ax.set_ylim(-0.02, 1.12)
+        if sft:
+            ax.set_ylim(bottom=0)
+        else:
+            ax.set_ylim(-0.02, 1.12)
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8, ncol=2)
-        ax.set_title("geo3k-rl: reward and accuracy")
+        ax.legend(loc="upper left" if not sft else "upper right", fontsize=8, ncol=2)
+        ax.set_title("geo3k-rl: SFT loss" if sft else "geo3k-rl: reward and accuracy")
         fig.tight_layout()
         out = self.dir / name
         tmp = out.with_suffix(".tmp.png")

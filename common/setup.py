@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.chat import ChatRenderer
 from common.data import load_split
+from common.prompts import prompt_style
 from common.synthetic import write_split
 
 
@@ -23,8 +25,16 @@ def prepare_data(cfg):
                                 cfg.seed + 10_000)):
             if not list(Path(path).glob(f"{split}-*.parquet")):
                 write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size)
-    return (load_split(path, split=cfg.data.train_split, skip_bad=cfg.data.skip_bad_rows),
-            load_split(path, split=cfg.data.test_split, skip_bad=cfg.data.skip_bad_rows))
+    system, _ = prompt_style(cfg.data.prompt_style)
+    return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system)
+                 for s in (cfg.data.train_split, cfg.data.test_split))
+
+
+def make_renderer(cfg, processor) -> ChatRenderer:
+    """The chat renderer of `data.prompt_style` (with the scoring tool's schema, or none), the
+    tool presented as `model.tool_format` says."""
+    return ChatRenderer(processor, tools=prompt_style(cfg.data.prompt_style)[1],
+                        tool_format=cfg.model.tool_format)
 
 
 def check_config(cfg, world: int) -> None:

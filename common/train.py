@@ -17,17 +17,17 @@ from typing import Callable, Sequence
 from absl import logging
 
 from common import checkpoints
-from common.chat import ChatRenderer
 from common.engine import Backend
 from common.env import EnvConfig
 from common.evaluate import evaluate
 from common.grpo import LossConfig
-from common.learner import Collectives, Learner
+from common.learner import Collectives, Learner, SingleProcess
 from common.metrics import rollout_metrics
 from common.report import RunLog, dump_rollouts
 from common.rollout import RolloutConfig
 from common.sampler import PromptSampler
 from common.scoring import RewardConfig
+from common.setup import make_renderer
 from common.step import StepConfig, grpo_step
 from common.timing import timed
 from configs import to_dataclass
@@ -70,7 +70,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
     step_cfg = step_config(cfg)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
-    renderer = ChatRenderer(run.processor, tool_format=cfg.model.tool_format)
+    renderer = make_renderer(cfg, run.processor)
     sampler = PromptSampler(len(run.train_set), cfg.seed)
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
@@ -110,8 +110,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                        rollout_metrics(all_trajs, step_cfg.env.max_turns).items()}
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                metrics.update(_evaluate(cfg, run.test_set, backend.engine, renderer, step_cfg,
-                                         comm))
+                metrics.update({f"eval/{k}": v for k, v in evaluate_split(
+                    cfg, run.test_set, backend.engine, renderer, comm).items()})
             if log:
                 log.log(step, metrics)
                 if cfg.log.dump_rollouts:
@@ -134,12 +134,15 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     return metrics
 
 
-def _evaluate(cfg, test_set, engine, renderer, step_cfg: StepConfig, comm: Collectives) -> dict:
-    n = len(test_set) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(test_set))
-    prompts = [test_set[i] for i in range(n)][comm.rank::comm.world]
-    out = evaluate(prompts, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
-                   n_samples=cfg.eval.n_samples, gather=comm.gather)
-    return {f"eval/{k}": v for k, v in out.items()}
+def evaluate_split(cfg, split: Sequence, engine, renderer,
+                   comm: Collectives = SingleProcess()) -> dict:
+    """`common.evaluate.evaluate` on the first `eval.max_prompts` (0 = all) prompts of `split`
+    with the config's rollout, environment and reward settings, prompts spread over ranks."""
+    step_cfg = step_config(cfg)
+    n = len(split) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(split))
+    prompts = [split[i] for i in range(n)][comm.rank::comm.world]
+    return evaluate(prompts, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
+                    n_samples=cfg.eval.n_samples, gather=comm.gather)
 
 
 def _progress(enabled: bool):

@@ -34,6 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.test_split = "test"
     c.data.skip_bad_rows = False
+    # tool: the scoring tool's system prompt and schema (multi-turn); boxed: "reason, then the
+    # final answer in \boxed{}" and no tool (single-turn, SFT). common.prompts.PROMPT_STYLES
+    c.data.prompt_style = "tool"
     c.data.synthetic_dir = "data/synthetic"  # where the synthetic set is generated when path is ""
     c.data.synthetic_train_size = 512
     c.data.synthetic_test_size = 64
@@ -59,6 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.rel_tol = 0.0  # relative tolerance for numeric answers (0: exact)
     c.env.grade_timeout_s = 5.0
     c.env.accept_choice_letter = True
+    c.env.feedback_role = "tool"  # tool | user: how feedback on a tool call enters the chat
 
     # The episode reward (common.scoring.RewardConfig).
     c.reward = ml_collections.ConfigDict()

@@ -22,3 +22,24 @@ def get_config():
     c.train.lr = 3e-4
     c.eval.every = 20
     return c
+
+
+def runlocal(c, max_response_tokens: int = 32):
+    """Shrink a GPU recipe `c` in place for a few-step CPU run (big_vision's `runlocal`): the
+    CPU default's tiny checkpoint and synthetic set, the local engine, 3 steps of 2 prompts x 3
+    samples. The recipe's task settings (prompt style, turns, reward, loss) stay."""
+    local = get_config()
+    prompt_style = c.data.prompt_style
+    for section in ("model", "data"):
+        c[section] = local[section]
+    c.data.prompt_style = prompt_style
+    c.train.device = "auto"
+    c.engine.backend = "local"
+    c.loss.tis_cap = None  # the local engine is the learner's own model: nothing to correct
+    c.rollout.n_samples, c.rollout.max_response_tokens = 3, max_response_tokens
+    c.rollout.max_context_tokens = local.rollout.max_context_tokens
+    c.train.steps, c.train.prompts_per_step = 3, 2
+    c.train.micro_batch_tokens, c.train.lr = local.train.micro_batch_tokens, local.train.lr
+    c.eval.every, c.eval.max_prompts, c.eval.n_samples = 3, 2, 2
+    c.checkpoint.every = 3
+    return c

@@ -1,63 +1,77 @@
-"""Score a checkpoint on a split with the local engine.
+"""Score a checkpoint on a split: first-try accuracy vs accuracy with feedback, and the rest.
 
     python -m geo3k_torch.evaluate --config=configs/cpu.py \
-        --config.model.path=runs/demo/checkpoints/step_30 [--split=test] [--out=eval.json]
+        --config.model.path=runs/demo/checkpoints/step_60 --out=runs/demo/eval [--split=test]
+    python -m geo3k_torch.evaluate --config=configs/h100.py --config.model.path=/ckpt \
+        --config.engine.sglang_urls=http://host:30000 --out=/ckpt/eval    # SGLang serves it
 
-Prints (and writes with --out) greedy and sampled accuracy, accuracy by turn (solved_turn_k),
-mean turns, tool-call rate, response length, truncated / aborted counts.
+Rollouts come from `engine.backend`: the in-process torch engine (`local`), or SGLang (`sglang`:
+the servers in `engine.sglang_urls`, which must serve `model.path`, or servers launched here on
+it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
+episodes each. Writes eval.json, eval.md and eval.png into --out (`common.eval_report`) and
+prints the table. The metrics are `common.evaluate`'s.
 """
 
 from __future__ import annotations
 
-import json
+from pathlib import Path
 
 import torch
 from absl import app, flags
 from ml_collections import config_flags
 
-from common.chat import ChatRenderer
-from common.env import EnvConfig
-from common.evaluate import evaluate
+from common.eval_report import markdown, write_report
+from common.learner import SingleProcess
 from common.processor import load_processor
-from common.rollout import RolloutConfig
-from common.scoring import RewardConfig
-from common.setup import prepare_data
-from configs import to_dataclass
-from geo3k_torch.engine import LocalEngine
-from geo3k_torch.model import load_model
+from common.setup import make_renderer, prepare_data
+from common.train import evaluate_split
 from geo3k_torch.setup import prepare_model_dir, resolve_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "test"], "Which split to score.")
-_OUT = flags.DEFINE_string("out", None, "Write the metrics as JSON here too.")
+_OUT = flags.DEFINE_string("out", "eval", "Folder for eval.json, eval.md and eval.png.")
 
 
-def run(cfg, split: str = "test") -> dict:
+def make_backend(cfg, model_dir: str, processor, device, workdir: str):
+    """The configured rollout backend serving `model_dir` (its `.engine` generates)."""
+    if cfg.engine.backend == "local":
+        from geo3k_torch.backend import LocalBackend
+        from geo3k_torch.model import load_model
+        model = load_model(model_dir).to(device).eval().requires_grad_(False)
+        return LocalBackend(processor, model_dir, seed=cfg.seed, device=device,
+                            comm=SingleProcess(), model=model)
+    if cfg.engine.backend == "sglang":
+        from common.sglang_backend import SGLangBackend
+        return SGLangBackend(cfg, model_dir, processor, workdir, SingleProcess())
+    raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
+
+
+def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
     """Evaluation metrics of `cfg.model.path` (or the tiny checkpoint) on a split."""
     device = resolve_device(cfg)
     model_dir = prepare_model_dir(cfg)
     train_set, test_set = prepare_data(cfg)
-    data = test_set if split == "test" else train_set
-    n = len(data) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(data))
     processor = load_processor(model_dir)
-    model = load_model(model_dir).to(device).eval()
-    pad = processor.tokenizer.pad_token_id
-    engine = LocalEngine(model, processor, pad if pad is not None else 0, cfg.seed, device)
     torch.manual_seed(cfg.seed)
-    renderer = ChatRenderer(processor, tool_format=cfg.model.tool_format)
-    return evaluate([data[i] for i in range(n)], engine, renderer,
-                    to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
-                    to_dataclass(RewardConfig, cfg.reward), n_samples=cfg.eval.n_samples)
+    backend = make_backend(cfg, model_dir, processor, device, workdir)
+    try:
+        return evaluate_split(cfg, test_set if split == "test" else train_set, backend.engine,
+                              make_renderer(cfg, processor))
+    finally:
+        backend.close()
 
 
 def main(argv):
     del argv
-    metrics = run(_CONFIG.value, _SPLIT.value)
-    text = json.dumps(metrics, indent=2, sort_keys=True)
-    print(text)
-    if _OUT.value:
-        with open(_OUT.value, "w") as f:
-            f.write(text + "\n")
+    cfg = _CONFIG.value
+    metrics = run(cfg, _SPLIT.value, _OUT.value)
+    model = cfg.model.path or cfg.model.tiny_dir
+    title = (f"{'/'.join(Path(model).parts[-3:])} on {_SPLIT.value} "
+             f"({int(metrics['greedy_trajectories'])} problems, "
+             f"{cfg.eval.n_samples} samples each, ≤{cfg.env.max_turns} turns)")
+    out = write_report(metrics, _OUT.value, title, cfg.env.max_turns)
+    print(markdown(metrics, cfg.env.max_turns, title))
+    print(f"wrote {out}/eval.json, eval.md, eval.png")
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common.batching import pack, packing_efficiency, training_sequences
-from common.chat import ChatRenderer
 from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.processor import load_processor
 from common.rollout import RolloutConfig, rollout
 from common.sampler import PromptSampler
 from common.scoring import RewardConfig
-from common.setup import prepare_data
+from common.setup import make_renderer, prepare_data
 from configs import to_dataclass
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
@@ -58,7 +57,7 @@ def main(argv):
     learner = Learner(model, processor, to_dataclass(LossConfig, cfg.loss), cfg.train,
                       cfg.rollout.temperature, device)
     roll_cfg = to_dataclass(RolloutConfig, cfg.rollout)
-    renderer = ChatRenderer(processor, tool_format=cfg.model.tool_format)
+    renderer = make_renderer(cfg, processor)
     sampler = PromptSampler(len(train_set), cfg.seed)
     rng = np.random.default_rng(0)
     rows = []

@@ -207,3 +207,15 @@ def test_choice_letter_can_be_turned_off_and_repeat_is_by_choice():
     env = build_env({"answer": "12", "choices": ["7", "12"]})
     env.step(call("A"))
     assert env.step(call("7"))[2]["reason"] == "repeated"  # "7" is choice A again
+
+
+def test_feedback_as_a_user_message():
+    """AReaL's recipe (env.feedback_role=user): feedback on a call is a user turn, not a tool
+    response; the default stays a tool response."""
+    obs, done, _ = make(feedback_role="user").step(call("7"))
+    assert not done and Geo3kEnv.format_observation(obs) == {"role": "user",
+                                                             "content": obs["content"]}
+    assert obs["content"].startswith("Wrong")
+    assert make().step(call("7"))[0]["role"] == "tool"
+    with pytest.raises(ValueError, match="feedback_role"):
+        EnvConfig(feedback_role="system")

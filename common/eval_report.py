@@ -1,0 +1,96 @@
+"""An evaluation's metrics (`common.evaluate.evaluate`) as a markdown table and a bar chart.
+
+    write_report(metrics, out_dir, title, max_turns)  # eval.json, eval.md, eval.png
+
+The chart answers one question at a glance: how much of the accuracy is first-try geometry and
+how much is retrying with feedback. One bar group per mode (greedy, sampled); bars from left to
+right: first try, solved by turn 2..K, with feedback (final), and sampled pass@k (first try over
+k independent samples, the fair comparison for K tries with feedback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MODES = ("greedy", "sampled")
+
+
+def _passes(m: dict, prefix: str) -> list[int]:
+    return sorted(int(k[len(prefix):]) for k in m if k.startswith(prefix))
+
+
+def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
+    """(label, {mode: value}) rows of the table and chart, in reading order."""
+    out = [("first try (turn 1)", "first_try_accuracy")]
+    out += [(f"solved by turn {k}", f"solved_by_turn_{k}") for k in range(2, max_turns)]
+    out += [(f"with feedback (≤{max_turns} turns)", "accuracy")]
+    out += [(f"pass@{k}, first try", f"pass_at_{k}") for k in _passes(m, "sampled_pass_at_")
+            if k > 1]  # pass@1 is the sampled first-try accuracy
+    out += [("tool-call rate", "tool_call_rate"), ("turns per episode", "turns_mean"),
+            ("response tokens", "response_len_mean")]
+    table = []
+    for label, key in out:
+        vals = {mode: m[f"{mode}_{key}"] for mode in MODES if f"{mode}_{key}" in m}
+        if vals:
+            table.append((label, vals))
+    return table
+
+
+def markdown(m: dict, max_turns: int, title: str = "") -> str:
+    """The metrics as a markdown table: one row per quantity, one column per mode."""
+    modes = [mode for mode in MODES if f"{mode}_accuracy" in m]
+    lines = [f"**{title}**", ""] if title else []
+    lines += ["| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
+    for label, vals in rows(m, max_turns):
+        cells = [_fmt(vals[mode]) if mode in vals else "" for mode in modes]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.3f}" if abs(v) <= 1 else f"{v:.1f}"
+
+
+def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "") -> Path:
+    """Accuracies (first try .. with feedback, pass@k) as grouped bars, values written on them."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    bars = [(label, vals) for label, vals in rows(m, max_turns)
+            if label.startswith(("first try", "solved by", "with feedback", "pass@"))]
+    modes = [mode for mode in MODES if f"{mode}_accuracy" in m]
+    colors = {"greedy": "tab:blue", "sampled": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
+    x = np.arange(len(bars))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i, (_, v) in enumerate(bars) if mode in v]
+        ys = [v[mode] for _, v in bars if mode in v]
+        drawn = ax.bar(xs, ys, width, color=colors[mode], label=mode)
+        ax.bar_label(drawn, fmt="%.2f", fontsize=8, padding=2)
+    ax.set_xticks(x, [label.replace(", ", "\n").replace(" (", "\n(") for label, _ in bars],
+                  fontsize=9)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("share of test problems")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=9)
+    ax.set_title(title or "first-try vs with-feedback accuracy", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(m: dict, out_dir: str | os.PathLike, title: str, max_turns: int) -> Path:
+    """eval.json (every metric), eval.md (the table) and eval.png (the chart) in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+    (out / "eval.md").write_text(markdown(m, max_turns, title))
+    bar_chart(m, out / "eval.png", max_turns, title)
+    return out

@@ -1,0 +1,79 @@
+"""Every recipe config: its settings, its CPU form (`:cpu`) running a few steps here, its GPU form
+refusing a machine without CUDA with a clear message."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import h100_areal, h100_single_turn, sft
+from geo3k_torch import main as train_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def local(module, arg, shared):
+    """The recipe's CPU form, on a private tiny checkpoint and synthetic set."""
+    cfg = module.get_config(arg)
+    cfg.model.tiny_dir, cfg.model.tiny_prime_steps = str(shared / "tiny"), 0
+    cfg.data.synthetic_dir = str(shared / "data")
+    cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 8, 2
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    return tmp_path_factory.mktemp("recipes")
+
+
+def test_recipe_settings():
+    st = h100_single_turn.get_config()
+    assert (st.env.max_turns, st.reward.source, st.data.prompt_style) == (1, "boxed", "boxed")
+    assert (st.rollout.temperature, st.eval.every, st.eval.max_prompts) == (0.8, 20, 0)
+    ar = h100_areal.get_config()
+    assert (ar.env.max_turns, ar.reward.turn_discount, ar.env.feedback_role) == (4, 0.95, "user")
+    assert (ar.rollout.n_samples, ar.rollout.temperature, ar.rollout.max_response_tokens,
+            ar.train.lr, ar.rollout.export_style) == (4, 0.8, 1024, 1e-6, "concat")
+    assert h100_areal.get_config("individual").rollout.export_style == "individual"
+    sf = sft.get_config()
+    assert (sf.data.prompt_style, sf.train.device) == ("boxed", "cuda")
+    for module in (h100_single_turn, h100_areal, sft):
+        cpu = module.get_config("cpu")
+        assert (cpu.train.device, cpu.model.path, cpu.data.path) == ("auto", "", "")
+        assert (cpu.train.steps, cpu.train.prompts_per_step, cpu.rollout.n_samples) == (3, 2, 3)
+    with pytest.raises(ValueError, match="argument"):
+        h100_single_turn.get_config("gpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, arg", [(h100_single_turn, "cpu"),
+                                         (h100_areal, "cpu,individual")],
+                         ids=["single_turn", "areal"])
+def test_grpo_recipe_runs_on_cpu(module, arg, shared, tmp_path):
+    last = train_main.train(local(module, arg, shared), str(tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert last["train/trajectories"] == 6.0  # 2 prompts x 3 samples
+    assert "eval/greedy_first_try_accuracy" in last and "eval/sampled_pass_at_2" in last
+    assert (tmp_path / "checkpoints" / "step_3" / "model.safetensors").exists()
+    dump = [json.loads(x) for x in (tmp_path / "rollouts" / "step_1.jsonl").read_text()
+            .splitlines()]
+    system = dump[0]["text"].split("<|im_end|>")[0]
+    if module is h100_single_turn:  # one turn, no tool advertised
+        assert all(len(d["turns"]) == 1 for d in dump)
+        assert "\\boxed{}" in system and "<tools>" not in system
+    else:
+        assert "<tools>" in system and max(len(d["turns"]) for d in dump) <= 4
+
+
+@pytest.mark.parametrize("argv", [["geo3k_torch.main", "--config=configs/h100_single_turn.py"],
+                                  ["geo3k_torch.main", "--config=configs/h100_areal.py"],
+                                  ["geo3k_torch.sft", "--config=configs/sft.py"]],
+                         ids=["single_turn", "areal", "sft"])
+def test_gpu_recipe_without_cuda_stops_with_a_clear_message(argv, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", *argv, f"--workdir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "needs a CUDA GPU" in proc.stderr + proc.stdout
