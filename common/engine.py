@@ -13,9 +13,10 @@ A `Backend` owns an engine for the training loop and keeps it on the current pol
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 STOP = "stop"  # a stop token was sampled (it is the last token of `token_ids`)
 LENGTH = "length"  # max_new_tokens reached
@@ -83,6 +84,16 @@ class Engine(Protocol):
     """Anything that turns requests into completions (one per request, same order)."""
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]: ...
+
+
+@runtime_checkable
+class AsyncEngine(Engine, Protocol):
+    """An engine that also takes one request at a time and answers when it is done (SGLang:
+    many requests in flight, batched continuously), so each episode can move on to its next
+    turn without waiting for the others (`common.rollout`'s per-episode scheduling)."""
+
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """A future of the request's `Completion` (or of the exception that failed it)."""
 
 
 class Backend(Protocol):

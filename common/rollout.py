@@ -8,7 +8,9 @@ For every prompt, `n_samples` episodes run turn by turn against an `Engine`:
 
 The generated ids are never re-tokenized: the tokens the engine sampled are exactly the tokens the
 learner trains on. Observation ids come from rendering the chat template for the feedback message
-alone (`Renderer.observation_ids`). All active episodes of a turn go to the engine in one call.
+alone (`Renderer.observation_ids`). Scheduling: with an engine that takes requests one at a time
+(`AsyncEngine`: SGLang) every episode advances on its own, so a short episode's next turn never
+waits for another's long one; otherwise all active episodes of a turn go to the engine in one call.
 
 Limits: a response budget shared by all turns (generated and observation tokens both count) and
 a context limit (prompt + response). Each episode ends `completed` (the environment said done),
@@ -20,20 +22,22 @@ an image that is not there). Aborted episodes are excluded from training, the ot
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from common.engine import (ABORT, LENGTH, Completion, Engine, FatalEngineError, Request,
-                           SamplingParams)
+from common.engine import (ABORT, LENGTH, AsyncEngine, Completion, Engine, FatalEngineError,
+                           Request, SamplingParams)
 from common.env import EnvConfig, Geo3kEnv
 from common.scoring import RewardConfig, score_episode
 
 COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
 ABORT_REASONS = ("engine", "placeholder")
 EXPORT_STYLES = ("concat", "individual")
+SCHEDULES = ("episode", "lockstep")
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +66,15 @@ class RolloutConfig:
     top_p: float = 1.0
     max_retries: int = 2
     export_style: str = "concat"
+    schedule: str = "episode"  # episode | lockstep (see `rollout`)
 
     def __post_init__(self):
         if self.n_samples < 1 or self.max_response_tokens < 1 or self.max_context_tokens < 1:
             raise ValueError(f"n_samples and token limits must be >= 1: {self}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.export_style not in EXPORT_STYLES:
             raise ValueError(f"export_style must be one of {EXPORT_STYLES}, "
                              f"got {self.export_style!r}")
@@ -122,6 +129,10 @@ class Trajectory:
 class _Episode:
     """Mutable state of one episode while it runs."""
 
+    prompt: Any
+    group: int
+    sample: int
+    prompt_len: int
     ids: list[int]
     mask: list[int]
     logps: list[float]
@@ -209,55 +220,120 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
 
     `prompts` are `common.data.Prompt`-like objects (`uid`, `messages`, `images`, `answer`).
     Group ids are `group_offset + prompt index`. Rewards are scored here (`common.scoring`).
+    With an `AsyncEngine` and `cfg.schedule == "episode"` each episode moves to its next turn
+    as soon as its own generation is back; otherwise all active episodes take a turn together
+    (lock-step). For an engine whose answers depend only on the request, both give the same
+    trajectories.
     """
-    placeholders = set(renderer.placeholder_ids)
-    episodes: list[tuple[Any, int, int, int, _Episode]] = []
+    episodes = []
     for g, prompt in enumerate(prompts):
         ids = renderer.prompt_ids(prompt.messages, prompt.images)
         for k in range(cfg.n_samples):
-            ep = _Episode(list(ids), [0] * len(ids), [0.0] * len(ids),
-                          Geo3kEnv(prompt.answer, env_config,
-                                   choices=getattr(prompt, "choices", None)))
-            episodes.append((prompt, group_offset + g, k, len(ids), ep))
+            env = Geo3kEnv(prompt.answer, env_config, choices=getattr(prompt, "choices", None))
+            episodes.append(_Episode(prompt, group_offset + g, k, len(ids), list(ids),
+                                     [0] * len(ids), [0.0] * len(ids), env))
+    step = _Stepper(renderer, cfg)
+    if cfg.schedule == "episode" and isinstance(engine, AsyncEngine):
+        _per_episode(episodes, engine, step, cfg.max_retries)
+    else:
+        _lock_step(episodes, engine, step, cfg.max_retries)
+    return [_trajectory(ep, reward_config, env_config) for ep in episodes]
+
+
+class _Stepper:
+    """What happens around one generation of an episode, in either schedule."""
+
+    def __init__(self, renderer: Renderer, cfg: RolloutConfig):
+        self.renderer, self.cfg = renderer, cfg
+        self.placeholders = set(renderer.placeholder_ids)
+
+    def request(self, ep: _Episode) -> Request | None:
+        """The episode's next generation request; None (and the episode truncated) when its
+        budget or the context is used up."""
+        cfg = self.cfg
+        room = min(cfg.max_response_tokens - (len(ep.ids) - ep.prompt_len),
+                   cfg.max_context_tokens - len(ep.ids))
+        if room <= 0:
+            _close(ep, TRUNCATED)
+            return None
+        sampling = SamplingParams(cfg.temperature, cfg.top_p, room,
+                                  self.renderer.stop_token_ids)
+        return Request(tuple(ep.ids), ep.prompt.images, sampling, f"{ep.group}-{ep.sample}")
+
+    def receive(self, ep: _Episode, req: Request, out: Completion | None) -> None:
+        """Take the engine's answer (None: it failed every attempt) into the episode."""
+        if out is None:
+            _close(ep, ABORTED, "engine")
+        elif self.placeholders.intersection(out.token_ids):
+            _close(ep, ABORTED, "placeholder")
+        elif len(out.token_ids) > req.sampling.max_new_tokens:
+            raise ValueError(f"engine returned {len(out.token_ids)} tokens for "
+                             f"max_new_tokens={req.sampling.max_new_tokens}")
+        else:
+            _advance(ep, out, self.renderer, self.cfg, ep.prompt_len)
+
+
+def _lock_step(episodes: list[_Episode], engine: Engine, step: _Stepper,
+               max_retries: int) -> None:
+    """Every turn, all active episodes' requests go to the engine in one call."""
     while True:
-        active, requests = [], []
-        for prompt, g, k, plen, ep in episodes:
-            if ep.status is not None:
-                continue
-            room = min(cfg.max_response_tokens - (len(ep.ids) - plen),
-                       cfg.max_context_tokens - len(ep.ids))
-            if room <= 0:
-                _close(ep, TRUNCATED)
-                continue
-            sampling = SamplingParams(cfg.temperature, cfg.top_p, room, renderer.stop_token_ids)
-            requests.append(Request(tuple(ep.ids), prompt.images, sampling, f"{g}-{k}"))
-            active.append((plen, ep))
+        active = [(ep, req) for ep in episodes if ep.status is None
+                  and (req := step.request(ep)) is not None]
         if not active:
-            break
-        outs = generate_with_retries(engine, requests, cfg.max_retries)
-        for (plen, ep), out, req in zip(active, outs, requests):
-            if out is None:
-                _close(ep, ABORTED, "engine")
-            elif placeholders.intersection(out.token_ids):
-                _close(ep, ABORTED, "placeholder")
-            elif len(out.token_ids) > req.sampling.max_new_tokens:
-                raise ValueError(f"engine returned {len(out.token_ids)} tokens for "
-                                 f"max_new_tokens={req.sampling.max_new_tokens}")
-            else:
-                _advance(ep, out, renderer, cfg, plen)
-    trajectories = []
-    for prompt, g, k, plen, ep in episodes:
-        score = score_episode([t.text for t in ep.turns], [t.info for t in ep.turns],
-                              prompt.answer, reward_config, ep.env.choices, env_config)
-        aborted = ep.status == ABORTED
-        trajectories.append(Trajectory(
-            uid=prompt.uid, group_id=g, sample_idx=k, answer=prompt.answer,
-            token_ids=np.asarray(ep.ids, np.int64), loss_mask=np.asarray(ep.mask, np.int8),
-            rollout_logprobs=np.asarray(ep.logps, np.float32), prompt_len=plen,
-            images=list(prompt.images), turns=ep.turns, status=ep.status,
-            reward=0.0 if aborted else score.reward, correct=score.correct and not aborted,
-            correct_turn=None if aborted else score.correct_turn, abort_reason=ep.abort_reason))
-    return trajectories
+            return
+        outs = generate_with_retries(engine, [req for _, req in active], max_retries)
+        for (ep, req), out in zip(active, outs):
+            step.receive(ep, req, out)
+
+
+def _per_episode(episodes: list[_Episode], engine: AsyncEngine, step: _Stepper,
+                 max_retries: int) -> None:
+    """Each episode's request goes out on its own; when it comes back the episode steps its
+    environment and sends its next turn at once. A failed request (an exception or an `abort`)
+    is sent again up to `max_retries` times, then the episode is aborted."""
+    pending: dict[concurrent.futures.Future, tuple[_Episode, Request, int]] = {}
+
+    def send(ep: _Episode, req: Request | None, attempt: int = 0) -> None:
+        if req is not None:
+            pending[engine.submit(req)] = (ep, req, attempt)
+
+    for ep in episodes:
+        send(ep, step.request(ep))
+    while pending:
+        done, _ = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            ep, req, attempt = pending.pop(future)
+            try:
+                out = future.result()
+            except FatalEngineError:
+                raise
+            except Exception as e:  # noqa: BLE001 - retried, then aborted
+                log.warning("engine request %s failed (attempt %d): %s", req.session,
+                            attempt + 1, e)
+                out = None
+            if out is None or out.finish_reason == ABORT:
+                if attempt < max_retries:
+                    send(ep, req, attempt + 1)
+                    continue
+                out = None
+            step.receive(ep, req, out)
+            if ep.status is None:
+                send(ep, step.request(ep))
+
+
+def _trajectory(ep: _Episode, reward_config: RewardConfig, env_config: EnvConfig) -> Trajectory:
+    """The finished episode, scored."""
+    prompt = ep.prompt
+    score = score_episode([t.text for t in ep.turns], [t.info for t in ep.turns],
+                          prompt.answer, reward_config, ep.env.choices, env_config)
+    aborted = ep.status == ABORTED
+    return Trajectory(
+        uid=prompt.uid, group_id=ep.group, sample_idx=ep.sample, answer=prompt.answer,
+        token_ids=np.asarray(ep.ids, np.int64), loss_mask=np.asarray(ep.mask, np.int8),
+        rollout_logprobs=np.asarray(ep.logps, np.float32), prompt_len=ep.prompt_len,
+        images=list(prompt.images), turns=ep.turns, status=ep.status,
+        reward=0.0 if aborted else score.reward, correct=score.correct and not aborted,
+        correct_turn=None if aborted else score.correct_turn, abort_reason=ep.abort_reason)
 
 
 def split_turns(traj: Trajectory) -> list[Trajectory]:

@@ -79,6 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.max_retries = 2
     c.rollout.export_style = "concat"
+    c.rollout.schedule = "episode"  # episode (each episode at its own pace) | lockstep
 
     # Where rollouts come from: the in-process engine, or SGLang servers (GPU machines).
     c.engine = ml_collections.ConfigDict()

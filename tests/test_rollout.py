@@ -1,11 +1,12 @@
 """The multi-turn rollout against a scripted engine: exact tokens, masks, log-probs, statuses."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from common.engine import LENGTH, STOP
+from common.engine import LENGTH, STOP, Completion
 from common.env import EnvConfig, FEEDBACK
 from common.rollout import RolloutConfig, generate_with_retries, rollout, split_turns
 from common.scoring import RewardConfig
@@ -216,3 +217,75 @@ def test_a_sampled_placeholder_aborts_that_episode_only(renderer):
     assert (good.status, good.abort_reason, good.reward) == ("completed", None, 1.0)
     m = rollout_metrics([bad, good], max_turns=3)
     assert (m["aborted"], m["aborted_placeholder"], m["aborted_engine"]) == (1.0, 1.0, 0.0)
+
+
+class RequestFunctionEngine:
+    """A deterministic engine: each answer is a function of the request (its session, its
+    length) and of how often that request was tried, whatever the order or batching. It takes
+    requests in batches (`generate`) and one at a time (`submit`, answered after a random
+    delay on a thread pool), so the two schedules can be compared exactly."""
+
+    def __init__(self, answer):
+        import concurrent.futures
+        import threading
+        self.answer, self.tries, self.lock = answer, {}, threading.Lock()
+        self.pool = concurrent.futures.ThreadPoolExecutor(8)
+        self.rng = np.random.default_rng(0)
+
+    def _one(self, req):
+        key = (req.session, len(req.input_ids))
+        with self.lock:
+            self.tries[key] = self.tries.get(key, 0) + 1
+            attempt = self.tries[key]
+        text, finish = self.answer(req.session, len(req.input_ids), attempt)
+        if finish == "abort":
+            return Completion([], [], "abort")
+        ids = codes(text)[:req.sampling.max_new_tokens]
+        if finish == STOP and len(ids) < req.sampling.max_new_tokens:
+            ids.append(TURN_END)
+        else:
+            finish = LENGTH
+        return Completion(ids, [logprob(i) for i in range(len(ids))], finish)
+
+    def generate(self, requests):
+        return [self._one(r) for r in requests]
+
+    def submit(self, request):
+        import time
+        delay = float(self.rng.uniform(0, 0.01))
+        return self.pool.submit(lambda: (time.sleep(delay), self._one(request))[1])
+
+
+def mixed_answers(session, length, attempt):
+    """Episodes of 1 to 3 turns, short and long turns, aborts that a retry fixes and one that
+    never heals."""
+    g, k = map(int, session.split("-"))
+    if (g, k) == (1, 2):
+        return "", "abort"  # every attempt fails: aborted after the retries
+    if k == 1 and attempt == 1:
+        return "", "abort"  # the first try fails, the retry answers
+    turn = length // 97 % 3
+    wrong = call(str(length % 7 + 20)) + " " + "x" * (5 + 40 * (k % 3))
+    text = wrong if (g + k + turn) % 3 else call("12")
+    return text, STOP
+
+
+def test_per_episode_schedule_gives_the_lock_step_trajectories(renderer):
+    from common.engine import AsyncEngine
+    prompts = [make_prompt(uid=f"p{i}", answer="12") for i in range(3)]
+    cfg = RolloutConfig(n_samples=4, max_response_tokens=700, max_context_tokens=4000,
+                        max_retries=2)
+    engine = RequestFunctionEngine(mixed_answers)
+    assert isinstance(engine, AsyncEngine)
+    per_episode = rollout(prompts, engine, renderer, cfg)
+    lock_step = rollout(prompts, RequestFunctionEngine(mixed_answers), renderer,
+                        dataclasses.replace(cfg, schedule="lockstep"))
+    assert {t.status for t in lock_step} == {"completed", "truncated", "aborted"}
+    assert {len(t.turns) for t in lock_step} == {0, 1, 2, 3}  # episodes of every length
+    for a, b in zip(per_episode, lock_step):
+        assert (a.group_id, a.sample_idx, a.status, a.abort_reason, a.reward, a.correct_turn) \
+            == (b.group_id, b.sample_idx, b.status, b.abort_reason, b.reward, b.correct_turn)
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
+        np.testing.assert_array_equal(a.rollout_logprobs, b.rollout_logprobs)
+        assert [t.text for t in a.turns] == [t.text for t in b.turns]
