@@ -5,7 +5,9 @@
     with launch_servers("checkpoints/step_0", n=2) as group, \\
             SGLangEngine(group.urls, image_token_id=151655) as engine:
         completions = engine.generate(requests)        # one per request, same order
-        engine.update_weights_from_disk("checkpoints/step_1")
+        engine.release_memory()                        # colocated: abort, wait idle, release
+        engine.resume_memory()
+        engine.update_weights_from_disk("checkpoints/step_1", version=1)  # then checked
 
 Only the standard library talks to the servers (http.client, json, threads); sglang is never
 imported. Each `Request` is one `POST /generate`; the requests of a `generate` call run
@@ -16,7 +18,10 @@ are retried `max_retries` times with exponential backoff, each retry on another 
 there is one; a request that still fails (or gets another 4xx) comes back as an `abort`
 Completion, which the rollout retries or aborts by its own policy.
 
-Wire format, from SGLang's source (python/sglang/srt/...):
+Supported releases: SGLang >= 0.5.15 (`MIN_SGLANG_VERSION`; `check_server_versions` asks each
+server's /server_info and refuses older ones); tested against the source of 0.5.23 and 0.5.15.
+
+Wire format, from SGLang's source (0.5.23, python/sglang/srt/...):
   * request (managers/io_struct.py `GenerateReqInput`; entrypoints/http_server.py
     `generate_request`): `input_ids` (list of int), `image_data` (one item per image, in
     placeholder order: SGLang's `load_image` takes a "data:image/png;base64,..." URL, a bare base64
@@ -25,21 +30,24 @@ Wire format, from SGLang's source (python/sglang/srt/...):
     learner's processor sees them) and strings as they are), `sampling_params`,
     `return_logprob: true`, `logprob_start_len: -1` (output tokens only), `stream: false`.
   * `sampling_params` (sampling/sampling_params.py `SamplingParams`): temperature, top_p,
-    max_new_tokens, stop_token_ids; and, sent explicitly because a server launched with the
-    default `--sampling-defaults model` fills every missing one from the checkpoint's
-    generation_config.json (Qwen-VL ships top_k=1, repetition_penalty=1.05): top_k=-1, min_p=0,
-    repetition/frequency/presence penalties neutral. skip_special_tokens=false and
-    no_stop_trim=true only shape the returned text, which we ignore.
+    max_new_tokens, stop_token_ids; and every other knob explicitly neutral (top_k=-1, min_p=0,
+    repetition/frequency/presence penalties): native /generate fills a missing key from
+    `--preferred-sampling-params` when the server was launched with it (`--sampling-defaults`
+    and generation_config.json only reach the OpenAI endpoints), so nothing is left to a server
+    flag. Unknown keys are refused. skip_special_tokens=false and no_stop_trim=true only shape
+    the returned text, which we ignore.
   * response: `{"text", "output_ids", "meta_info": {"finish_reason", "prompt_tokens",
-    "completion_tokens", "output_token_logprobs", ...}}`. `output_token_logprobs` is a list of
+    "completion_tokens", "output_token_logprobs", "weight_version", ...}}` and, when asked
+    with `return_prompt_token_ids`, a top-level `prompt_token_ids` (the prompt after SGLang's
+    image expansion). `output_token_logprobs` is a list of
     `[logprob, token_id, text-or-null]`, one per new token, the stop token included (the
     scheduler records a log-prob for every sampled token; `no_stop_trim` and the detokenizer's
     `trim_matched_stop` only cut the text). The tokens are read from it, as slime does;
     `output_ids` is only cross-checked. `finish_reason` (managers/schedule_batch.py
     `FINISH_*.to_json`) is {"type": "stop", "matched": id}, {"type": "length", "length": n} or
-    {"type": "abort", "message": ...}. The scheduler tests length before stop tokens, so a stop
-    token sampled as the last allowed token reads "length": we report that as "stop", like
-    `LocalEngine`. Errors come back as HTTP 400 `{"error": {"message": ...}}`.
+    {"type": "abort", "message": ...}. 0.5.23 tests stop tokens before the length cap; 0.5.15
+    tested length first, so there a stop token sampled as the last allowed token reads
+    "length": we report that as "stop" either way, like `LocalEngine`. Errors come back as HTTP 400 `{"error": {"message": ...}}`.
 
 Log-probs (layers/sampler.py `Sampler.forward`): SGLang returns log softmax(logits / T) of the
 sampled token, before top-k / top-p / min-p filtering (it samples from the filtered
@@ -50,32 +58,36 @@ greedy (T = 0) requests: exactly `Completion.logprobs`. Two server settings chan
 
 Image tokens (REFERENCE §5, the double expansion): our ids hold one `<|image_pad|>` per merged
 patch; SGLang expects ONE pad per image and expands it itself. Its Qwen-VL processor
-(multimodal/processors/qwen_vl.py `QwenVLImageProcessor.process_mm_data_async`) resizes each
-image (`resize_image`: smart_resize with SGLang's own factor and pixel bounds) and runs the HF
-processor on the prompt, whose `__call__` replaces each `<|image_pad|>` by one pad per merged
-patch of the next image; with `SGLANG_MM_AVOID_RETOKENIZE` (on by default in current releases;
-multimodal/processors/base_processor.py `process_and_combine_mm_data`, `_expand_input_ids`) it
-then keeps the caller's ids verbatim and expands the i-th pad to the i-th image's count, which
-it only does when pads and images are equally many (else it falls back to decode and
-re-tokenize). Given expanded ids, releases differ: the legacy `load_mm_data` collapses each
-`<|vision_start|><|image_pad|>+<|vision_end|>` run by regex (after a decode / re-tokenize round
-trip), transformers 5 processors refuse the prompt ("The total number of <|image_pad|> tokens
-... should be the same as the number of images"), transformers 4 ones fail indexing the image
-grid, and the anchor's setup expanded them twice (a blind model). One pad per image is handled
-alike by all. So the engine collapses each run of pads to one (`collapse_image_pads`) and checks
-the answer: `meta_info.prompt_tokens` is the prompt length after SGLang's own expansion and must
-equal len(Request.input_ids); a mismatch (SGLang resized an image to another grid than the
-learner's processor, or re-tokenized text differently) raises `ImageTokenMismatch`. Pass the
-learner's `processor` to send each image already resized as the learner's image processor
-resizes it (`learner_image`): the pixels SGLang encodes are then the learner's, and its own
-resize is a no-op wherever its factor and bounds agree with the learner's.
+(multimodal/processors/qwen_vl.py `QwenVLImageProcessor.process_mm_data_async`) runs the HF
+processor of the model directory on the image and the prompt (0.5.23 resizes only videos
+itself; releases before SGLang PR #12458 also resized Qwen3-VL images, with factor 28); with
+`SGLANG_MM_AVOID_RETOKENIZE` (on by default by 0.5.15; base_processor.py `_expand_input_ids`) it
+keeps the caller's ids verbatim and expands the i-th pad to the i-th image's merged-patch count,
+refusing a prompt whose pads and images differ in number. Expanded ids would fail or be expanded
+twice (a blind model), so the engine collapses each run of pads to one (`collapse_image_pads`)
+and checks the answer: `meta_info.prompt_tokens` (the prompt after SGLang's expansion) must
+equal len(Request.input_ids), else `ImageTokenMismatch` (SGLang's processor gave an image
+another grid than the learner's, or text was re-tokenized). The exact check compares the ids
+themselves: `check_prompt_ids="first"` asks the first request of a run for
+`return_prompt_token_ids`, "every" asks every request, and `check_prompt_ids_next()` arms one
+more check on demand. Pass the learner's `processor` to send each image already resized as the
+learner's image processor resizes it (`learner_image`), so both sides see the same pixels.
 
-Weight sync and memory (http_server.py): `update_weights_from_disk` (POST
-/update_weights_from_disk {"model_path", ...}; SGLang flushes its cache after loading),
-`flush_cache` (POST /flush_cache), `release_memory` / `resume_memory` for colocated training
-(POST /release_memory_occupation and /resume_memory_occupation {"tags": [...]}; the server
-needs `--enable-memory-saver`), `health` (GET /health_generate: generates one token). Each goes
-to every server; failures raise `SGLangError` naming the servers. Not here:
+Weight sync (http_server.py `update_weights_from_disk`): POST /update_weights_from_disk
+{"model_path", "weight_version"} -> {"success", "message", "num_paused_requests"}; SGLang
+flushes its cache after loading. Its Qwen-VL loaders skip parameter names they do not know
+without an error, so `success` alone proves little: every update carries a weight version, each
+server's /model_info must report it right after, and every later answer's
+`meta_info.weight_version` (and each span of `meta_info.weight_versions`) must equal it, else
+`StaleWeightsError` names the server and both versions.
+
+Colocated memory (`release_memory` / `resume_memory`; the server needs `--enable-memory-saver`):
+SGLang's /release_memory_occupation asserts that its scheduler is idle and the failed assertion
+takes the whole server down, so a release first aborts what is still running
+(POST /abort_request {"abort_all": true}), then polls POST /flush_cache, which answers 400 while
+any request runs, until it answers 200 (at most `idle_timeout_s`, else `SGLangError`), and only
+then releases. `health` is GET /health_generate (it sleeps 1 s and generates one token). Each
+control call goes to every server; failures raise `SGLangError` naming the servers. Not here:
 `/update_weights_from_tensor` carries `MultiprocessingSerializer`-pickled CUDA-IPC tensor
 handles (SGLang's own Python objects, same node only) and `/update_weights_from_distributed`
 needs an NCCL group built with SGLang's `init_weights_update_group` on the trainer side; neither
@@ -105,6 +117,9 @@ log = logging.getLogger(__name__)
 
 _RETRYABLE_STATUS = {429, 500, 502, 503, 504}
 _MAX_SESSIONS = 1 << 16  # session -> server entries kept for cache affinity
+MIN_SGLANG_VERSION = (0, 5, 15)  # first release with SGLANG_MM_AVOID_RETOKENIZE on by default
+TESTED_BELOW = (0, 6)  # the `gpu` extra's upper bound; newer servers run with a warning
+PROMPT_CHECKS = ("off", "first", "every")
 
 
 class SGLangError(RuntimeError):
@@ -114,6 +129,15 @@ class SGLangError(RuntimeError):
 class ImageTokenMismatch(SGLangError, FatalEngineError):
     """SGLang's expanded prompt length differs from the learner's: the model would attend to
     other tokens than the learner trains on (see the module docstring)."""
+
+
+class StaleWeightsError(SGLangError, FatalEngineError):
+    """A server reports another weight version than the last update set: the rollout would
+    sample from a policy the learner does not think it is."""
+
+
+class SGLangVersionError(SGLangError):
+    """A server runs an SGLang release older than `MIN_SGLANG_VERSION`."""
 
 
 @dataclasses.dataclass
@@ -263,6 +287,71 @@ def parse_generate_response(body: dict, sampling: SamplingParams,
     return Completion(ids, logps, STOP if stopped else LENGTH)
 
 
+def check_answer_version(body: dict, url: str, expected: str) -> None:
+    """Raise `StaleWeightsError` unless the answer was generated by weight version `expected`
+    (`meta_info.weight_version`, and every span of `meta_info.weight_versions` when present)."""
+    meta = body.get("meta_info") or {}
+    got = meta.get("weight_version")
+    spans = [s.get("version") for s in meta.get("weight_versions") or [] if isinstance(s, dict)]
+    bad = [v for v in [got, *spans] if v != expected]
+    if bad:
+        raise StaleWeightsError(f"SGLang server {url} answered with weight version {bad[0]!r}, "
+                                f"expected {expected!r} (the last update's): the server did not "
+                                "load the new weights, or was restarted, or is another server")
+
+
+def check_answer_prompt_ids(body: dict, url: str, expected: Sequence[int]) -> None:
+    """Raise `ImageTokenMismatch` unless SGLang's expanded prompt ids (`prompt_token_ids`,
+    returned for `return_prompt_token_ids`) are exactly the learner's ids `expected`."""
+    got = body.get("prompt_token_ids")
+    if got is None:
+        raise SGLangError(f"SGLang server {url} returned no prompt_token_ids for "
+                          "return_prompt_token_ids (needs SGLang >= 0.5.15)")
+    got, want = [int(t) for t in got], [int(t) for t in expected]
+    if got == want:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    raise ImageTokenMismatch(
+        f"SGLang server {url} expanded the prompt to {len(got)} ids, the learner has "
+        f"{len(want)}; first difference at position {i}: server {got[max(0, i - 3):i + 4]}, "
+        f"learner {want[max(0, i - 3):i + 4]} (another image grid or a re-tokenized text)")
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """The leading release numbers of a version string: "0.5.15.post1" -> (0, 5, 15)."""
+    numbers = []
+    for part in str(text).split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) != len(part):
+            break
+    if not numbers:
+        raise ValueError(f"not a version: {text!r}")
+    return tuple(numbers)
+
+
+def check_version(url: str, version: str) -> None:
+    """Refuse (`SGLangVersionError`) a server older than `MIN_SGLANG_VERSION`; warn above the
+    tested range."""
+    got = parse_version(version)
+    want = ".".join(map(str, MIN_SGLANG_VERSION))
+    if got < MIN_SGLANG_VERSION:
+        raise SGLangVersionError(
+            f"SGLang server {url} runs sglang {version}; geo3k-rl needs >= {want}: older releases "
+            "decode and re-tokenize the multi-turn prompt around images (no "
+            "SGLANG_MM_AVOID_RETOKENIZE) and resized Qwen3-VL images with factor 28 (another "
+            "grid than the learner's). Install the `gpu` extra (pip install -e .[gpu])")
+    if got >= TESTED_BELOW:
+        log.warning("SGLang server %s runs sglang %s, newer than the tested range (< %s)", url,
+                    version, ".".join(map(str, TESTED_BELOW)))
+
+
 # ------------------------------------------------------------------------------------- transport
 
 def http_call(url: str, method: str, path: str, payload: Any = None, timeout: float = 60.0
@@ -333,7 +422,7 @@ class _Balancer:
 
 class SGLangEngine:
     """`Engine` over SGLang servers at `urls` (e.g. "http://127.0.0.1:30000"). See the module
-    docstring for the wire format, balancing, retries and the image-token handling.
+    docstring for the wire format, balancing, retries, image tokens, weight versions and release.
 
     image_token_id: the model's `<|image_pad|>` id (config.image_token_id).
     processor: the learner's processor; if given, images are sent resized as it resizes them.
@@ -342,17 +431,24 @@ class SGLangEngine:
     max_concurrency: requests in flight at once, over all servers.
     control_timeout_s: seconds for weight updates and the other control calls.
     check_prompt_tokens: check SGLang's expanded prompt length (raise `ImageTokenMismatch`).
+    check_prompt_ids: exact expanded-prompt check: "off", "first" (the first request this engine
+        sends, and after each `check_prompt_ids_next()`) or "every" request.
+    idle_timeout_s, idle_poll_s: how long `release_memory` polls /flush_cache for an idle server.
     """
 
     def __init__(self, urls: Sequence[str], *, image_token_id: int, processor=None,
                  timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0,
                  max_concurrency: int = 256, control_timeout_s: float = 1800.0,
-                 check_prompt_tokens: bool = True):
+                 check_prompt_tokens: bool = True, check_prompt_ids: str = "first",
+                 idle_timeout_s: float = 120.0, idle_poll_s: float = 0.5):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server url")
         if max_retries < 0 or max_concurrency < 1 or timeout_s <= 0 or backoff_s < 0:
             raise ValueError(f"bad limits: max_retries={max_retries}, max_concurrency="
                              f"{max_concurrency}, timeout_s={timeout_s}, backoff_s={backoff_s}")
+        if check_prompt_ids not in PROMPT_CHECKS:
+            raise ValueError(f"check_prompt_ids must be one of {PROMPT_CHECKS}, "
+                             f"got {check_prompt_ids!r}")
         self.urls = [u.rstrip("/") for u in urls]
         self.image_token_id = int(image_token_id)
         self.processor = processor
@@ -361,6 +457,11 @@ class SGLangEngine:
         self.backoff_s = backoff_s
         self.control_timeout_s = control_timeout_s
         self.check_prompt_tokens = check_prompt_tokens
+        self.check_prompt_ids = check_prompt_ids
+        self.idle_timeout_s = idle_timeout_s
+        self.idle_poll_s = idle_poll_s
+        self.weight_version: str | None = None  # set by the last update; None: not checked
+        self._prompt_check_armed = check_prompt_ids == "first"
         self.balancer = _Balancer(len(self.urls))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, "sglang-request")
 
@@ -377,15 +478,32 @@ class SGLangEngine:
     # -- generation
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """One Completion per request, same order; `abort` for requests that kept failing."""
+        """One Completion per request, same order; `abort` for requests that kept failing.
+        Raises `ImageTokenMismatch` / `StaleWeightsError` (fatal) when a check fails."""
         if not requests:
             return []
         encoded: dict[int, tuple[Any, str]] = {}  # id(image) -> (image, data URL), this call
         bodies = [generate_payload(r, self.image_token_id,
                                    [self._encode(im, encoded) for im in r.images])
                   for r in requests]
+        for body in self._prompt_checked(bodies):
+            body["return_prompt_token_ids"] = True
         futures = [self.pool.submit(self._run, r, b) for r, b in zip(requests, bodies)]
         return [f.result() for f in futures]
+
+    def check_prompt_ids_next(self) -> None:
+        """Compare the expanded prompt ids of the next request exactly (on demand)."""
+        self._prompt_check_armed = True
+
+    def _prompt_checked(self, bodies: list[dict]) -> list[dict]:
+        """The bodies whose prompt ids get the exact check: all ("every"), or the first one
+        after the check was armed."""
+        if self.check_prompt_ids == "every":
+            return bodies
+        if self._prompt_check_armed:
+            self._prompt_check_armed = False
+            return bodies[:1]
+        return []
 
     def _encode(self, image, cache: dict) -> str:
         """Data URL of an image, encoded once per `generate` call however many requests hold it."""
@@ -412,9 +530,7 @@ class SGLangEngine:
                 failure = _Failure(f"{type(e).__name__}: {e}", retry=True)
             else:
                 if status == 200:
-                    out = json.loads(raw)
-                    expected = len(req.input_ids) if self.check_prompt_tokens else None
-                    return parse_generate_response(out, req.sampling, expected)
+                    return self._completion(json.loads(raw), req, body, self.urls[i])
                 failure = _Failure(_error_text(status, raw), retry=status in _RETRYABLE_STATUS)
             finally:
                 self.balancer.release(i)
@@ -425,47 +541,109 @@ class SGLangEngine:
             avoid = i
         return Completion([], [], ABORT)
 
+    def _completion(self, out: dict, req: Request, body: dict, url: str) -> Completion:
+        """The checked Completion of a 200 answer from `url` (weight version, prompt ids)."""
+        finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+        aborted = isinstance(finish, dict) and finish.get("type") == "abort"
+        if self.weight_version is not None and not aborted:
+            check_answer_version(out, url, self.weight_version)
+        if body.get("return_prompt_token_ids") and not aborted:
+            check_answer_prompt_ids(out, url, req.input_ids)
+        expected = len(req.input_ids) if self.check_prompt_tokens else None
+        return parse_generate_response(out, req.sampling, expected)
+
     # -- control calls: every server, errors name the servers
 
     def _control(self, method: str, path: str, payload: Any = None,
                  timeout: float | None = None) -> list[Any]:
         """Call every server concurrently; returns their parsed JSON bodies (None for non-JSON)."""
         timeout = self.control_timeout_s if timeout is None else timeout
+        return self._each(lambda url: self._call(url, method, path, payload, timeout))
 
+    def _each(self, fn) -> list[Any]:
+        """fn(url) on every server concurrently; fn returns a result or raises `SGLangError`.
+        Raises one `SGLangError` naming every server that failed."""
         def one(url: str):
             try:
-                status, raw = http_call(url, method, path, payload, timeout)
-            except (OSError, http.client.HTTPException) as e:
-                return f"{url}{path}: {type(e).__name__}: {e}"
-            try:
-                body = json.loads(raw) if raw.strip() else None
-            except ValueError:
-                body = None
-            if status != 200 or (isinstance(body, dict) and body.get("success") is False):
-                return f"{url}{path}: " + _error_text(status, raw)
-            return body
+                return fn(url)
+            except SGLangError as e:
+                return e
 
         with concurrent.futures.ThreadPoolExecutor(len(self.urls)) as pool:
             results = list(pool.map(one, self.urls))
-        errors = [r for r in results if isinstance(r, str)]
+        errors = [r for r in results if isinstance(r, SGLangError)]
         if errors:
-            raise SGLangError(f"{len(errors)} of {len(self.urls)} servers failed: "
-                              + "; ".join(errors))
+            kind = type(errors[0]) if all(type(e) is type(errors[0]) for e in errors) \
+                else SGLangError
+            raise kind(f"{len(errors)} of {len(self.urls)} servers failed: "
+                       + "; ".join(str(e) for e in errors))
         return results
 
-    def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+    @staticmethod
+    def _call(url: str, method: str, path: str, payload: Any, timeout: float) -> Any:
+        """One control call; its parsed JSON body (None for non-JSON), or `SGLangError`."""
+        try:
+            status, raw = http_call(url, method, path, payload, timeout)
+        except (OSError, http.client.HTTPException) as e:
+            raise SGLangError(f"{url}{path}: {type(e).__name__}: {e}") from None
+        try:
+            body = json.loads(raw) if raw.strip() else None
+        except ValueError:
+            body = None
+        if status != 200 or (isinstance(body, dict) and body.get("success") is False):
+            raise SGLangError(f"{url}{path}: " + _error_text(status, raw))
+        return body
+
+    def check_server_versions(self) -> dict[str, str]:
+        """Each server's SGLang release (/server_info "version"), by url; raises
+        `SGLangVersionError` naming the servers older than `MIN_SGLANG_VERSION`."""
+        def one(url: str) -> str:
+            info = self._call(url, "GET", "/server_info", None, self.control_timeout_s)
+            version = info.get("version") if isinstance(info, dict) else None
+            if version is None:
+                raise SGLangError(f"{url}/server_info reports no version")
+            check_version(url, version)
+            return version
+
+        return dict(zip(self.urls, self._each(one)))
+
+    def update_weights_from_disk(self, model_path: str, version: int | str | None = None, *,
                                  load_format: str | None = None,
-                                 abort_all_requests: bool = False) -> None:
-        """Every server loads the HF checkpoint directory `model_path` (and flushes its cache)."""
-        payload: dict[str, Any] = {"model_path": str(model_path)}
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
+                                 abort_all_requests: bool = False) -> str:
+        """Every server loads the HF checkpoint directory `model_path` (and flushes its cache)
+        as weight version `version` (the training step; None: the previous version + 1). Checks
+        each server's `success` and /model_info, then every later answer; returns the version."""
+        version = str(version if version is not None else self._next_version())
+        payload: dict[str, Any] = {"model_path": str(model_path), "weight_version": version}
         if load_format is not None:
             payload["load_format"] = load_format
         if abort_all_requests:
             payload["abort_all_requests"] = True
+        self.weight_version = version  # from now on, an answer of another version is an error
         self._control("POST", "/update_weights_from_disk", payload)
         self.balancer.forget_sessions()
+        self.check_version(version)
+        return version
+
+    def _next_version(self) -> int:
+        try:
+            return int(self.weight_version) + 1
+        except (TypeError, ValueError):
+            return 1
+
+    def check_version(self, version: int | str) -> None:
+        """Raise `StaleWeightsError` naming every server whose /model_info reports another
+        weight version than `version`."""
+        want = str(version)
+
+        def one(url: str) -> None:
+            info = self._call(url, "GET", "/model_info", None, self.control_timeout_s)
+            got = info.get("weight_version") if isinstance(info, dict) else None
+            if got != want:
+                raise StaleWeightsError(f"SGLang server {url} serves weight version {got!r}, "
+                                        f"expected {want!r}")
+
+        self._each(one)
 
     def flush_cache(self) -> None:
         """Every server drops its radix (prefix) cache; refused while requests are running."""
@@ -474,9 +652,33 @@ class SGLangEngine:
 
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Colocated mode: every server frees its GPU memory (`tags`: "weights", "kv_cache";
-        None = all). Needs servers launched with `--enable-memory-saver`."""
+        None = all), once idle: abort what runs, poll /flush_cache until 200, release. Needs
+        servers launched with `--enable-memory-saver`."""
+        self._control("POST", "/abort_request", {"abort_all": True})
+        self._each(self._wait_idle)
+        self.balancer.forget_sessions()
         self._control("POST", "/release_memory_occupation",
                       {} if tags is None else {"tags": list(tags)})
+
+    def _wait_idle(self, url: str) -> None:
+        """Poll `url`/flush_cache until it answers 200 (nothing running, cache dropped); raise
+        `SGLangError` at once on another answer, and after `idle_timeout_s` of 400s."""
+        deadline = time.monotonic() + self.idle_timeout_s
+        while True:
+            try:
+                status, raw = http_call(url, "POST", "/flush_cache", None, self.control_timeout_s)
+            except (OSError, http.client.HTTPException) as e:
+                raise SGLangError(f"{url}/flush_cache: {type(e).__name__}: {e}") from None
+            if status == 200:
+                return
+            if status != 400:  # 400: requests still running; anything else is a failure
+                raise SGLangError(f"{url}/flush_cache: " + _error_text(status, raw))
+            if time.monotonic() >= deadline:
+                raise SGLangError(f"{url} still busy {self.idle_timeout_s:g} s after "
+                                  f"/abort_request ({_error_text(status, raw)}); its memory was "
+                                  "not released (SGLang asserts an idle scheduler and dies "
+                                  "otherwise)")
+            time.sleep(self.idle_poll_s)
 
     def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """Colocated mode: every server takes its GPU memory back (None = all released)."""
@@ -484,5 +686,6 @@ class SGLangEngine:
                       {} if tags is None else {"tags": list(tags)})
 
     def health(self, timeout_s: float = 60.0) -> None:
-        """Raise `SGLangError` naming every server that cannot generate a token right now."""
+        """Raise `SGLangError` naming every server that cannot generate a token right now
+        (SGLang's own health check takes 1 s and gives up after 20 s)."""
         self._control("GET", "/health_generate", timeout=timeout_s)

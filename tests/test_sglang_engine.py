@@ -1,14 +1,19 @@
 """The SGLang engine client and launcher against a fake SGLang server (tests/fake_sglang.py).
 
-Everything runs on CPU over 127.0.0.1. Outcomes never depend on timing: the fake's scripted
-answers decide them (waits only bound how long a broken client takes to fail).
+Everything runs on CPU over 127.0.0.1. The fake behaves like SGLang 0.5.23 where it hurts (503
+while loading, 1 s per health check, 400 on a busy /flush_cache, death on a busy release, weight
+versions). Outcomes never depend on timing: the fake's scripted answers decide them (waits only
+bound how long a broken client takes to fail).
 """
 
 import dataclasses
 import http.client
+import json
+import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +24,10 @@ from common.engine import ABORT, LENGTH, STOP, Completion, Request, SamplingPara
 from common.env import FEEDBACK
 from common.rollout import RolloutConfig, rollout
 from common.sglang_engine import (ImageTokenMismatch, SGLangEngine, SGLangError,
-                                       collapse_image_pads, http_call, learner_image,
-                                       parse_generate_response)
-from common.sglang_server import ServerLaunchError, launch_servers
+                                  SGLangVersionError, StaleWeightsError, collapse_image_pads,
+                                  http_call, learner_image, parse_generate_response,
+                                  parse_version)
+from common.sglang_server import ServerLaunchError, launch_servers, server_env
 from tests.conftest import EOS, IMAGE, IMAGE_TOKENS, TURN_END, make_prompt
 from tests.fake_sglang import Action, FakeSGLang, logprob
 
@@ -46,7 +52,7 @@ def request(text="hi", n_images=1, session="", sampling=SAMPLING, images=None):
 
 def make_engine(urls, **kw):
     args = dict(image_token_id=IMAGE, timeout_s=5.0, max_retries=2, backoff_s=0.0,
-                max_concurrency=8)
+                max_concurrency=8, idle_poll_s=0.05)
     return SGLangEngine(urls, **{**args, **kw})
 
 
@@ -118,11 +124,40 @@ def test_expanded_ids_are_what_sglang_refuses(fake):
 
 
 def test_prompt_length_mismatch_raises():
-    """SGLang expanding an image to another count than the learner's is an error."""
-    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS + 1) as fake, \
-            make_engine([fake.url]) as engine:
-        with pytest.raises(ImageTokenMismatch, match="learner's"):
+    """SGLang expanding an image to another count than the learner's is an error: the length
+    check on every answer, the exact check (first request) naming the first difference."""
+    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS + 1) as fake:
+        with make_engine([fake.url], check_prompt_ids="off") as engine, \
+                pytest.raises(ImageTokenMismatch, match="learner's"):
             engine.generate([request()])
+        with make_engine([fake.url]) as engine, \
+                pytest.raises(ImageTokenMismatch, match="to 8 ids, the learner has 7; first "
+                                                         "difference at position 4") as err:
+            engine.generate([request()])
+    assert fake.url in str(err.value)
+
+
+def test_exact_prompt_check_first_request_and_on_demand(fake):
+    """Only the first request of a run (and one after `check_prompt_ids_next`) asks for the
+    expanded ids; a server that changes one id at the same length is caught exactly."""
+    with make_engine([fake.url], max_concurrency=1) as engine:
+        engine.generate([request("a"), request("b")])
+        engine.generate([request("c")])
+        engine.check_prompt_ids_next()
+        engine.generate([request("d"), request("e")])
+        asked = [b.get("return_prompt_token_ids", False) for b in fake.bodies()]
+        assert asked == [True, False, False, True, False]  # one thread: sent in order
+        fake.rewrite_prompt = lambda ids: ids[:-1] + [ids[-1] + 1]  # same length, one id off
+        engine.generate([request("f")])  # not checked: only the length, which agrees
+        engine.check_prompt_ids_next()
+        with pytest.raises(ImageTokenMismatch, match="first difference at position 5"):
+            engine.generate([request("g")])
+    with make_engine([fake.url], check_prompt_ids="every") as engine:
+        fake.rewrite_prompt = None
+        engine.generate([request("h"), request("i")])
+    assert [b.get("return_prompt_token_ids") for b in fake.bodies()[-2:]] == [True, True]
+    with pytest.raises(ValueError, match="check_prompt_ids"):
+        make_engine([fake.url], check_prompt_ids="always")
 
 
 def test_one_run_per_image_required(fake):
@@ -140,10 +175,23 @@ def test_finish_reasons_and_logprobs(fake):
         stop, length, last, abort = engine.generate([request()] * 4)
     assert stop == Completion(codes("abc") + [TURN_END], [logprob(i) for i in range(4)], STOP)
     assert length == Completion(codes("abcdef"), [logprob(i) for i in range(6)], LENGTH)
-    # a stop token as the last allowed token: SGLang says "length", the engine says "stop"
+    # a stop token as the last allowed token: "stop" (SGLang 0.5.23 tests stop tokens first)
     assert last.finish_reason == STOP and list(last.token_ids[-1:]) == [TURN_END]
     assert len(last.token_ids) == SAMPLING.max_new_tokens
     assert abort == Completion([], [], ABORT)
+
+
+@pytest.mark.parametrize("stop_first,raw", [(True, "stop"), (False, "length")],
+                         ids=["0.5.23", "0.5.15"])
+def test_stop_token_at_the_length_cap(stop_first, raw):
+    """0.5.23 says "stop", 0.5.15 said "length" for a stop token sampled last; both are STOP."""
+    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS,
+                    stop_beats_length=stop_first) as fake, make_engine([fake.url]) as engine:
+        fake.script.extend([Action(codes("a" * 49))] * 2)
+        (out,) = engine.generate([request(n_images=0)])
+        status, answer = http_call(fake.url, "POST", "/generate", fake.bodies()[0])
+    assert out.finish_reason == STOP and len(out.token_ids) == 50
+    assert status == 200 and json.loads(answer)["meta_info"]["finish_reason"]["type"] == raw
 
 
 def test_parse_sglang_answer():
@@ -252,19 +300,24 @@ def test_concurrency_limit(fake):
 def test_control_calls_reach_every_server(two_fakes):
     a, b = two_fakes
     with make_engine([a.url, b.url]) as engine:
-        engine.update_weights_from_disk("/ckpt/step_3", weight_version="3")
+        assert engine.update_weights_from_disk("/ckpt/step_3", 3) == "3"
         engine.flush_cache()
         engine.release_memory(["kv_cache", "weights"])
         engine.resume_memory()
-        engine.health()
+        engine.health()  # takes the fake's 1 s, as SGLang's does
+        assert engine.check_server_versions() == {a.url: "0.5.23", b.url: "0.5.23"}
     for f in (a, b):
         assert f.requests == [
             ("POST", "/update_weights_from_disk", {"model_path": "/ckpt/step_3",
                                                    "weight_version": "3"}),
+            ("GET", "/model_info", None),
+            ("POST", "/flush_cache", None),
+            ("POST", "/abort_request", {"abort_all": True}),  # release: idle first
             ("POST", "/flush_cache", None),
             ("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
             ("POST", "/resume_memory_occupation", {}),
-            ("GET", "/health_generate", None)]
+            ("GET", "/health_generate", None),
+            ("GET", "/server_info", None)]
 
 
 def test_control_failures_name_the_server(two_fakes):
@@ -345,9 +398,9 @@ def test_launch_fails_clearly_when_the_server_exits(tmp_path):
 
 
 def test_launch_fails_clearly_when_never_healthy(tmp_path):
-    with pytest.raises(ServerLaunchError, match="not healthy in time") as err:
+    with pytest.raises(ServerLaunchError, match=r"not ready in time \(last answers: http") as err:
         launch(tmp_path, extra_args=["--unhealthy"], startup_timeout_s=1)
-    url = str(err.value).split("'")[1]
+    url = str(err.value).split("answers: ")[1].split(": HTTP 503")[0]
     assert "fake sglang serving" in str(err.value) and refused(url)  # and it was shut down
 
 
