@@ -11,8 +11,8 @@ released server (REFERENCE.md section 8, read from the 0.5.23 wheel) where the c
     "length"); `meta_info.weight_version` is the version of the last weight update ("default"
     before any); `return_prompt_token_ids` returns the expanded prompt ids.
   * /flush_cache answers 400 (plain text) while a request is running; /abort_request
-    {"abort_all": true} ends every running request as "abort" (each takes `abort_linger_s` to
-    leave, so a flush right after the abort is still refused);
+    {"abort_all": true} ends every running request as "abort" (each leaves `abort_linger_s`
+    after the abort, and only once a /flush_cache has been refused: aborting is not idling);
   * /release_memory_occupation with a request running fails SGLang's idle assertion: the server
     dies (no answer; every later call is refused), as the released server does.
   * /update_weights_from_disk -> {success, message, num_paused_requests}, storing
@@ -110,6 +110,7 @@ class FakeSGLang:
         self.released = self.dead = False
         self.inflight = self.max_inflight = 0
         self.abort_epoch = 0  # bumped by every /abort_request with abort_all
+        self.flushes_refused = self.refused_at_abort = 0
         self.cond = threading.Condition()
         self.gate = threading.Event()
         self.gate.set()
@@ -220,8 +221,15 @@ class FakeSGLang:
         return out, {"type": "length", "length": budget}
 
     def aborted(self) -> tuple[int, dict]:
-        """The answer of a request ended by /abort_request, after it took a while to leave."""
-        time.sleep(self.abort_linger_s)
+        """The answer of a request ended by /abort_request. It leaves `abort_linger_s` after the
+        abort and not before a /flush_cache was refused for it (so a client that does not poll
+        the flush fails here every time, not by chance)."""
+        end = time.monotonic() + self.abort_linger_s
+        with self.cond:
+            while not self.cond.wait_for(lambda: self.flushes_refused > self.refused_at_abort
+                                         or self.closing.is_set(), 0.02):
+                pass
+        time.sleep(max(0.0, end - time.monotonic()))
         meta = {"id": f"fake-{len(self.requests)}", "weight_version": self.weight_version,
                 "finish_reason": {"type": "abort", "message": "Abort all requests."},
                 "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
@@ -269,6 +277,9 @@ class FakeSGLang:
 
     def flush_cache(self, body: dict) -> tuple[int, str]:
         if self.busy():  # SGLang: not performed while requests run
+            with self.cond:
+                self.flushes_refused += 1
+                self.cond.notify_all()
             return 400, "Flush cache failed.\n"
         return 200, "Cache flushed.\nPlease check backend logs for more details.\n"
 
@@ -276,6 +287,7 @@ class FakeSGLang:
         if body.get("abort_all"):
             with self.cond:
                 self.abort_epoch += 1
+                self.refused_at_abort = self.flushes_refused
                 self.cond.notify_all()
         return 200, None
 

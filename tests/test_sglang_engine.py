@@ -338,6 +338,115 @@ def test_control_failures_name_the_server(two_fakes):
         engine.health(timeout_s=2)
 
 
+def test_version_floor():
+    assert [parse_version(v) for v in ("0.5.23", "0.5.15.post1", "0.5.6rc0", "0.6.0.dev3+g1")] \
+        == [(0, 5, 23), (0, 5, 15), (0, 5, 6), (0, 6, 0)]
+    with FakeSGLang(version="0.5.14") as old, FakeSGLang(version="0.5.15.post2") as ok, \
+            make_engine([old.url, ok.url]) as engine:
+        with pytest.raises(SGLangVersionError, match="1 of 2 servers failed") as err:
+            engine.check_server_versions()
+    msg = str(err.value)
+    assert old.url in msg and ok.url not in msg and "sglang 0.5.14" in msg and ">= 0.5.15" in msg
+
+
+# ---------------------------------------------------------------------------- weight versions
+
+def test_weight_version_is_sent_and_checked(fake):
+    with make_engine([fake.url]) as engine:
+        engine.generate([request()])  # before any update: "default", not checked
+        assert engine.update_weights_from_disk("/ckpt/step_3", 3) == "3"
+        (out,) = engine.generate([request()])
+        assert out.finish_reason == STOP
+        assert engine.update_weights_from_disk("/ckpt/next") == "4"  # None: the previous + 1
+        engine.check_version(4)
+    assert [b["weight_version"] for b in fake.bodies("/update_weights_from_disk")] == ["3", "4"]
+    assert fake.weight_version == "4"
+
+
+def test_stale_weight_update_is_an_error_naming_server_and_versions(two_fakes):
+    """A server that answers success but keeps serving the old weights (/model_info), and one
+    that answers from another version later (restarted): both are errors, not a stale policy."""
+    a, b = two_fakes
+    with make_engine([a.url, b.url]) as engine:
+        engine.update_weights_from_disk("/ckpt/step_1", 1)
+        b.stale = True
+        with pytest.raises(StaleWeightsError, match="serves weight version '1', expected '2'") \
+                as err:
+            engine.update_weights_from_disk("/ckpt/step_2", 2)
+        assert b.url in str(err.value) and a.url not in str(err.value)
+        b.stale = False
+        engine.update_weights_from_disk("/ckpt/step_3", 3)
+        a.weight_version = "default"  # a server restarted behind our back
+        with pytest.raises(StaleWeightsError, match="weight version 'default', expected '3'") \
+                as err:
+            engine.generate([request(session=f"s{i}") for i in range(4)])
+        assert a.url in str(err.value)
+
+
+def test_failed_weight_update_names_the_server_and_version(two_fakes):
+    a, b = two_fakes
+    b.fail_control = True
+    with make_engine([a.url, b.url]) as engine:
+        with pytest.raises(SGLangError, match="scripted weight-load failure") as err:
+            engine.update_weights_from_disk("/ckpt/step_7", 7)
+        assert b.url in str(err.value) and a.url not in str(err.value)
+        b.fail_control = False
+        # b still serves "default": its answers are errors until an update succeeds there
+        with pytest.raises(StaleWeightsError, match="'default', expected '7'") as err:
+            engine.generate([request(session=f"s{i}") for i in range(4)])
+        assert b.url in str(err.value)
+
+
+# ----------------------------------------------------------------------------- colocated release
+
+def test_busy_release_kills_the_fake_as_it_kills_sglang(fake):
+    """The fake is no kinder than SGLang: a release with a request running takes it down."""
+    fake.gate.clear()
+    with make_engine([fake.url]) as engine:
+        thread, result = in_background(engine.generate, [request()])
+        assert fake.wait_inflight(1)
+        with pytest.raises((OSError, http.client.HTTPException)):
+            http_call(fake.url, "POST", "/release_memory_occupation", {}, timeout=5)
+        thread.join()
+    assert fake.dead and result[0][0].finish_reason == ABORT
+    fake.thread.join(5)  # the dead fake closes its socket: every later call is refused
+    assert refused(fake.url)
+
+
+def test_release_while_a_request_runs_leaves_the_server_alive(two_fakes):
+    """release_memory aborts the straggler, polls /flush_cache past its 400s, then releases."""
+    a, b = two_fakes
+    a.gate.clear()
+    with make_engine([a.url, b.url]) as engine:
+        thread, result = in_background(engine.generate, [request(session="slow")])
+        assert a.wait_inflight(1)
+        engine.release_memory()
+        thread.join()
+        assert not a.dead and a.released and b.released
+        assert result[0][0].finish_reason == ABORT  # the rollout retries or counts it
+        engine.resume_memory()
+        a.gate.set()
+        (out,) = engine.generate([request()])
+    assert out.finish_reason == STOP
+    paths = a.paths()[1:]  # after the straggler's /generate
+    flushes = paths[1:paths.index("/release_memory_occupation")]
+    assert paths[0] == "/abort_request" and len(flushes) >= 2  # a 400 while aborting, a 200
+    assert set(flushes) == {"/flush_cache"}
+
+
+def test_release_gives_up_on_a_server_that_stays_busy():
+    with FakeSGLang(image_token_id=IMAGE, abort_linger_s=1.0) as fake, \
+            make_engine([fake.url], idle_timeout_s=0.3) as engine:
+        fake.gate.clear()
+        thread, _ = in_background(engine.generate, [request()])
+        assert fake.wait_inflight(1)
+        with pytest.raises(SGLangError, match="still busy 0.3 s after /abort_request") as err:
+            engine.release_memory()
+        thread.join()
+    assert fake.url in str(err.value) and "Flush cache failed" in str(err.value)
+    assert "/release_memory_occupation" not in fake.paths() and not fake.dead
+
+
 # ------------------------------------------------------------------------------------- launcher
 
 def free_port_base(n):
@@ -402,6 +511,52 @@ def test_launch_fails_clearly_when_never_healthy(tmp_path):
         launch(tmp_path, extra_args=["--unhealthy"], startup_timeout_s=1)
     url = str(err.value).split("answers: ")[1].split(": HTTP 503")[0]
     assert "fake sglang serving" in str(err.value) and refused(url)  # and it was shut down
+
+
+@pytest.mark.slow
+def test_launch_waits_through_loading_and_slow_health_checks(tmp_path):
+    """503 for 3 s, then 1.5 s per health call (SGLang sleeps 1 s and generates): ready in
+    seconds, where a 1 s probe timeout would never see it ready."""
+    start = time.monotonic()
+    with launch(tmp_path, extra_args=["--loading-s", "3", "--health-delay-s", "1.5"],
+                startup_timeout_s=60, poll_s=0.2) as group:
+        waited = time.monotonic() - start
+        (out,) = make_engine(group.urls).generate([request(n_images=0)])
+    assert out.finish_reason == STOP
+    assert 3 < waited < 30
+
+
+def test_launch_fails_fast_when_the_server_dies_while_loading(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(ServerLaunchError, match="exited with code 3 before it was ready") as err:
+        launch(tmp_path, extra_args=["--loading-s", "600", "--exit-after-s", "1"],
+               startup_timeout_s=300)
+    assert time.monotonic() - start < 20  # not the 300 s start-up budget
+    assert "scripted crash while loading the model" in str(err.value)
+
+
+def test_launch_refuses_an_old_sglang(tmp_path):
+    with pytest.raises(ServerLaunchError, match=r"sglang 0\.5\.6; geo3k-rl needs >= 0\.5\.15"):
+        launch(tmp_path, extra_args=["--version", "0.5.6", "--health-delay-s", "0"])
+    port = int((tmp_path / "server_0.log").read_text().split("127.0.0.1:")[1].split()[0])
+    assert refused(f"http://127.0.0.1:{port}")  # shut down
+
+
+def test_server_env_is_clean(tmp_path, monkeypatch):
+    """No torchrun variables reach the servers (they would join the trainer's process group)."""
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                 "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1",
+                 "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    env = server_env(os.environ, {"EXTRA": "1"})
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"} & set(env)
+    assert env["SGLANG_MM_AVOID_RETOKENIZE"] == "1" and env["EXTRA"] == "1"
+    assert server_env({"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"  # the user's own
+    with launch(tmp_path, extra_args=["--health-delay-s", "0"]):
+        log = (tmp_path / "server_0.log").read_text()
+    assert ("env: {'RANK': None, 'WORLD_SIZE': None, 'LOCAL_RANK': None, 'MASTER_ADDR': None, "
+            "'MASTER_PORT': None, 'OMP_NUM_THREADS': None}") in log
 
 
 def test_shutdown_kills_a_server_that_ignores_sigterm(tmp_path):
