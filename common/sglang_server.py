@@ -31,8 +31,8 @@ raises `ServerLaunchError`. Ports must be free before launch.
 Shutdown sends SIGTERM to each server's process group (SGLang's scheduler and detokenizer are
 its children), then SIGKILL to the groups whose leader is still alive after `grace_s`. It runs
 on leaving the `with` block, at interpreter exit (atexit) and on a failed launch; a trainer
-killed with SIGKILL leaves its servers running (nothing can catch that). `command` replaces `python -m sglang.launch_server`;
-the tests run `tests/fake_sglang.py` with it. Nothing here imports sglang.
+killed with SIGKILL leaves its servers running (nothing can catch that). `command` replaces
+`python -m sglang.launch_server`; the tests run `tests/fake_sglang.py` with it. Nothing here imports sglang.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ import time
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
-from common.sglang_engine import SGLangError, check_version, http_call
+from common.sglang_engine import http_call
+from common.sglang_wire import SGLangError, check_version
 
 SGLANG_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 LOG_TAIL_CHARS = 4000
