@@ -35,8 +35,10 @@ setup(
         # The JAX learner on CPU; TPUs use the `tpu` extra instead.
         "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
         "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
-        # GPU rollouts: SGLang brings its own CUDA torch build.
-        "gpu": ["sglang>=0.5"],
+        # GPU rollouts: SGLang brings its own CUDA torch build. 0.5.15 is the first release
+        # that keeps our token ids verbatim around images (SGLANG_MM_AVOID_RETOKENIZE on by
+        # default); the client is checked against the source of 0.5.15 and 0.5.23.
+        "gpu": ["sglang>=0.5.15,<0.6"],
         # trl ships Qwen's published chat templates, which the tests render with.
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "trl>=1.16"],
     },

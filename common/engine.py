@@ -102,8 +102,9 @@ class Backend(Protocol):
 
     engine: Engine
 
-    def sync(self, learner) -> None:
-        """After each optimizer step: the engine samples from `learner`'s new weights next."""
+    def sync(self, learner, step: int) -> None:
+        """After optimizer step `step`: the engine samples from `learner`'s new weights next
+        (servers tag them as weight version `step`)."""
 
     def train_context(self) -> AbstractContextManager:
         """Wraps the update (a colocated server frees its accelerator memory there)."""

@@ -12,24 +12,35 @@ Server i runs, in its own process group,
 
 (flag names from python/sglang/srt/server_args.py `ServerArgs.add_cli_args`; `--base-gpu-id`
 picks the first of the server's G consecutive GPUs), with its output in
-`log_dir/server_<i>.log` and SGLANG_MM_AVOID_RETOKENIZE=1 in its environment (keep our token ids
-verbatim around images; see common/sglang_engine.py). A server is up when
-`GET /health_generate` answers 200 (that endpoint generates a token; `/health` answers before
-the model is warm in older releases). A server that exits, or is not up `startup_timeout_s`
-after launch, raises `ServerLaunchError` with the tail of its log, after the whole group has
-been shut down. Ports must be free before launch.
+`log_dir/server_<i>.log`, and a clean environment (`server_env`): this process's, less the
+torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, TORCHELASTIC_*, ...: SGLang would
+take them for its own process group) and less torchrun's OMP_NUM_THREADS=1 (it would starve
+SGLang's CPU-side work), plus SGLANG_MM_AVOID_RETOKENIZE=1 (keep our token ids verbatim around
+images; see common/sglang_engine.py) and `env`.
+
+Readiness, as SGLang 0.5.23 answers (entrypoints/http_server.py `health_generate`): a refused
+connection means not listening yet and 503 means still loading; a ready server sleeps 1 s and
+generates one token before its 200 (and gives up on its own after 20 s), so each probe of
+`GET /health_generate` may take `health_timeout_s` (60 s). Probes run in threads while this
+thread watches the processes: a server that exits fails the launch at once, with the tail of
+its log; one not ready `startup_timeout_s` after launch fails it too, saying what it last
+answered. A ready server must then report SGLang >= 0.5.15 on /server_info
+(`common.sglang_engine.check_version`). Every failure shuts the whole group down first and
+raises `ServerLaunchError`. Ports must be free before launch.
 
 Shutdown sends SIGTERM to each server's process group (SGLang's scheduler and detokenizer are
 its children), then SIGKILL to the groups whose leader is still alive after `grace_s`. It runs
 on leaving the `with` block, at interpreter exit (atexit) and on a failed launch; a trainer
-killed with SIGKILL leaves its servers running (nothing can catch that). `command` replaces `python -m sglang.launch_server`;
-the tests run `tests/fake_sglang.py` with it. Nothing here imports sglang.
+killed with SIGKILL leaves its servers running (nothing can catch that). `command` replaces
+`python -m sglang.launch_server`; the tests run `tests/fake_sglang.py` with it. Nothing here imports sglang.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
+import json
 import http.client
 import os
 import signal
@@ -42,9 +53,14 @@ from pathlib import Path
 from typing import IO, Mapping, Sequence
 
 from common.sglang_engine import http_call
+from common.sglang_wire import SGLangError, check_version
 
 SGLANG_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 LOG_TAIL_CHARS = 4000
+# What torchrun / torch.distributed.elastic put in a trainer's environment.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                 "MASTER_PORT")
 
 
 class ServerLaunchError(RuntimeError):
@@ -140,12 +156,24 @@ def server_argv(model_path: str, host: str, port: int, tp: int, base_gpu: int,
     return argv + [str(a) for a in extra_args]
 
 
-def _healthy(url: str, timeout: float) -> bool:
+def server_env(base: Mapping[str, str], extra: Mapping[str, str] | None = None
+               ) -> dict[str, str]:
+    """A server's environment: `base` less torchrun's variables (TORCHRUN_VARS, TORCHELASTIC_*,
+    OMP_NUM_THREADS=1), with SGLANG_MM_AVOID_RETOKENIZE=1 and then `extra` on top."""
+    env = {k: v for k, v in base.items()
+           if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    if env.get("OMP_NUM_THREADS") == "1":
+        del env["OMP_NUM_THREADS"]
+    return {**env, "SGLANG_MM_AVOID_RETOKENIZE": "1", **(extra or {})}
+
+
+def probe(url: str, timeout: float) -> str:
+    """One readiness probe: "ready" (200), else what the server said ("HTTP 503", an error)."""
     try:
         status, _ = http_call(url, "GET", "/health_generate", timeout=timeout)
-    except (OSError, http.client.HTTPException):
-        return False
-    return status == 200
+    except (OSError, http.client.HTTPException) as e:
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return "ready" if status == 200 else f"HTTP {status}"
 
 
 def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
@@ -153,13 +181,16 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
                    port_base: int = 30000, extra_args: Sequence[str] = (), *,
                    host: str = "127.0.0.1", memory_saver: bool = False,
                    startup_timeout_s: float = 900.0, poll_s: float = 1.0, grace_s: float = 30.0,
+                   health_timeout_s: float = 60.0, check_versions: bool = True,
                    log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
                    command: Sequence[str] = SGLANG_COMMAND) -> ServerGroup:
     """Start `n` servers on ports port_base..port_base+n-1 and wait until each generates.
 
     memory_saver: pass `--enable-memory-saver` (needed by release/resume memory, colocated).
     startup_timeout_s: for all servers together; poll_s: seconds between health checks.
-    grace_s: SIGTERM-to-SIGKILL delay at shutdown. env: added to this process's environment.
+    health_timeout_s: read timeout of one health check (SGLang's own gives up after 20 s).
+    check_versions: refuse servers older than SGLang 0.5.15 (their /server_info "version").
+    grace_s: SIGTERM-to-SIGKILL delay at shutdown. env: added to the clean `server_env`.
     Returns the running `ServerGroup`; raises `ServerLaunchError` (all servers stopped) if one
     exits or is not healthy in time.
     """
@@ -170,7 +201,7 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
         _check_port_free(host, port)
     log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="sglang-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, "SGLANG_MM_AVOID_RETOKENIZE": "1", **(env or {})}
+    child_env = server_env(os.environ, env)
     servers: list[Server] = []
     group = ServerGroup(servers, grace_s)
     try:
@@ -184,29 +215,62 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
                                        stdin=subprocess.DEVNULL, env=child_env,
                                        start_new_session=True)
             servers.append(Server(f"http://{host}:{port}", argv, process, log_path, log_file))
-        _wait_healthy(servers, time.monotonic() + startup_timeout_s, poll_s)
+        wait_ready(servers, time.monotonic() + startup_timeout_s, poll_s, health_timeout_s)
+        if check_versions:
+            for s in servers:
+                _check_server_version(s, health_timeout_s)
     except BaseException:
         group.shutdown()
         raise
     return group
 
 
-def _wait_healthy(servers: list[Server], deadline: float, poll_s: float) -> None:
-    """Return when every server answers /health_generate; raise if one exits or time runs out."""
-    pending = list(servers)
-    while pending:
-        for s in list(pending):
-            code = s.process.poll()
-            if code is not None:
-                raise ServerLaunchError(f"SGLang server {s.url} exited with code {code} before "
-                                        f"it was healthy; {s.log_path} ends with:\n"
-                                        f"{s.log_tail()}")
-            if _healthy(s.url, timeout=max(poll_s, 1.0)):
-                pending.remove(s)
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            s = pending[0]
-            raise ServerLaunchError(f"SGLang server(s) {[p.url for p in pending]} not healthy "
-                                    f"in time; {s.log_path} ends with:\n{s.log_tail()}")
-        time.sleep(poll_s)
+def _exit_error(s: Server, code: int) -> ServerLaunchError:
+    return ServerLaunchError(f"SGLang server {s.url} exited with code {code} before it was "
+                             f"ready; {s.log_path} ends with:\n{s.log_tail()}")
+
+
+def wait_ready(servers: list[Server], deadline: float, poll_s: float,
+               health_timeout_s: float) -> None:
+    """Return when every server answers /health_generate with 200. Raise `ServerLaunchError` as
+    soon as one exits, or at `deadline` (time.monotonic()) naming the servers still not ready and
+    what they last answered. One probe per server in flight at a time, each in a thread."""
+    last = {s.url: "no answer yet" for s in servers}
+    probes: dict[str, concurrent.futures.Future] = {}
+    pool = concurrent.futures.ThreadPoolExecutor(len(servers), "sglang-probe")
+    try:
+        while True:
+            for s in servers:
+                code = s.process.poll()
+                if code is not None:
+                    raise _exit_error(s, code)
+            for s in servers:
+                f = probes.get(s.url)
+                if f is not None and f.done():
+                    last[s.url] = f.result()
+                if last[s.url] != "ready" and (f is None or f.done()):
+                    timeout = max(1.0, min(health_timeout_s, deadline - time.monotonic()))
+                    probes[s.url] = pool.submit(probe, s.url, timeout)
+            pending = [s for s in servers if last[s.url] != "ready"]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                said = "; ".join(f"{s.url}: {last[s.url]}" for s in pending)
+                raise ServerLaunchError(f"SGLang server(s) not ready in time (last answers: "
+                                        f"{said}); {pending[0].log_path} ends with:\n"
+                                        f"{pending[0].log_tail()}")
+            time.sleep(poll_s)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)  # the caller kills hanging servers
+
+
+def _check_server_version(s: Server, timeout: float) -> None:
+    """Raise `ServerLaunchError` unless the server reports a supported SGLang on /server_info."""
+    try:
+        status, raw = http_call(s.url, "GET", "/server_info", timeout=timeout)
+        version = json.loads(raw).get("version") if status == 200 else None
+        if version is None:
+            raise SGLangError(f"{s.url}/server_info answered HTTP {status} without a version")
+        check_version(s.url, version)
+    except (SGLangError, OSError, http.client.HTTPException, ValueError, AttributeError) as e:
+        raise ServerLaunchError(str(e)) from e

@@ -84,7 +84,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         start = state["step"]
         sampler = PromptSampler.from_state(state["sampler"])
         backend.set_rng_state(state["engine_rng"][comm.rank])
-        backend.sync(learner)
+        backend.sync(learner, start)
         if log:
             log.truncate_after(start)
         logging.info("resumed from %s at step %d", last, start)
@@ -102,7 +102,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                                        renderer, learner, step_cfg, offset, comm,
                                        backend.train_context)
             with timed(train_m, "weight_sync"):
-                backend.sync(learner)  # the next rollout samples from the new weights
+                backend.sync(learner, step)  # the next rollout samples from the new weights
 
             # metrics, dump, curve (process 0 sees every process's trajectories)
             all_trajs = [t for part in comm.gather(trajs) for t in part]

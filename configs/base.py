@@ -94,6 +94,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine.sglang_max_retries = 3
     c.engine.sglang_max_concurrency = 256
     c.engine.sglang_colocated = False  # release the servers' memory during training
+    # Launch to ready, all servers together (loading a checkpoint takes minutes).
+    c.engine.sglang_startup_timeout_s = 900.0
+    # One readiness probe: SGLang's health check sleeps 1 s, generates, gives up after 20 s.
+    c.engine.sglang_health_timeout_s = 60.0
+    # Colocated release: after aborting, wait this long for /flush_cache to say "idle".
+    c.engine.sglang_idle_timeout_s = 120.0
+    # Compare SGLang's expanded prompt ids with ours exactly: off | first (the run's first
+    # request, and on demand) | every request (costs a prompt-sized list per answer).
+    c.engine.sglang_check_prompt_ids = "first"
 
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()

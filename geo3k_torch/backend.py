@@ -34,7 +34,7 @@ class LocalBackend:
         self.engine = LocalEngine(self.model, processor, pad if pad is not None else 0,
                                   seed=seed + comm.rank, device=device)
 
-    def sync(self, learner) -> None:
+    def sync(self, learner, step: int) -> None:
         if self.reload_dir is not None:
             from safetensors.torch import load_file
 

@@ -113,7 +113,7 @@ def train(cfg, workdir: str) -> dict:
         metrics = {f"train/{k}": v for k, v in sft_step(
             learner, [examples[i] for i in ids], cfg.train.micro_batch_tokens, comm).items()}
         if backend and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-            backend.sync(learner)
+            backend.sync(learner, step)
             metrics.update({f"eval/{k}": v for k, v in evaluate_split(
                 cfg, test_set, backend.engine, renderer, comm).items()})
         if log:

@@ -1,10 +1,22 @@
-"""A fake SGLang server for CPU tests: SGLang's native HTTP API on 127.0.0.1, scripted answers.
+"""A fake SGLang server for CPU tests: SGLang 0.5.23's native HTTP API on 127.0.0.1, scripted.
 
-It speaks the wire format documented in common/sglang_engine.py (from SGLang's source) and
-behaves like SGLang where the engine depends on it: it expands each image placeholder itself
-(`tokens_per_image` pads per image) and refuses a prompt whose placeholder count differs from
-its image count, as SGLang's `_expand_input_ids` does; it reports the stop token in
-`output_token_logprobs`, and "length" when a stop token is the last allowed one.
+It speaks the wire format documented in common/sglang_engine.py and is no kinder than the
+released server (REFERENCE.md section 8, read from the 0.5.23 wheel) where the client depends on it:
+  * start-up: /health, /health_generate and /generate answer 503 for `loading_s` seconds; after
+    that a health call sleeps `health_delay_s` (1 s, as SGLang's handler does) and generates.
+  * /generate: each image placeholder is expanded to `tokens_per_image` pads, and a prompt whose
+    placeholder count differs from its image count is refused (SGLang's `_expand_input_ids`);
+    the stop token is reported in `output_token_logprobs`; a stop token sampled as the last
+    allowed token finishes as "stop" (0.5.23; `stop_beats_length=False` gives 0.5.15's
+    "length"); `meta_info.weight_version` is the version of the last weight update ("default"
+    before any); `return_prompt_token_ids` returns the expanded prompt ids.
+  * /flush_cache answers 400 (plain text) while a request is running; /abort_request
+    {"abort_all": true} ends every running request as "abort" (each leaves `abort_linger_s`
+    after the abort, and only once a /flush_cache has been refused: aborting is not idling);
+  * /release_memory_occupation with a request running fails SGLang's idle assertion: the server
+    dies (no answer; every later call is refused), as the released server does.
+  * /update_weights_from_disk -> {success, message, num_paused_requests}, storing
+    `weight_version`; /model_info reports it; /server_info reports `version`.
 
     with FakeSGLang(image_token_id=2000, tokens_per_image=3) as fake:   # ephemeral port
         fake.script.append(Action(ids=[104, 105]))      # the next /generate answer
@@ -12,13 +24,17 @@ its image count, as SGLang's `_expand_input_ids` does; it reports the stop token
 
 `/generate` answers from `script` (consumed in order) or, when it is empty, from
 `responder(body) -> Action`. An Action can fail instead: "500", "400", "drop" (close the
-connection without an answer) or "hang" (answer nothing until the fake closes). While `gate`
-is clear, /generate requests wait (in flight) until it is set. Control endpoints answer like
-SGLang; set `fail_control` to make them fail.
+connection without an answer) or "hang" (answer nothing until aborted or the fake closes).
+While `gate` is clear, /generate requests wait (in flight) until it is set or they are aborted.
+`fail_control` makes the control endpoints fail; `stale` makes a weight update answer success
+but keep serving the old version (a server that did not load what it said it loaded);
+`rewrite_prompt(ids) -> ids` changes the prompt the fake "tokenizes" (a re-tokenizing server).
 
 As a program, for the launcher tests (it always binds 127.0.0.1; other flags, such as sglang's
 `--host` and `--model-path`, are ignored):
-    python tests/fake_sglang.py --port N [--unhealthy] [--ignore-sigterm]
+    python tests/fake_sglang.py --port N [--loading-s S] [--health-delay-s S] [--exit-after-s S]
+        [--unhealthy] [--ignore-sigterm] [--version V]
+It prints its environment's torchrun variables at start (the launcher tests read the log).
 """
 
 from __future__ import annotations
@@ -29,8 +45,10 @@ import collections
 import dataclasses
 import io
 import json
+import os
 import signal
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Sequence
 
@@ -67,16 +85,32 @@ class FakeSGLang:
     """The fake server (see the module docstring). Thread-safe counters and records."""
 
     def __init__(self, image_token_id: int = 2000, tokens_per_image: int = 3, port: int = 0,
-                 healthy: bool = True, responder: Callable[[dict], Action] | None = None):
+                 healthy: bool = True, responder: Callable[[dict], Action] | None = None, *,
+                 loading_s: float = 0.0, health_delay_s: float = 1.0, abort_linger_s: float = 0.2,
+                 version: str = "0.5.23", stop_beats_length: bool = True,
+                 on_death: Callable[[], None] | None = None):
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.healthy = healthy
         self.responder = responder or (lambda body: Action())
+        self.loading_until = time.monotonic() + loading_s
+        self.health_delay_s = health_delay_s
+        self.abort_linger_s = abort_linger_s
+        self.version = version
+        self.stop_beats_length = stop_beats_length
+        self.on_death = on_death or self.close
         self.script: collections.deque[Action] = collections.deque()
         self.requests: list[tuple[str, str, object]] = []  # (method, path, JSON body or None)
         self.images: list = []  # decode_image of every image received
         self.fail_control = False
+        self.stale = False
+        self.rewrite_prompt: Callable[[list[int]], list[int]] | None = None
+        self.weight_version = "default"  # SGLang's --weight-version default
+        self.model_path = ""
+        self.released = self.dead = False
         self.inflight = self.max_inflight = 0
+        self.abort_epoch = 0  # bumped by every /abort_request with abort_all
+        self.flushes_refused = self.refused_at_abort = 0
         self.cond = threading.Condition()
         self.gate = threading.Event()
         self.gate.set()
@@ -92,6 +126,8 @@ class FakeSGLang:
             return
         self.closing.set()
         self.gate.set()
+        with self.cond:
+            self.cond.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -105,20 +141,41 @@ class FakeSGLang:
         """JSON bodies received on `path`, in order."""
         return [b for _, p, b in self.requests if p == path]
 
+    def paths(self) -> list[str]:
+        """The path of every request received, in order."""
+        return [p for _, p, _ in self.requests]
+
     def wait_inflight(self, n: int, timeout: float = 10.0) -> bool:
         """Block until `n` /generate requests are in flight (False on timeout)."""
         with self.cond:
             return self.cond.wait_for(lambda: self.inflight >= n, timeout)
 
+    def loading(self) -> bool:
+        return time.monotonic() < self.loading_until
+
     # -- /generate
 
-    def generate(self, body: dict) -> tuple[int, dict | None]:
-        """(status, JSON answer); status None means drop the connection."""
+    def wait_released(self, event: threading.Event, epoch: int) -> bool:
+        """Wait until `event` is set; True if an abort_all came first (the request is aborted)."""
+        def done() -> bool:
+            return event.is_set() or self.abort_epoch != epoch or self.closing.is_set()
+
+        with self.cond:
+            while not self.cond.wait_for(done, 0.02):  # setting `event` notifies no one
+                pass
+            return self.abort_epoch != epoch
+
+    def generate(self, body: dict, epoch: int) -> tuple[int | None, dict | None]:
+        """(status, JSON answer) of a request that arrived in abort epoch `epoch`; status None
+        means drop the connection."""
+        if self.wait_released(self.gate, epoch):
+            return self.aborted()
         with self.cond:
             action = self.script.popleft() if self.script else None
         action = action or self.responder(body)
         if action.fail == "hang":
-            self.closing.wait()
+            if self.wait_released(self.closing, epoch):
+                return self.aborted()
             return None, None  # the client has long given up
         if action.fail == "drop":
             return None, None
@@ -132,36 +189,121 @@ class FakeSGLang:
                                               f"but {len(images)} image(s) were provided"}}
         with self.cond:
             self.images += [decode_image(im) for im in images]
+        prompt = self.expand(ids)
         sp = body["sampling_params"]
-        out, budget = list(action.ids)[:sp["max_new_tokens"]], sp["max_new_tokens"]
-        if action.finish == "abort":
-            out, reason = [], {"type": "abort", "message": "scripted abort"}
-        elif action.finish == "stop" and len(out) < budget:
-            out.append(sp["stop_token_ids"][0])
-            reason = {"type": "stop", "matched": out[-1]}
-            if len(out) == budget:  # SGLang checks the length limit before stop tokens
-                reason = {"type": "length", "length": budget}
-        else:
-            reason = {"type": "length", "length": budget}
+        out, reason = self.finish(action, sp["max_new_tokens"], sp["stop_token_ids"])
         meta = {"id": f"fake-{len(self.requests)}", "finish_reason": reason,
-                "prompt_tokens": len(ids) + len(images) * (self.tokens_per_image - 1),
+                "prompt_tokens": len(prompt), "weight_version": self.weight_version,
                 "completion_tokens": len(out), "cached_tokens": 0,
                 "output_token_logprobs": [[logprob(i), t, None] for i, t in enumerate(out)]}
-        return 200, {"text": "", "output_ids": out, "meta_info": meta}
+        answer = {"text": "", "output_ids": out, "meta_info": meta}
+        if body.get("return_prompt_token_ids"):
+            answer["prompt_token_ids"] = prompt
+        return 200, answer
 
-    def control(self, path: str) -> tuple[int, object]:
-        if path in ("/health", "/health_generate"):
-            return (200, None) if self.healthy else (503, None)
-        if path == "/update_weights_from_disk":
-            ok = not self.fail_control
-            return (200 if ok else 400), {"success": ok, "num_paused_requests": 0,
-                                          "message": "Succeeded to update model weights." if ok
-                                          else "scripted weight-load failure"}
-        if path in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation"):
-            if self.fail_control:
-                return 400, {"error": {"message": f"scripted {path} failure"}}
+    def expand(self, ids: list[int]) -> list[int]:
+        """The prompt as SGLang sees it: each placeholder expanded to `tokens_per_image` pads."""
+        out = []
+        for t in ids:
+            out += [t] * (self.tokens_per_image if t == self.image_token_id else 1)
+        return self.rewrite_prompt(out) if self.rewrite_prompt else out
+
+    def finish(self, action: Action, budget: int, stop_ids: Sequence[int]
+               ) -> tuple[list[int], dict]:
+        """(new tokens, finish_reason) of a scripted answer under SGLang's finish rules."""
+        out = list(action.ids)[:budget]
+        if action.finish == "abort":
+            return [], {"type": "abort", "message": "scripted abort"}
+        if action.finish == "stop" and len(out) < budget:
+            out.append(stop_ids[0])
+            if len(out) < budget or self.stop_beats_length:  # 0.5.23; 0.5.15 tested length first
+                return out, {"type": "stop", "matched": out[-1]}
+        return out, {"type": "length", "length": budget}
+
+    def aborted(self) -> tuple[int, dict]:
+        """The answer of a request ended by /abort_request. It leaves `abort_linger_s` after the
+        abort and not before a /flush_cache was refused for it (so a client that does not poll
+        the flush fails here every time, not by chance)."""
+        end = time.monotonic() + self.abort_linger_s
+        with self.cond:
+            while not self.cond.wait_for(lambda: self.flushes_refused > self.refused_at_abort
+                                         or self.closing.is_set(), 0.02):
+                pass
+        time.sleep(max(0.0, end - time.monotonic()))
+        meta = {"id": f"fake-{len(self.requests)}", "weight_version": self.weight_version,
+                "finish_reason": {"type": "abort", "message": "Abort all requests."},
+                "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                "output_token_logprobs": []}
+        return 200, {"text": "", "output_ids": [], "meta_info": meta}
+
+    # -- control endpoints
+
+    def control(self, path: str, body) -> tuple[int | None, object]:
+        """(status, answer) of a control call; str answers are plain text; None drops it."""
+        base = path.split("?", 1)[0]
+        if base in ("/health", "/health_generate"):
+            if self.loading() or not self.healthy:
+                return 503, None
+            time.sleep(self.health_delay_s)  # SGLang: asyncio.sleep(1), then one token
             return 200, None
-        return 404, {"detail": "Not Found"}
+        if base in ("/server_info", "/get_server_info"):
+            return 200, {"version": self.version, "weight_version": "default",
+                         "model_path": self.model_path}
+        if base in ("/model_info", "/get_model_info"):
+            return 200, {"model_path": self.model_path, "weight_version": self.weight_version,
+                         "is_generation": True}
+        if self.fail_control:
+            if base == "/update_weights_from_disk":
+                return 400, {"success": False, "num_paused_requests": 0,
+                             "message": "scripted weight-load failure"}
+            return 400, {"error": {"message": f"scripted {base} failure"}}
+        handler = {"/update_weights_from_disk": self.update_weights,
+                   "/flush_cache": self.flush_cache, "/abort_request": self.abort,
+                   "/release_memory_occupation": self.release,
+                   "/resume_memory_occupation": self.resume}.get(base)
+        return handler(body or {}) if handler else (404, {"detail": "Not Found"})
+
+    def busy(self) -> bool:
+        with self.cond:
+            return self.inflight > 0
+
+    def update_weights(self, body: dict) -> tuple[int, dict]:
+        message = "Succeeded to update model weights."
+        self.model_path = body["model_path"]
+        if body.get("weight_version") is not None and not self.stale:
+            self.weight_version = body["weight_version"]
+            message += f" Weight version updated to {self.weight_version}."
+        return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def flush_cache(self, body: dict) -> tuple[int, str]:
+        if self.busy():  # SGLang: not performed while requests run
+            with self.cond:
+                self.flushes_refused += 1
+                self.cond.notify_all()
+            return 400, "Flush cache failed.\n"
+        return 200, "Cache flushed.\nPlease check backend logs for more details.\n"
+
+    def abort(self, body: dict) -> tuple[int, None]:
+        if body.get("abort_all"):
+            with self.cond:
+                self.abort_epoch += 1
+                self.refused_at_abort = self.flushes_refused
+                self.cond.notify_all()
+        return 200, None
+
+    def release(self, body: dict) -> tuple[int | None, None]:
+        if self.busy():  # the scheduler's idle assertion fails and takes the server down
+            print("AssertionError: release_memory_occupation should be called only when "
+                  "server is idle.", flush=True)
+            self.dead = True
+            threading.Thread(target=self.on_death, daemon=True).start()
+            return None, None
+        self.released = True
+        return 200, None
+
+    def resume(self, body: dict) -> tuple[int, None]:
+        self.released = False
+        return 200, None
 
 
 def _handler(fake: FakeSGLang) -> type:
@@ -169,11 +311,15 @@ def _handler(fake: FakeSGLang) -> type:
         def log_message(self, *args) -> None:  # keep test output quiet
             pass
 
-        def _answer(self, status: int, body) -> None:
-            data = b"" if body is None else json.dumps(body).encode()
+        def _answer(self, status: int | None, body) -> None:
+            if status is None:
+                self.close_connection = True  # no answer at all: the client sees a dropped line
+                return
+            text = isinstance(body, str)
+            data = body.encode() if text else b"" if body is None else json.dumps(body).encode()
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -186,24 +332,28 @@ def _handler(fake: FakeSGLang) -> type:
             body = json.loads(raw) if raw else None
             with fake.cond:
                 fake.requests.append((method, self.path, body))
-            if self.path != "/generate":
-                self._answer(*fake.control(self.path))
-                return
+            if fake.dead:
+                self._answer(None, None)
+            elif self.path != "/generate":
+                self._answer(*fake.control(self.path, body))
+            elif fake.loading():
+                self._answer(503, {"error": {"message": "server is starting"}})
+            else:
+                self._generate(body)
+
+        def _generate(self, body: dict) -> None:
             with fake.cond:
                 fake.inflight += 1
                 fake.max_inflight = max(fake.max_inflight, fake.inflight)
+                epoch = fake.abort_epoch
                 fake.cond.notify_all()
             try:
-                fake.gate.wait()
-                status, answer = fake.generate(body)
+                status, answer = fake.generate(body, epoch)
             finally:
                 with fake.cond:  # out of flight before the client can see the answer
                     fake.inflight -= 1
                     fake.cond.notify_all()
-            if status is None:
-                self.close_connection = True  # no answer at all: the client sees a dropped line
-                return
-            self._answer(status, answer)
+            self._answer(None if fake.dead else status, answer)  # a dead server answers nothing
 
         def do_GET(self) -> None:
             self._serve("GET")
@@ -214,16 +364,31 @@ def _handler(fake: FakeSGLang) -> type:
     return Handler
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "OMP_NUM_THREADS")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--loading-s", type=float, default=0.0, help="503 for this long")
+    parser.add_argument("--health-delay-s", type=float, default=1.0, help="per health call")
+    parser.add_argument("--exit-after-s", type=float, default=None, help="then exit with 3")
     parser.add_argument("--unhealthy", action="store_true", help="health checks answer 503")
     parser.add_argument("--ignore-sigterm", action="store_true", help="only SIGKILL stops it")
+    parser.add_argument("--version", default="0.5.23", help="reported by /server_info")
     args, _ = parser.parse_known_args(argv)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    fake = FakeSGLang(port=args.port, healthy=not args.unhealthy)
+    print("env:", {k: os.environ.get(k) for k in TORCHRUN_VARS}, flush=True)
+    fake = FakeSGLang(port=args.port, healthy=not args.unhealthy, loading_s=args.loading_s,
+                      health_delay_s=args.health_delay_s, version=args.version,
+                      on_death=lambda: os._exit(1))
     print(f"fake sglang serving at {fake.url}", flush=True)
+    if args.exit_after_s is not None:
+        time.sleep(args.exit_after_s)
+        print("RuntimeError: scripted crash while loading the model", flush=True)
+        os._exit(3)
     fake.thread.join()
 
 

@@ -1,14 +1,19 @@
 """The SGLang engine client and launcher against a fake SGLang server (tests/fake_sglang.py).
 
-Everything runs on CPU over 127.0.0.1. Outcomes never depend on timing: the fake's scripted
-answers decide them (waits only bound how long a broken client takes to fail).
+Everything runs on CPU over 127.0.0.1. The fake behaves like SGLang 0.5.23 where it hurts (503
+while loading, 1 s per health check, 400 on a busy /flush_cache, death on a busy release, weight
+versions). Outcomes never depend on timing: the fake's scripted answers decide them (waits only
+bound how long a broken client takes to fail).
 """
 
 import dataclasses
 import http.client
+import json
+import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +23,11 @@ from PIL import Image
 from common.engine import ABORT, LENGTH, STOP, Completion, Request, SamplingParams
 from common.env import FEEDBACK
 from common.rollout import RolloutConfig, rollout
-from common.sglang_engine import (ImageTokenMismatch, SGLangEngine, SGLangError,
-                                       collapse_image_pads, http_call, learner_image,
-                                       parse_generate_response)
-from common.sglang_server import ServerLaunchError, launch_servers
+from common.sglang_engine import SGLangEngine, http_call
+from common.sglang_wire import (ImageTokenMismatch, SGLangError, SGLangVersionError,
+                                StaleWeightsError, collapse_image_pads, learner_image,
+                                parse_generate_response, parse_version)
+from common.sglang_server import ServerLaunchError, launch_servers, server_env
 from tests.conftest import EOS, IMAGE, IMAGE_TOKENS, TURN_END, make_prompt
 from tests.fake_sglang import Action, FakeSGLang, logprob
 
@@ -46,7 +52,7 @@ def request(text="hi", n_images=1, session="", sampling=SAMPLING, images=None):
 
 def make_engine(urls, **kw):
     args = dict(image_token_id=IMAGE, timeout_s=5.0, max_retries=2, backoff_s=0.0,
-                max_concurrency=8)
+                max_concurrency=8, idle_poll_s=0.05)
     return SGLangEngine(urls, **{**args, **kw})
 
 
@@ -118,11 +124,40 @@ def test_expanded_ids_are_what_sglang_refuses(fake):
 
 
 def test_prompt_length_mismatch_raises():
-    """SGLang expanding an image to another count than the learner's is an error."""
-    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS + 1) as fake, \
-            make_engine([fake.url]) as engine:
-        with pytest.raises(ImageTokenMismatch, match="learner's"):
+    """SGLang expanding an image to another count than the learner's is an error: the length
+    check on every answer, the exact check (first request) naming the first difference."""
+    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS + 1) as fake:
+        with make_engine([fake.url], check_prompt_ids="off") as engine, \
+                pytest.raises(ImageTokenMismatch, match="learner's"):
             engine.generate([request()])
+        with make_engine([fake.url]) as engine, \
+                pytest.raises(ImageTokenMismatch, match="to 8 ids, the learner has 7; first "
+                                                         "difference at position 4") as err:
+            engine.generate([request()])
+    assert fake.url in str(err.value)
+
+
+def test_exact_prompt_check_first_request_and_on_demand(fake):
+    """Only the first request of a run (and one after `check_prompt_ids_next`) asks for the
+    expanded ids; a server that changes one id at the same length is caught exactly."""
+    with make_engine([fake.url], max_concurrency=1) as engine:
+        engine.generate([request("a"), request("b")])
+        engine.generate([request("c")])
+        engine.check_prompt_ids_next()
+        engine.generate([request("d"), request("e")])
+        asked = [b.get("return_prompt_token_ids", False) for b in fake.bodies()]
+        assert asked == [True, False, False, True, False]  # one thread: sent in order
+        fake.rewrite_prompt = lambda ids: ids[:-1] + [ids[-1] + 1]  # same length, one id off
+        engine.generate([request("f")])  # not checked: only the length, which agrees
+        engine.check_prompt_ids_next()
+        with pytest.raises(ImageTokenMismatch, match="first difference at position 5"):
+            engine.generate([request("g")])
+    with make_engine([fake.url], check_prompt_ids="every") as engine:
+        fake.rewrite_prompt = None
+        engine.generate([request("h"), request("i")])
+    assert [b.get("return_prompt_token_ids") for b in fake.bodies()[-2:]] == [True, True]
+    with pytest.raises(ValueError, match="check_prompt_ids"):
+        make_engine([fake.url], check_prompt_ids="always")
 
 
 def test_one_run_per_image_required(fake):
@@ -140,10 +175,23 @@ def test_finish_reasons_and_logprobs(fake):
         stop, length, last, abort = engine.generate([request()] * 4)
     assert stop == Completion(codes("abc") + [TURN_END], [logprob(i) for i in range(4)], STOP)
     assert length == Completion(codes("abcdef"), [logprob(i) for i in range(6)], LENGTH)
-    # a stop token as the last allowed token: SGLang says "length", the engine says "stop"
+    # a stop token as the last allowed token: "stop" (SGLang 0.5.23 tests stop tokens first)
     assert last.finish_reason == STOP and list(last.token_ids[-1:]) == [TURN_END]
     assert len(last.token_ids) == SAMPLING.max_new_tokens
     assert abort == Completion([], [], ABORT)
+
+
+@pytest.mark.parametrize("stop_first,raw", [(True, "stop"), (False, "length")],
+                         ids=["0.5.23", "0.5.15"])
+def test_stop_token_at_the_length_cap(stop_first, raw):
+    """0.5.23 says "stop", 0.5.15 said "length" for a stop token sampled last; both are STOP."""
+    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=IMAGE_TOKENS,
+                    stop_beats_length=stop_first) as fake, make_engine([fake.url]) as engine:
+        fake.script.extend([Action(codes("a" * 49))] * 2)
+        (out,) = engine.generate([request(n_images=0)])
+        status, answer = http_call(fake.url, "POST", "/generate", fake.bodies()[0])
+    assert out.finish_reason == STOP and len(out.token_ids) == 50
+    assert status == 200 and json.loads(answer)["meta_info"]["finish_reason"]["type"] == raw
 
 
 def test_parse_sglang_answer():
@@ -252,19 +300,24 @@ def test_concurrency_limit(fake):
 def test_control_calls_reach_every_server(two_fakes):
     a, b = two_fakes
     with make_engine([a.url, b.url]) as engine:
-        engine.update_weights_from_disk("/ckpt/step_3", weight_version="3")
+        assert engine.update_weights_from_disk("/ckpt/step_3", 3) == "3"
         engine.flush_cache()
         engine.release_memory(["kv_cache", "weights"])
         engine.resume_memory()
-        engine.health()
+        engine.health()  # takes the fake's 1 s, as SGLang's does
+        assert engine.check_server_versions() == {a.url: "0.5.23", b.url: "0.5.23"}
     for f in (a, b):
         assert f.requests == [
             ("POST", "/update_weights_from_disk", {"model_path": "/ckpt/step_3",
                                                    "weight_version": "3"}),
+            ("GET", "/model_info", None),
+            ("POST", "/flush_cache", None),
+            ("POST", "/abort_request", {"abort_all": True}),  # release: idle first
             ("POST", "/flush_cache", None),
             ("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
             ("POST", "/resume_memory_occupation", {}),
-            ("GET", "/health_generate", None)]
+            ("GET", "/health_generate", None),
+            ("GET", "/server_info", None)]
 
 
 def test_control_failures_name_the_server(two_fakes):
@@ -283,6 +336,115 @@ def test_control_failures_name_the_server(two_fakes):
     a.close()
     with make_engine([a.url]) as engine, pytest.raises(SGLangError, match=a.url):
         engine.health(timeout_s=2)
+
+
+def test_version_floor():
+    assert [parse_version(v) for v in ("0.5.23", "0.5.15.post1", "0.5.6rc0", "0.6.0.dev3+g1")] \
+        == [(0, 5, 23), (0, 5, 15), (0, 5, 6), (0, 6, 0)]
+    with FakeSGLang(version="0.5.14") as old, FakeSGLang(version="0.5.15.post2") as ok, \
+            make_engine([old.url, ok.url]) as engine:
+        with pytest.raises(SGLangVersionError, match="1 of 2 servers failed") as err:
+            engine.check_server_versions()
+    msg = str(err.value)
+    assert old.url in msg and ok.url not in msg and "sglang 0.5.14" in msg and ">= 0.5.15" in msg
+
+
+# ---------------------------------------------------------------------------- weight versions
+
+def test_weight_version_is_sent_and_checked(fake):
+    with make_engine([fake.url]) as engine:
+        engine.generate([request()])  # before any update: "default", not checked
+        assert engine.update_weights_from_disk("/ckpt/step_3", 3) == "3"
+        (out,) = engine.generate([request()])
+        assert out.finish_reason == STOP
+        assert engine.update_weights_from_disk("/ckpt/next") == "4"  # None: the previous + 1
+        engine.check_version(4)
+    assert [b["weight_version"] for b in fake.bodies("/update_weights_from_disk")] == ["3", "4"]
+    assert fake.weight_version == "4"
+
+
+def test_stale_weight_update_is_an_error_naming_server_and_versions(two_fakes):
+    """A server that answers success but keeps serving the old weights (/model_info), and one
+    that answers from another version later (restarted): both are errors, not a stale policy."""
+    a, b = two_fakes
+    with make_engine([a.url, b.url]) as engine:
+        engine.update_weights_from_disk("/ckpt/step_1", 1)
+        b.stale = True
+        with pytest.raises(StaleWeightsError, match="serves weight version '1', expected '2'") \
+                as err:
+            engine.update_weights_from_disk("/ckpt/step_2", 2)
+        assert b.url in str(err.value) and a.url not in str(err.value)
+        b.stale = False
+        engine.update_weights_from_disk("/ckpt/step_3", 3)
+        a.weight_version = "default"  # a server restarted behind our back
+        with pytest.raises(StaleWeightsError, match="weight version 'default', expected '3'") \
+                as err:
+            engine.generate([request(session=f"s{i}") for i in range(4)])
+        assert a.url in str(err.value)
+
+
+def test_failed_weight_update_names_the_server_and_version(two_fakes):
+    a, b = two_fakes
+    b.fail_control = True
+    with make_engine([a.url, b.url]) as engine:
+        with pytest.raises(SGLangError, match="scripted weight-load failure") as err:
+            engine.update_weights_from_disk("/ckpt/step_7", 7)
+        assert b.url in str(err.value) and a.url not in str(err.value)
+        b.fail_control = False
+        # b still serves "default": its answers are errors until an update succeeds there
+        with pytest.raises(StaleWeightsError, match="'default', expected '7'") as err:
+            engine.generate([request(session=f"s{i}") for i in range(4)])
+        assert b.url in str(err.value)
+
+
+# ----------------------------------------------------------------------------- colocated release
+
+def test_busy_release_kills_the_fake_as_it_kills_sglang(fake):
+    """The fake is no kinder than SGLang: a release with a request running takes it down."""
+    fake.gate.clear()
+    with make_engine([fake.url]) as engine:
+        thread, result = in_background(engine.generate, [request()])
+        assert fake.wait_inflight(1)
+        with pytest.raises((OSError, http.client.HTTPException)):
+            http_call(fake.url, "POST", "/release_memory_occupation", {}, timeout=5)
+        thread.join()
+    assert fake.dead and result[0][0].finish_reason == ABORT
+    fake.thread.join(5)  # the dead fake closes its socket: every later call is refused
+    assert refused(fake.url)
+
+
+def test_release_while_a_request_runs_leaves_the_server_alive(two_fakes):
+    """release_memory aborts the straggler, polls /flush_cache past its 400s, then releases."""
+    a, b = two_fakes
+    a.gate.clear()
+    with make_engine([a.url, b.url]) as engine:
+        thread, result = in_background(engine.generate, [request(session="slow")])
+        assert a.wait_inflight(1)
+        engine.release_memory()
+        thread.join()
+        assert not a.dead and a.released and b.released
+        assert result[0][0].finish_reason == ABORT  # the rollout retries or counts it
+        engine.resume_memory()
+        a.gate.set()
+        (out,) = engine.generate([request()])
+    assert out.finish_reason == STOP
+    paths = a.paths()[1:]  # after the straggler's /generate
+    flushes = paths[1:paths.index("/release_memory_occupation")]
+    assert paths[0] == "/abort_request" and len(flushes) >= 2  # a 400 while aborting, a 200
+    assert set(flushes) == {"/flush_cache"}
+
+
+def test_release_gives_up_on_a_server_that_stays_busy():
+    with FakeSGLang(image_token_id=IMAGE, abort_linger_s=1.0) as fake, \
+            make_engine([fake.url], idle_timeout_s=0.3) as engine:
+        fake.gate.clear()
+        thread, _ = in_background(engine.generate, [request()])
+        assert fake.wait_inflight(1)
+        with pytest.raises(SGLangError, match="still busy 0.3 s after /abort_request") as err:
+            engine.release_memory()
+        thread.join()
+    assert fake.url in str(err.value) and "Flush cache failed" in str(err.value)
+    assert "/release_memory_occupation" not in fake.paths() and not fake.dead
 
 
 # ------------------------------------------------------------------------------------- launcher
@@ -345,10 +507,56 @@ def test_launch_fails_clearly_when_the_server_exits(tmp_path):
 
 
 def test_launch_fails_clearly_when_never_healthy(tmp_path):
-    with pytest.raises(ServerLaunchError, match="not healthy in time") as err:
+    with pytest.raises(ServerLaunchError, match=r"not ready in time \(last answers: http") as err:
         launch(tmp_path, extra_args=["--unhealthy"], startup_timeout_s=1)
-    url = str(err.value).split("'")[1]
+    url = str(err.value).split("answers: ")[1].split(": HTTP 503")[0]
     assert "fake sglang serving" in str(err.value) and refused(url)  # and it was shut down
+
+
+@pytest.mark.slow
+def test_launch_waits_through_loading_and_slow_health_checks(tmp_path):
+    """503 for 3 s, then 1.5 s per health call (SGLang sleeps 1 s and generates): ready in
+    seconds, where a 1 s probe timeout would never see it ready."""
+    start = time.monotonic()
+    with launch(tmp_path, extra_args=["--loading-s", "3", "--health-delay-s", "1.5"],
+                startup_timeout_s=60, poll_s=0.2) as group:
+        waited = time.monotonic() - start
+        (out,) = make_engine(group.urls).generate([request(n_images=0)])
+    assert out.finish_reason == STOP
+    assert 3 < waited < 30
+
+
+def test_launch_fails_fast_when_the_server_dies_while_loading(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(ServerLaunchError, match="exited with code 3 before it was ready") as err:
+        launch(tmp_path, extra_args=["--loading-s", "600", "--exit-after-s", "1"],
+               startup_timeout_s=300)
+    assert time.monotonic() - start < 20  # not the 300 s start-up budget
+    assert "scripted crash while loading the model" in str(err.value)
+
+
+def test_launch_refuses_an_old_sglang(tmp_path):
+    with pytest.raises(ServerLaunchError, match=r"sglang 0\.5\.6; geo3k-rl needs >= 0\.5\.15"):
+        launch(tmp_path, extra_args=["--version", "0.5.6", "--health-delay-s", "0"])
+    port = int((tmp_path / "server_0.log").read_text().split("127.0.0.1:")[1].split()[0])
+    assert refused(f"http://127.0.0.1:{port}")  # shut down
+
+
+def test_server_env_is_clean(tmp_path, monkeypatch):
+    """No torchrun variables reach the servers (they would join the trainer's process group)."""
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
+                 "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1",
+                 "GROUP_RANK": "0"}.items():
+        monkeypatch.setenv(k, v)
+    env = server_env(os.environ, {"EXTRA": "1"})
+    assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"} & set(env)
+    assert env["SGLANG_MM_AVOID_RETOKENIZE"] == "1" and env["EXTRA"] == "1"
+    assert server_env({"OMP_NUM_THREADS": "8"})["OMP_NUM_THREADS"] == "8"  # the user's own
+    with launch(tmp_path, extra_args=["--health-delay-s", "0"]):
+        log = (tmp_path / "server_0.log").read_text()
+    assert ("env: {'RANK': None, 'WORLD_SIZE': None, 'LOCAL_RANK': None, 'MASTER_ADDR': None, "
+            "'MASTER_PORT': None, 'OMP_NUM_THREADS': None}") in log
 
 
 def test_shutdown_kills_a_server_that_ignores_sigterm(tmp_path):

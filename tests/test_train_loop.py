@@ -194,8 +194,14 @@ def test_sglang_backend_in_the_loop(shared, tmp_path):
     assert [b["model_path"] for b in synced] == [str((tmp_path / "weights_for_sglang")
                                                      .resolve())] * 2
     assert (tmp_path / "weights_for_sglang" / "model.safetensors").exists()
-    for a, b in (("/release_memory_occupation", "/resume_memory_occupation"),
-                 ("/resume_memory_occupation", "/update_weights_from_disk"),
-                 ("/update_weights_from_disk", "/flush_cache")):
-        assert paths.index(a) < paths.index(b)
-    assert paths.count("/flush_cache") == 2
+    assert [b["weight_version"] for b in synced] == ["1", "2"]  # the step that produced them
+    # each step: generate, then release only once idle, train, resume, load the new weights,
+    # and check the servers report that version
+    order = ["/generate", "/abort_request", "/flush_cache", "/release_memory_occupation",
+             "/resume_memory_occupation", "/update_weights_from_disk", "/model_info"]
+    for _ in range(2):  # steps
+        seen = [p for p in paths if p in order]
+        window = seen[:seen.index("/model_info") + 1]
+        assert [order.index(p) for p in window] == sorted(order.index(p) for p in window), window
+        assert set(window) == set(order), window
+        paths = paths[paths.index("/model_info") + 1:]
