@@ -115,6 +115,7 @@ class Trajectory:
     correct: bool = False
     correct_turn: int | None = None
     abort_reason: str | None = None  # one of ABORT_REASONS when aborted
+    policy_version: int | None = None  # updates the sampling weights had (`common.pipeline`)
 
     @property
     def response_len(self) -> int:

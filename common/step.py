@@ -42,17 +42,33 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
               group_offset: int, comm: Collectives = SingleProcess(),
               train_context=contextlib.nullcontext
               ) -> tuple[list[Trajectory], dict[str, float]]:
-    """Roll out `prompts`, train once on the result. Returns this process's trajectories and
-    the step's metrics (the learner's, batch counts over processes, phase times).
+    """Roll out `prompts`, train once on the result (`collect`, then `learn`). Returns this
+    process's trajectories and the step's metrics (the learner's, batch counts over processes,
+    phase times). `train_context()` wraps the update (a colocated server frees its memory)."""
+    trajs, metrics = collect(prompts, engine, renderer, cfg, group_offset)
+    return trajs, metrics | learn(trajs, learner, cfg, comm, train_context,
+                                  metrics["time_rollout"])
 
-    `train_context()` wraps the update (a colocated inference server frees its memory there).
-    """
+
+def collect(prompts: Sequence, engine, renderer, cfg: StepConfig, group_offset: int
+            ) -> tuple[list[Trajectory], dict[str, float]]:
+    """This process's rollouts of `prompts`, with time_rollout and the grader's counts."""
     times: dict[str, float] = {}
     graded = reward_stats.snapshot()
     with timed(times, "rollout"):
         trajs = rollout(prompts, engine, renderer, cfg.rollout, cfg.env, cfg.reward,
                         group_offset)
-    graded = {k: v - graded[k] for k, v in reward_stats.snapshot().items()}
+    times.update({f"grader_{k}": float(v - graded[k])
+                  for k, v in reward_stats.snapshot().items() if k in ("calls", "timeouts")})
+    return trajs, times
+
+
+def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
+          comm: Collectives = SingleProcess(), train_context=contextlib.nullcontext,
+          rollout_s: float = 0.0) -> dict[str, float]:
+    """Advantages, the dynamic-sampling filter, packing and the update on this process's
+    trajectories. Returns the learner's metrics and batch counts over processes."""
+    times: dict[str, float] = {}
     with timed(times, "batching"):
         rewards = np.array([t.reward for t in trajs])
         groups = np.array([t.group_id for t in trajs])
@@ -65,8 +81,6 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
             {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
              "micro": float(len(batches)), "packed": float(sum(b.num_tokens for b in batches)),
              "filtered": float(len(set(groups[~keep & valid]))),
-             "grader_timeouts": float(graded["timeouts"]),
-             "grader_calls": float(graded["calls"]),
              "generated": float(sum(t.num_generated for t in trajs))}, max_keys=("micro",))
         if comm.world > 1:  # every process runs as many forward/backward passes
             batches = even_out(batches, int(counts["micro"]), spare_sequence(trajs))
@@ -74,17 +88,16 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
     if counts["seqs"] > 0:  # no group with a reward spread on any process: nothing to learn
         with timed(times, "train"), train_context():
             metrics |= update(learner, batches, counts["tokens"], counts["seqs"],
-                             cfg.updates_per_rollout, comm)
+                              cfg.updates_per_rollout, comm)
     world, budget = comm.world, cfg.micro_batch_tokens
     metrics.update(times)  # (time_train stays 0.0 when nothing trained)
     metrics.update({
         "filtered_groups": counts["filtered"], "sequences": counts["seqs"],
-        "grader_calls": counts["grader_calls"], "grader_timeouts": counts["grader_timeouts"],
         "micro_batches": counts["micro"],
         "packing_efficiency": counts["packed"] / max(counts["micro"] * world * budget, 1.0),
-        "rollout_tokens_per_s": counts["generated"] / max(times["time_rollout"], 1e-9) / world,
-        "train_tokens_per_s": counts["packed"] / max(times.get("time_train", 0.0), 1e-9) / world})
-    return trajs, metrics
+        "rollout_tokens_per_s": counts["generated"] / max(rollout_s, 1e-9) / world,
+        "train_tokens_per_s": counts["packed"] / max(metrics["time_train"], 1e-9) / world})
+    return metrics
 
 
 def update(learner: Learner, batches: list[PackedBatch], n_tokens: float, n_seqs: float,

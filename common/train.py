@@ -10,6 +10,7 @@ holds is in `common.checkpoints`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,7 +29,8 @@ from common.rollout import RolloutConfig
 from common.sampler import PromptSampler
 from common.scoring import RewardConfig
 from common.setup import make_renderer
-from common.step import StepConfig, grpo_step
+from common.pipeline import rollout_source
+from common.step import StepConfig, collect, learn
 from common.timing import timed
 from configs import to_dataclass
 
@@ -90,19 +92,30 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         logging.info("resumed from %s at step %d", last, start)
 
     # ---- the loop ----------------------------------------------------------------------
+    def draw(step: int):  # every process draws the same prompt ids and takes its slice
+        ids = sampler.next_batch(cfg.train.prompts_per_step)[comm.rank::comm.world]
+        offset = (step - 1) * cfg.train.prompts_per_step + comm.rank * len(ids)
+        return [run.train_set[i] for i in ids], offset, sampler.state()
+
+    def collect_rollouts(prompts, offset):
+        return collect(prompts, backend.engine, renderer, step_cfg, offset)
+
+    rollouts = rollout_source(cfg.train.max_staleness, draw, collect_rollouts, start + 1,
+                              cfg.train.steps)
     progress = _progress(comm.rank == 0)
     task = progress.add_task("train", total=cfg.train.steps, completed=start, info="")
     metrics: dict = {}
-    with progress:
+    with progress, contextlib.closing(rollouts):
         for step in range(start + 1, cfg.train.steps + 1):
-            # rollout and update: every process draws the same prompt ids and takes its slice
-            ids = sampler.next_batch(cfg.train.prompts_per_step)[comm.rank::comm.world]
-            offset = (step - 1) * cfg.train.prompts_per_step + comm.rank * len(ids)
-            trajs, train_m = grpo_step([run.train_set[i] for i in ids], backend.engine,
-                                       renderer, learner, step_cfg, offset, comm,
-                                       backend.train_context)
-            with timed(train_m, "weight_sync"):
-                backend.sync(learner, step)  # the next rollout samples from the new weights
+            # rollout (in line, or generated ahead while earlier steps trained) and update
+            trajs, train_m, sampler_state = rollouts.next(step)
+            train_m |= comm.sum_scalars({k: train_m[k] for k in GRADER_KEYS})
+            fresh, stale_m = staleness(trajs, step, cfg.train.max_staleness, comm)
+            train_m |= stale_m | learn(fresh, learner, step_cfg, comm, backend.train_context,
+                                       train_m["time_rollout"])
+            with timed(train_m, "weight_sync"), rollouts.engine_lock:
+                backend.sync(learner, step)  # the next rollouts sample from the new weights
+            rollouts.landed(step)
 
             # metrics, dump, curve (process 0 sees every process's trajectories)
             all_trajs = [t for part in comm.gather(trajs) for t in part]
@@ -110,8 +123,9 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                        rollout_metrics(all_trajs, step_cfg.env.max_turns).items()}
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
-                metrics.update({f"eval/{k}": v for k, v in evaluate_split(
-                    cfg, run.test_set, backend.engine, renderer, comm).items()})
+                with rollouts.engine_lock:
+                    metrics.update({f"eval/{k}": v for k, v in evaluate_split(
+                        cfg, run.test_set, backend.engine, renderer, comm).items()})
             if log:
                 log.log(step, metrics)
                 if cfg.log.dump_rollouts:
@@ -122,8 +136,9 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
 
             # checkpoint
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-                loop_state = {"sampler": sampler.state(),
-                              "engine_rng": comm.gather(backend.rng_state())}
+                with rollouts.engine_lock:
+                    rng = backend.rng_state()
+                loop_state = {"sampler": sampler_state, "engine_rng": comm.gather(rng)}
                 checkpoints.save(workdir / "checkpoints", step, learner, loop_state, comm)
                 if comm.rank == 0:
                     checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
@@ -132,6 +147,25 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         log.plot()
         log.close()
     return metrics
+
+
+GRADER_KEYS = ("grader_calls", "grader_timeouts")
+
+
+def staleness(trajs: list, step: int, bound: int, comm: Collectives
+              ) -> tuple[list, dict[str, float]]:
+    """(the trajectories within the staleness bound, metrics). The learner of step `step` is at
+    version step - 1; a trajectory sampled with weights `policy_version` is step - 1 - version
+    updates stale. Metrics over processes: staleness_mean, staleness_max, the histogram
+    staleness_0..staleness_<bound>, and stale_dropped (over the bound: not trained on)."""
+    ages = [step - 1 - t.policy_version for t in trajs]
+    counts = {f"staleness_{a}": float(ages.count(a)) for a in range(bound + 1)}
+    counts |= {"stale_dropped": float(sum(a > bound for a in ages)),
+               "staleness_sum": float(sum(ages)), "n": float(len(ages)),
+               "staleness_max": float(max(ages, default=0))}
+    out = comm.sum_scalars(counts, max_keys=("staleness_max",))
+    out["staleness_mean"] = out.pop("staleness_sum") / max(out.pop("n"), 1.0)
+    return [t for t, a in zip(trajs, ages) if a <= bound], out
 
 
 def evaluate_split(cfg, split: Sequence, engine, renderer,

@@ -125,6 +125,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Optimizer steps per rollout, each on a consecutive share of its micro-batches, against
     # the behaviour policy's log-probs (1: the anchor recipe; >1: the ratio and clipping act).
     c.train.updates_per_rollout = 1
+    # Rollouts generated ahead while the learner trains, at most this many updates old
+    # (0: the synchronous loop; >= 1 needs an engine with its own weights; see common.pipeline).
+    c.train.max_staleness = 0
     # Trained tokens whose (tokens x vocabulary) logits exist at once in the learner's LM head
     # (per micro-batch in torch, per row in JAX); 0 = all of them.
     c.train.logprob_chunk = 1024

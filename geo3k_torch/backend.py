@@ -3,7 +3,7 @@
 Three ways to keep the engine on the current policy, chosen by what it is given:
     shared  : the torch learner's own model, one process (nothing to copy; KV caches dropped)
     copy    : an unsharded copy per rank that receives the full state dict after every step
-              (the torch learner under FSDP)
+              (the torch learner under FSDP, or generating ahead while it trains)
     reload  : any learner (the JAX one): its weights are exported as an HF directory
               (`common.checkpoints.export_weights`, the path SGLang takes) and loaded into the
               engine's model
@@ -24,11 +24,15 @@ from geo3k_torch.model import load_model
 
 class LocalBackend:
     def __init__(self, processor, model_dir: str, *, seed: int, device, comm: Collectives,
-                 model=None, workdir: str | Path | None = None):
-        self.comm, self.shared = comm, model if comm.world == 1 else None
-        self.reload_dir = None if model is not None else Path(workdir) / "weights_for_engine"
-        if self.reload_dir is not None and workdir is None:
+                 model=None, workdir: str | Path | None = None, own_copy: bool = False):
+        """model: the torch learner's (shared in one process unless `own_copy`: rollouts
+        generated while it trains need weights of their own); None: reload exported weights
+        into a model of the engine's own, under `workdir`."""
+        self.comm = comm
+        self.shared = model if comm.world == 1 and not own_copy else None
+        if model is None and workdir is None:
             raise ValueError("a reloading backend needs a workdir for the exported weights")
+        self.reload_dir = None if model is not None else Path(workdir) / "weights_for_engine"
         self.model = self.shared or load_model(model_dir).to(device).eval().requires_grad_(False)
         pad = processor.tokenizer.pad_token_id
         self.engine = LocalEngine(self.model, processor, pad if pad is not None else 0,

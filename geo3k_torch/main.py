@@ -53,7 +53,7 @@ def build(cfg, workdir: str) -> loop.Run:
     if cfg.engine.backend == "local":
         from geo3k_torch.backend import LocalBackend
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
-                               model=model)
+                               model=model, own_copy=cfg.train.max_staleness > 0)
     elif cfg.engine.backend == "sglang":
         from common.sglang_backend import SGLangBackend
         backend = SGLangBackend(cfg, model_dir, processor, workdir, comm,

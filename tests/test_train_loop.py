@@ -205,3 +205,26 @@ def test_sglang_backend_in_the_loop(shared, tmp_path):
         assert [order.index(p) for p in window] == sorted(order.index(p) for p in window), window
         assert set(window) == set(order), window
         paths = paths[paths.index("/model_info") + 1:]
+
+
+@pytest.mark.slow
+def test_bounded_staleness_overlaps_and_corrects(shared, tmp_path):
+    """max_staleness=1: rollouts are generated ahead (the engine on its own copy of the
+    weights) and every trained trajectory is at most one update old; from step 2 on they are
+    exactly one old, so the learner's log-probs differ from the rollout's and the truncated
+    importance weights act (tis_mean != 1)."""
+    cfg = small_config(shared, 4)
+    cfg.train.max_staleness = 1
+    cfg.loss.kl_coef = 0.0
+    cfg.eval.every = 0
+    train_main.train(cfg, str(tmp_path))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["train/staleness_max"] <= 1 and r["train/stale_dropped"] == 0 for r in rows)
+    assert rows[0]["train/staleness_0"] == 6 and rows[0]["train/staleness_mean"] == 0.0
+    for r in rows[1:]:
+        assert r["train/staleness_1"] == 6 and r["train/staleness_mean"] == 1.0
+        assert r["train/logp_diff_mean"] > 1e-6 and r["train/tis_mean"] != 1.0
+    dump = [json.loads(x) for x in (tmp_path / "rollouts" / "step_3.jsonl").read_text()
+            .splitlines()]
+    assert len(dump) == 6
