@@ -7,6 +7,8 @@ last Qwen/Hermes tool call in it,
 
 scores the `answer` against the label and returns feedback as an observation that
 `format_observation` turns into a chat message (a tool response in the model's chat template).
+The feedback repeats the model's answer (or tool name); the message marks where
+(`plain_spans`), so the renderer can keep that text out of special tokens.
 
 API (the seed's): `build_env(sample, args, **kw) -> Geo3kEnv`, `reset() -> (obs, info)`,
 `step(response_text) -> (obs, done, info)`, `format_observation(obs) -> dict`.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import string
 from typing import Any, Callable, Mapping, Sequence
 
 from common.prompts import TOOL_NAMES
@@ -152,6 +155,19 @@ def parse_tool_call(text: str) -> ToolCall:
     return ToolCall(name, answer, None)
 
 
+def fill_feedback(template: str, **values: Any) -> tuple[str, list[tuple[int, int]]]:
+    """`template.format(**values)` and the (start, end) character spans the values took: the
+    values are model text (its answer, its tool name), which must stay plain text in tokens."""
+    text, spans = "", []
+    for literal, field, _, _ in string.Formatter().parse(template):
+        text += literal
+        if field is not None:
+            value = str(values[field])
+            spans.append((len(text), len(text) + len(value)))
+            text += value
+    return text, spans
+
+
 def resolve_choice(answer: str, choices: Sequence[str] | None) -> str:
     """A choice letter ("B", "(b)", "B.") as the text of that choice; anything else unchanged."""
     m = re.fullmatch(r"\(?([A-Za-z])[).]?", answer.strip())
@@ -230,20 +246,25 @@ class Geo3kEnv:
                 "parsed_answer": call.answer, "tool_name": call.name}
         if self.done:
             return {}, True, info
-        text = FEEDBACK[reason].format(answer=call.answer, name=call.name)
+        text, spans = fill_feedback(FEEDBACK[reason], answer=call.answer, name=call.name)
         if self.turn == cfg.max_turns - 1:
             text += LAST_CHANCE
         # A reply to an actual call is a tool response (or, with feedback_role=user, a user turn as
         # in AReaL's recipe); a reminder after no call is always a user turn.
         role = "user" if reason == NO_TOOL_CALL else cfg.feedback_role
-        return {"role": role, "content": text, "reason": reason}, False, info
+        return ({"role": role, "content": text, "reason": reason, "plain_spans": spans}, False,
+                info)
 
     @staticmethod
     def format_observation(observation: Mapping[str, Any]) -> dict:
-        """The observation as a chat message: `{"role": "tool" | "user", "content": str}`."""
+        """The observation as a chat message: `{"role": "tool" | "user", "content": str,
+        "plain_spans": [(start, end), ...]}`, the spans marking the model's own text in the
+        content (the renderer encodes them as plain text; chat templates ignore the key)."""
         if not observation:
             raise ValueError("empty observation: the episode is over, nothing to send")
-        message = {"role": observation["role"], "content": observation["content"]}
+        content = observation["content"]  # without spans, all of it counts as model text
+        message = {"role": observation["role"], "content": content,
+                   "plain_spans": list(observation.get("plain_spans", [(0, len(content))]))}
         if message["role"] == "tool":
             message["name"] = TOOL_NAMES[0]
         return message

@@ -78,7 +78,8 @@ def test_no_tool_call_gets_a_reminder_when_configured():
     env = make(end_on_no_tool_call=False)
     obs, done, info = env.step("no call here")
     assert not done and obs["role"] == "user" and "calc_score" in obs["content"]
-    assert Geo3kEnv.format_observation(obs) == {"role": "user", "content": obs["content"]}
+    assert Geo3kEnv.format_observation(obs) == {"role": "user", "content": obs["content"],
+                                                "plain_spans": []}  # no model text in it
 
 
 @pytest.mark.parametrize("text,reason", [
@@ -130,8 +131,10 @@ def test_float_answer_is_formatted():
 def test_format_observation_is_a_tool_message():
     env = make()
     obs, _, _ = env.step(call("3"))
-    assert Geo3kEnv.format_observation(obs) == {"role": "tool", "content": obs["content"],
-                                                "name": "calc_score"}
+    msg = Geo3kEnv.format_observation(obs)
+    assert msg == {"role": "tool", "content": obs["content"], "name": "calc_score",
+                   "plain_spans": [(18, 19)]}
+    assert msg["content"][18:19] == "3"  # "Wrong: the answer 3 ...": the model's answer
     with pytest.raises(ValueError):
         Geo3kEnv.format_observation({})
 
@@ -213,9 +216,18 @@ def test_feedback_as_a_user_message():
     """AReaL's recipe (env.feedback_role=user): feedback on a call is a user turn, not a tool
     response; the default stays a tool response."""
     obs, done, _ = make(feedback_role="user").step(call("7"))
-    assert not done and Geo3kEnv.format_observation(obs) == {"role": "user",
-                                                             "content": obs["content"]}
+    assert not done and Geo3kEnv.format_observation(obs) == {
+        "role": "user", "content": obs["content"], "plain_spans": [(18, 19)]}
     assert obs["content"].startswith("Wrong")
     assert make().step(call("7"))[0]["role"] == "tool"
     with pytest.raises(ValueError, match="feedback_role"):
         EnvConfig(feedback_role="system")
+
+
+def test_feedback_marks_the_model_text():
+    text, spans = E.fill_feedback("{{x}} {answer} and {name}.", answer="<|im_end|>", name="t")
+    assert text == "{x} <|im_end|> and t." and spans == [(4, 14), (19, 20)]
+    env = make()
+    obs, _, _ = env.step('<tool_call>{"name": "nope<|im_start|>"}</tool_call>')
+    (a, b), = obs["plain_spans"]
+    assert obs["content"][a:b] == "nope<|im_start|>"
