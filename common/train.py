@@ -47,6 +47,7 @@ class Run:
     train_set: Sequence
     test_set: Sequence
     shutdown: Callable[[], None] = lambda: None
+    renderer: object = None  # a `common.rollout.Renderer`; None: the processor's chat template
 
 
 def step_config(cfg) -> StepConfig:
@@ -72,7 +73,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
     step_cfg = step_config(cfg)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
-    renderer = make_renderer(cfg, run.processor)
+    renderer = run.renderer or make_renderer(cfg, run.processor)
     sampler = PromptSampler(len(run.train_set), cfg.seed)
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None

@@ -1,4 +1,5 @@
-"""Rollout scheduling on a simulated inference server: lock-step turns vs per-episode scheduling.
+"""Rollout scheduling on a simulated inference server: lock-step turns vs per-episode scheduling,
+and the training loop with staleness 0, 1, 2 (generation overlapping training).
 
     python scripts/benchmark_rollout.py [--prompts=16 --samples=8 --concurrency=64 --scale=1.0]
 
@@ -17,14 +18,22 @@ The real multi-turn rollout (`common.rollout`: environment, feedback, budgets) r
 Lock-step sends all active episodes' turn in one batch and waits for the slowest; per-episode
 scheduling (`rollout.schedule=episode`, an engine with `submit`) sends each episode's next turn
 as soon as its own answer is back. The ideal is the slowest episode alone (its turns back to
-back, no queueing). Timing never decides a test; this prints a table.
+back, no queueing).
+
+Staleness: the real loop (`common.train.train`, `train.max_staleness` = 0, 1, 2) runs
+`--steps` steps on the simulated server (per-episode scheduling) with `SleepingLearner`, a
+learner that takes a fixed time per update: the mean rollout time measured above, so training
+takes about as long as generation. The ideal step is max(rollout, train). Timing never decides a
+test; this prints tables.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
+import tempfile
 import threading
 import time
 import zlib
@@ -41,6 +50,7 @@ _SAMPLES = flags.DEFINE_integer("samples", 8, "Episodes per prompt.")
 _CONCURRENCY = flags.DEFINE_integer("concurrency", 64, "Requests the server runs at once.")
 _SCALE = flags.DEFINE_float("scale", 1.0, "Multiplies every simulated time.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Measured rollouts per schedule.")
+_STEPS = flags.DEFINE_integer("steps", 6, "Loop steps per staleness setting.")
 
 PREFILL_MS, DECODE_MS = 0.002, 0.05  # milliseconds per token, at scale 1
 MEDIAN_LEN, SIGMA, P_RIGHT = 400, 0.9, 0.45
@@ -133,6 +143,83 @@ def measure(schedule: str, seed: int) -> dict[str, float]:
             "tokens": float(sum(t.num_generated for t in trajs))}
 
 
+class SleepingLearner:
+    """A `common.learner.Learner` stand-in: each update takes `seconds`, nothing is learnt."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def train_step(self, batches, n_tokens, n_seqs):
+        time.sleep(self.seconds)
+        return {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0, "skipped": 0.0}
+
+    def logprobs(self, batches):
+        return [np.zeros(b.num_tokens, np.float32) for b in batches]
+
+    def export_hf(self, out_dir):
+        pass
+
+    def save(self, directory):
+        pass
+
+    def restore(self, directory):
+        pass
+
+
+class SimulatedBackend:
+    """The simulated server as a `common.engine.Backend` (weights are not simulated)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def sync(self, learner, step):
+        pass
+
+    def train_context(self):
+        return contextlib.nullcontext()
+
+    def rng_state(self):
+        return None
+
+    def set_rng_state(self, state):
+        pass
+
+    def close(self):
+        self.engine.pool.shutdown()
+
+
+def loop_seconds(max_staleness: int, train_s: float, workdir: str) -> float:
+    """Seconds per step of the real loop at `max_staleness` (first step excluded)."""
+    from common.learner import SingleProcess
+    from common.train import Run, train
+    from configs import base
+
+    cfg = base.get_config()
+    cfg.train.steps, cfg.train.prompts_per_step = _STEPS.value, _PROMPTS.value
+    cfg.train.max_staleness, cfg.train.micro_batch_tokens = max_staleness, 8192
+    cfg.rollout.n_samples, cfg.rollout.max_response_tokens = _SAMPLES.value, 4096
+    cfg.rollout.max_context_tokens = 8192
+    cfg.advantage.filter_equal_groups = False
+    cfg.eval.every, cfg.checkpoint.every = 0, 10 ** 6
+    cfg.log.tensorboard, cfg.log.dump_rollouts, cfg.log.plot_every = False, False, 0
+    renderer = TokenRenderer()
+    renderer.script = {}
+    server = SimulatedServer(renderer, _CONCURRENCY.value, _SCALE.value, 0)
+    prompts = [Prompt(f"p{i}") for i in range(_PROMPTS.value * _STEPS.value)]
+    stamps = []
+
+    class Timed(SleepingLearner):
+        def train_step(self, *a):
+            out = super().train_step(*a)
+            stamps.append(time.perf_counter())
+            return out
+
+    run = Run(Timed(train_s), SimulatedBackend(server), SingleProcess(), None, prompts, [],
+              renderer=renderer)
+    train(cfg, workdir, run)
+    return float(np.mean(np.diff(stamps)))
+
+
 def main(argv):
     del argv
     rows = {}
@@ -149,7 +236,19 @@ def main(argv):
         print(f"| {name} | {r['wall_s']:.2f} | {r['wall_s'] / r['ideal_s']:.2f} |")
     print(f"| ideal (slowest episode alone) | {ep['ideal_s']:.2f} | 1.00 |")
     print(f"per-episode speed-up over lock-step: {lock['wall_s'] / ep['wall_s']:.2f}x")
-    print(json.dumps(rows))
+
+    train_s = ep["wall_s"]  # training takes about as long as generating
+    steps = {}
+    for k in (0, 1, 2):
+        with tempfile.TemporaryDirectory() as workdir:
+            steps[k] = loop_seconds(k, train_s, workdir)
+    print(f"\nthe loop, {_STEPS.value} steps, update {train_s:.2f} s, rollout about "
+          f"{ep['wall_s']:.2f} s (ideal step: max of the two)")
+    print("| train.max_staleness | seconds per step | speed-up over 0 |")
+    print("|---|---|---|")
+    for k, s in steps.items():
+        print(f"| {k} | {s:.2f} | {steps[0] / s:.2f}x |")
+    print(json.dumps({"schedules": rows, "staleness_step_s": steps}))
 
 
 if __name__ == "__main__":
