@@ -43,6 +43,10 @@ def check_config(cfg, world: int) -> None:
         raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
                          f"whole episode: at least rollout.max_context_tokens="
                          f"{cfg.rollout.max_context_tokens}")
+    if cfg.train.max_staleness and cfg.engine.backend == "sglang" and cfg.engine.sglang_colocated:
+        raise ValueError("train.max_staleness > 0 generates while the learner trains, but "
+                         "engine.sglang_colocated=True releases the servers' memory during "
+                         "training: run the servers on their own GPUs (sglang_colocated=False)")
     if cfg.train.prompts_per_step % world:
         raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
                          f"multiple of the {world} processes")

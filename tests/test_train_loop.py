@@ -228,3 +228,37 @@ def test_bounded_staleness_overlaps_and_corrects(shared, tmp_path):
     dump = [json.loads(x) for x in (tmp_path / "rollouts" / "step_3.jsonl").read_text()
             .splitlines()]
     assert len(dump) == 6
+
+
+@pytest.mark.slow
+def test_bounded_staleness_on_sglang(shared, tmp_path):
+    """Generating ahead against the (0.5.23-like) fake SGLang: the next rollout is generated
+    while the learner trains, the weights of every update go to the servers (tagged with the
+    step) between rollouts; a colocated server (its memory released during training) is
+    refused up front."""
+    from common.processor import load_processor
+    from geo3k_torch.setup import prepare_model_dir
+    from tests.fake_sglang import Action, FakeSGLang
+    cfg = small_config(shared, 3)
+    cfg.data.synthetic_image_size = "112"
+    cfg.eval.every = 0
+    cfg.train.max_staleness, cfg.loss.kl_coef = 1, 0.0
+    cfg.engine.backend, cfg.engine.sglang_colocated = "sglang", True
+    with pytest.raises(ValueError, match="colocated"):
+        train_main.train(cfg, str(tmp_path / "refused"))
+    cfg.engine.sglang_colocated = False
+    tok = load_processor(prepare_model_dir(cfg)).tokenizer
+    reply = tok.encode('<tool_call>\n{"name": "calc_score", "arguments": {"answer": "A"}}\n'
+                       '</tool_call>', add_special_tokens=False)
+    with FakeSGLang(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+                    tokens_per_image=16, responder=lambda body: Action(ids=reply)) as fake:
+        with cfg.unlocked():
+            cfg.engine.sglang_urls = fake.url
+        train_main.train(cfg, str(tmp_path / "run"))
+        synced = fake.bodies("/update_weights_from_disk")
+        generated = len(fake.bodies("/generate"))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert [b["weight_version"] for b in synced] == ["1", "2", "3"]
+    assert generated == 3 * 2 * 3
+    assert [r["train/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
