@@ -5,6 +5,16 @@ the learner trains on, in the chosen export style. `pack` concatenates them into
 at most `token_budget` tokens (first-fit decreasing), keeping per-sequence boundaries
 (`cu_seqlens`) and the images of those sequences in order. `pad` makes the (B, L) layout.
 
+Shared prefixes: the n samples of a GRPO group repeat the same prompt (same tokens, same
+images). Given the image token id, `pack` puts such a prompt into the micro-batch once, as a
+segment of its own that trains nothing, followed by each sample's remainder as a segment whose
+`parents` entry points at it: the learner attends each remainder to the prefix and to itself,
+with the positions it would have had alone, so log-probs and gradients equal those of the
+separate sequences while the prompt (and its images) is computed once per group.
+
+    prompt ........ | sample 0's rest | sample 1's rest | ...      segments of one micro-batch
+    parents:   -1           0                 0
+
 Token arrays are aligned with the tokens: `loss_mask[t]` and `rollout_logprobs[t]` belong to token
 t, whose log-prob the learner reads from the logits at position t - 1 of the same sequence (the
 first token of a sequence is always prompt, mask 0).
@@ -13,6 +23,7 @@ first token of a sequence is always prompt, mask 0).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Sequence
 
 import numpy as np
@@ -64,6 +75,8 @@ class PackedBatch:
     sequence s at [cu_seqlens[s], cu_seqlens[s+1]); image_counts, seq_index: (S,); images: the
     sequences' images in order (sum(image_counts) of them); old_logprobs: (T,) the behaviour
     policy's log-probs when several updates share one rollout (None: the current weights').
+    Segments are sequences or shared prefixes; parents: (S,) the segment whose tokens come
+    before segment s's (a shared prefix: no trained token, seq_index -1), -1 for none.
     """
 
     input_ids: np.ndarray
@@ -76,13 +89,20 @@ class PackedBatch:
     seq_index: np.ndarray
     images: list
     old_logprobs: np.ndarray | None = None
+    parents: np.ndarray | None = None  # None: no segment continues another
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
+    def parent_of(self) -> np.ndarray:
+        """(S,) `parents`, -1 everywhere when the batch shares no prefix."""
+        n = len(self.cu_seqlens) - 1
+        return np.full(n, -1, np.int64) if self.parents is None else self.parents
 
-def _concat(seqs: Sequence[TrainSequence], index: Sequence[int]) -> PackedBatch:
+
+def _concat(seqs: Sequence[TrainSequence], index: Sequence[int],
+            parents: Sequence[int] | None = None) -> PackedBatch:
     lens = np.array([len(s) for s in seqs], np.int64)
     mask = np.concatenate([s.loss_mask for s in seqs]).astype(np.float32)
     adv = np.concatenate([np.full(len(s), s.advantage, np.float32) for s in seqs]) * mask
@@ -96,14 +116,29 @@ def _concat(seqs: Sequence[TrainSequence], index: Sequence[int]) -> PackedBatch:
         image_counts=np.array([len(s.images) for s in seqs], np.int64),
         seq_index=np.asarray(index, np.int64),
         images=[im for s in seqs for im in s.images],
+        parents=None if parents is None else np.asarray(parents, np.int64),
     )
 
 
-def pack(seqs: Sequence[TrainSequence], token_budget: int) -> list[PackedBatch]:
+@dataclasses.dataclass
+class _Unit:
+    """What packing places: sequences `members` (input indices) sharing their first `prefix`
+    tokens (0: one sequence on its own). cost: the tokens it takes in a micro-batch."""
+
+    members: list[int]
+    prefix: int
+    cost: int
+
+
+def pack(seqs: Sequence[TrainSequence], token_budget: int, image_token_id: int | None = None
+         ) -> list[PackedBatch]:
     """First-fit-decreasing packing into micro-batches of at most `token_budget` tokens.
 
     Deterministic; inside a micro-batch sequences keep their input order. A sequence longer than
-    the budget is an error (raise the budget to at least the context limit).
+    the budget is an error (raise the budget to at least the context limit). With
+    `image_token_id`, sequences that share a prompt (`shared_prefix_len`: same tokens, same
+    images) share one copy of it (see the module docstring); a group too large for the budget is
+    split into parts that each carry the prompt.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
@@ -111,20 +146,104 @@ def pack(seqs: Sequence[TrainSequence], token_budget: int) -> list[PackedBatch]:
     if too_long:
         raise ValueError(f"sequence {too_long[0]} has {len(seqs[too_long[0]])} tokens, more than "
                          f"the micro-batch token budget {token_budget}")
-    order = sorted(range(len(seqs)), key=lambda i: (-len(seqs[i]), i))
+    units = (_shared_units(seqs, image_token_id, token_budget) if image_token_id is not None
+             else [_Unit([i], 0, len(s)) for i, s in enumerate(seqs)])
+    order = sorted(range(len(units)), key=lambda u: (-units[u].cost, units[u].members[0]))
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in order:
-        n = len(seqs[i])
+    for u in order:
+        n = units[u].cost
         for b in range(len(bins)):
             if room[b] >= n:
-                bins[b].append(i)
+                bins[b].append(u)
                 room[b] -= n
                 break
         else:
-            bins.append([i])
+            bins.append([u])
             room.append(token_budget - n)
-    return [_concat([seqs[i] for i in sorted(b)], sorted(b)) for b in bins]
+    out = []
+    for b in bins:
+        placed = sorted((units[u] for u in b), key=lambda unit: unit.members[0])
+        if all(unit.prefix == 0 for unit in placed):
+            out.append(_concat([seqs[unit.members[0]] for unit in placed],
+                               [unit.members[0] for unit in placed]))
+        else:
+            out.append(_concat_shared(seqs, placed))
+    return out
+
+
+def _concat_shared(seqs: Sequence[TrainSequence], units: Sequence[_Unit]) -> PackedBatch:
+    parts, index, parents = [], [], []
+    for unit in units:
+        if unit.prefix == 0:
+            parts.append(seqs[unit.members[0]])
+            index.append(unit.members[0])
+            parents.append(-1)
+            continue
+        first, n = seqs[unit.members[0]], unit.prefix
+        root = len(parts)
+        parts.append(TrainSequence(first.token_ids[:n], np.zeros(n, first.loss_mask.dtype),
+                                   np.zeros(n, np.float32), 0.0, list(first.images), -1))
+        index.append(-1)
+        parents.append(-1)
+        for i in unit.members:
+            s = seqs[i]
+            parts.append(TrainSequence(s.token_ids[n:], s.loss_mask[n:], s.rollout_logprobs[n:],
+                                       s.advantage, [], s.traj_index))
+            index.append(i)
+            parents.append(root)
+    return _concat(parts, index, parents)
+
+
+def shared_prefix_len(s: TrainSequence, image_token_id: int) -> int:
+    """How many leading tokens of `s` a sibling with the same prompt may share: every token
+    before the one that predicts its first trained token (so each sample's trained log-probs
+    come from logits of its own segment), or 0 when an image token comes later (the shared
+    prefix must hold all of the sequence's images)."""
+    trained = np.flatnonzero(s.loss_mask)
+    n = int(trained[0]) - 1 if len(trained) else 0
+    if n < 1 or (np.asarray(s.token_ids[n:]) == image_token_id).any():
+        return 0
+    return n
+
+
+def _shared_units(seqs: Sequence[TrainSequence], image_token_id: int, budget: int
+                  ) -> list[_Unit]:
+    """Sequences grouped by identical prompt tokens and images, in input order; groups that do
+    not fit the budget are split greedily (a part of one is a plain sequence)."""
+    groups: dict[tuple, list[int]] = {}
+    lens = [shared_prefix_len(s, image_token_id) for s in seqs]
+    for i, s in enumerate(seqs):
+        key = ((lens[i], np.asarray(s.token_ids[:lens[i]]).tobytes(),
+                tuple(_image_key(im) for im in s.images)) if lens[i] else ("alone", i))
+        groups.setdefault(key, []).append(i)
+    units = []
+    for members in groups.values():
+        n = lens[members[0]]
+        part: list[int] = []
+        for i in members:
+            if part and n + sum(len(seqs[j]) - n for j in part + [i]) > budget:
+                units.append(_unit(seqs, part, n))
+                part = []
+            part.append(i)
+        units.append(_unit(seqs, part, n))
+    return units
+
+
+def _unit(seqs: Sequence[TrainSequence], members: list[int], prefix: int) -> _Unit:
+    if len(members) == 1 or prefix == 0:
+        return _Unit(members, 0, len(seqs[members[0]]))
+    return _Unit(members, prefix, prefix + sum(len(seqs[i]) - prefix for i in members))
+
+
+def _image_key(image) -> object:
+    """Identity of an image by content: PIL images and arrays by mode/shape and bytes."""
+    if hasattr(image, "tobytes"):
+        shape = getattr(image, "size", None) or getattr(image, "shape", None)
+        mode = getattr(image, "mode", None) or str(getattr(image, "dtype", ""))
+        return (type(image).__name__, mode, tuple(shape or ()),
+                hashlib.blake2b(image.tobytes(), digest_size=16).hexdigest())
+    return image
 
 
 def packing_efficiency(batches: Sequence[PackedBatch], token_budget: int) -> float:

@@ -8,8 +8,9 @@ start + max(h, w) (t is 1 for still images; both models agree on images).
 transformers only computes these positions when no position ids are passed, so a packed batch
 with plain 0..n positions silently trains with wrong image positions (REFERENCE §5). The learners
 therefore compute them here, per sequence, and pass them explicitly: `packed_position_ids` returns
-the (4, T) layout whose first row is the plain text position (it restarts at 0 at every sequence,
-which is also how attention finds the packed boundaries) followed by the three M-RoPE rows.
+the (4, T) layout whose first row is the plain text position (restarting at 0 at every sequence)
+followed by the three M-RoPE rows. A segment that continues a shared prefix
+(`common.batching`) takes the positions it has after that prefix.
 """
 
 from __future__ import annotations
@@ -63,21 +64,32 @@ def mrope_position_ids(input_ids: np.ndarray, image_token_id: int, image_grid_th
 
 def packed_position_ids(input_ids: np.ndarray, cu_seqlens: np.ndarray, image_counts: np.ndarray,
                         image_grid_thw: np.ndarray, image_token_id: int,
-                        spatial_merge_size: int) -> np.ndarray:
+                        spatial_merge_size: int, parents: np.ndarray | None = None
+                        ) -> np.ndarray:
     """Positions of a packed micro-batch. input_ids: (T,); cu_seqlens: (S+1,); image_counts: (S,)
-    images per sequence; image_grid_thw: (sum(image_counts), 3) in sequence order.
-    Returns (4, T) int64: row 0 the text position (restarting at every sequence), rows 1-3 M-RoPE.
+    images per segment; image_grid_thw: (sum(image_counts), 3) in segment order; parents: (S,)
+    the segment a segment continues (a shared prefix, earlier in the row), -1 for none.
+    Returns (4, T) int64: row 0 the text position, rows 1-3 M-RoPE. A segment with no parent
+    starts at 0; one that continues a prefix takes the positions it has after that prefix.
     """
     grid = np.asarray(image_grid_thw, np.int64).reshape(-1, 3)
     if int(np.sum(image_counts)) != len(grid):
         raise ValueError(f"{int(np.sum(image_counts))} images counted but {len(grid)} grids given")
+    n_seg = len(cu_seqlens) - 1
+    parents = np.full(n_seg, -1) if parents is None else np.asarray(parents)
+    first = np.concatenate([[0], np.cumsum(image_counts)]).astype(np.int64)
     out = np.empty((4, len(input_ids)), np.int64)
-    first = 0
-    for s in range(len(cu_seqlens) - 1):
+    for s in range(n_seg):
         lo, hi = int(cu_seqlens[s]), int(cu_seqlens[s + 1])
-        n = int(image_counts[s])
-        out[0, lo:hi] = np.arange(hi - lo)
-        out[1:, lo:hi] = mrope_position_ids(input_ids[lo:hi], image_token_id,
-                                            grid[first:first + n], spatial_merge_size)
-        first += n
+        p = int(parents[s])
+        if not -1 <= p < s or (p >= 0 and parents[p] != -1):
+            raise ValueError(f"segment {s} continues segment {p}: a parent must be an earlier "
+                             "segment that continues nothing")
+        spans = [(s, lo, hi)] if p < 0 else [(p, int(cu_seqlens[p]), int(cu_seqlens[p + 1])),
+                                             (s, lo, hi)]
+        ids = np.concatenate([input_ids[a:b] for _, a, b in spans])
+        grids = np.concatenate([grid[first[k]:first[k + 1]] for k, _, _ in spans])
+        skip = len(ids) - (hi - lo)
+        out[0, lo:hi] = np.arange(skip, len(ids))
+        out[1:, lo:hi] = mrope_position_ids(ids, image_token_id, grids, spatial_merge_size)[:, skip:]
     return out

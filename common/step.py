@@ -32,6 +32,7 @@ class StepConfig:
     filter_equal_groups: bool = True
     micro_batch_tokens: int = 8192
     updates_per_rollout: int = 1
+    image_token_id: int | None = None  # given: a group's samples share its prompt (`pack`)
 
     def __post_init__(self):
         if self.updates_per_rollout < 1:
@@ -76,7 +77,7 @@ def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
         adv, keep = episode_advantages(rewards, groups, valid, cfg.normalize_std,
                                        cfg.filter_equal_groups)
         seqs = training_sequences(trajs, adv, cfg.rollout.export_style, keep)
-        batches = pack(seqs, cfg.micro_batch_tokens)
+        batches = pack(seqs, cfg.micro_batch_tokens, cfg.image_token_id)
         counts = comm.sum_scalars(
             {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
              "micro": float(len(batches)), "packed": float(sum(b.num_tokens for b in batches)),

@@ -50,12 +50,19 @@ class Run:
     renderer: object = None  # a `common.rollout.Renderer`; None: the processor's chat template
 
 
-def step_config(cfg) -> StepConfig:
-    """The GRPO step's settings from the config."""
+def step_config(cfg, processor=None) -> StepConfig:
+    """The GRPO step's settings from the config; with `train.share_prefix`, the processor's
+    image token id (the learner trains each group's prompt once)."""
+    image_token_id = None
+    if cfg.train.share_prefix and processor is not None:
+        image_token_id = getattr(processor, "image_token_id", None)
+        if image_token_id is None:
+            raise ValueError("train.share_prefix=True needs a processor with an image_token_id "
+                             "(a Qwen-VL processor)")
     return StepConfig(to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
                       to_dataclass(RewardConfig, cfg.reward), cfg.advantage.normalize_std,
                       cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens,
-                      cfg.train.updates_per_rollout)
+                      cfg.train.updates_per_rollout, image_token_id)
 
 
 def train(cfg, workdir: str | Path, run: Run) -> dict:
@@ -71,7 +78,7 @@ def train(cfg, workdir: str | Path, run: Run) -> dict:
 def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     # ---- setup -------------------------------------------------------------------------
     workdir, comm, backend, learner = Path(workdir), run.comm, run.backend, run.learner
-    step_cfg = step_config(cfg)
+    step_cfg = step_config(cfg, run.processor)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
     renderer = run.renderer or make_renderer(cfg, run.processor)
     sampler = PromptSampler(len(run.train_set), cfg.seed)

@@ -122,6 +122,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 100
     c.train.prompts_per_step = 16
     c.train.micro_batch_tokens = 8192
+    # A group's samples share its prompt in the micro-batches: the learner computes the prompt
+    # and encodes its images once per group (common.batching; exact, see tests/test_shared_prefix).
+    c.train.share_prefix = True
     # Optimizer steps per rollout, each on a consecutive share of its micro-batches, against
     # the behaviour policy's log-probs (1: the anchor recipe; >1: the ratio and clipping act).
     c.train.updates_per_rollout = 1

@@ -10,7 +10,10 @@ backends' inputs identical, which is what the cross-backend check compares.
 
     input_ids    (B, T) int32     pad tokens are 0 in segment -1
     positions    (B, 3, T) int32  M-RoPE rows (temporal, height, width), per sequence
-    segments     (B, T) int32     sequence index within the row, -1 on padding
+    segments     (B, T) int32     segment index within the row, -1 on padding
+    prefix       (B, T) int32     the shared prefix segment (`common.batching`) the token's
+                                  segment continues, NO_PREFIX for none: its queries also see
+                                  every key of that segment
     loss_mask    (B, T) float32   1 on the model's own tokens
     advantages   (B, T) float32   the sequence's advantage on its masked tokens
     rollout_logprobs (B, T) float32
@@ -46,6 +49,7 @@ from common.processor import image_inputs
 from geo3k_jax.vision_grid import QWEN3, vision_aux
 
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
+NO_PREFIX = -2  # `prefix` of a segment that continues none (never a segment id, nor padding's)
 REPLICATED_KEYS = ("key_offsets",)  # every other array has the row axis first
 
 
@@ -55,6 +59,8 @@ class HostRow:
 
     batch: PackedBatch
     positions: np.ndarray  # (3, t)
+    prefix: np.ndarray  # (t,) the prefix segment of each token's segment, NO_PREFIX for none
+    reach: np.ndarray  # (t,) the first key each token's query sees
     weights: np.ndarray  # (t,)
     targets: np.ndarray  # (k,)
     pixel_values: np.ndarray | None  # (p, width)
@@ -68,8 +74,12 @@ def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
     merge = config.vision_config.spatial_merge_size
     imgs = image_inputs(processor, b.images)
     grid = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
+    parents = b.parent_of()
     pos = packed_position_ids(b.input_ids, b.cu_seqlens, b.image_counts, grid,
-                              config.image_token_id, merge)
+                              config.image_token_id, merge, parents)
+    lens, seg_start = np.diff(b.cu_seqlens), b.cu_seqlens[:-1]
+    prefix = np.repeat(np.where(parents >= 0, parents, NO_PREFIX), lens).astype(np.int32)
+    reach = np.repeat(np.where(parents >= 0, seg_start[parents], seg_start), lens)
     if (b.loss_mask[b.cu_seqlens[:-1]] > 0).any():
         raise ValueError("a sequence's first token is in the loss mask: it has no predecessor "
                          "to predict it")
@@ -79,7 +89,8 @@ def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
                          f"{image_token_counts(grid, merge).sum()}")
     weights = token_weights(b.loss_mask, agg, seq_ids=b.seq_ids, n_tokens=n_tokens,
                             n_seqs=n_seqs)
-    return HostRow(b, pos[1:], weights, np.flatnonzero(b.loss_mask > 0).astype(np.int32),
+    return HostRow(b, pos[1:], prefix, reach, weights,
+                   np.flatnonzero(b.loss_mask > 0).astype(np.int32),
                    imgs["pixel_values"].astype(np.float32) if imgs else None,
                    vision_aux(config.vision_config, grid) if imgs else {}, index)
 
@@ -93,6 +104,7 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
     out = {"input_ids": np.zeros((n_rows, length), np.int32),
            "positions": np.zeros((n_rows, 3, length), np.int32),
            "segments": np.full((n_rows, length), -1, np.int32),
+           "prefix": np.full((n_rows, length), NO_PREFIX, np.int32),
            "targets": np.zeros((n_rows, n_targets), np.int32)}
     keys = ["loss_mask", "advantages", "rollout_logprobs", "weights"]
     behaviour = [row.batch.old_logprobs is not None for row in rows]
@@ -111,6 +123,7 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         out["input_ids"][r, :t] = b.input_ids
         out["positions"][r, :, :t] = row.positions
         out["segments"][r, :t] = b.seq_ids
+        out["prefix"][r, :t] = row.prefix
         out["loss_mask"][r, :t] = b.loss_mask
         out["advantages"][r, :t] = b.advantages
         out["rollout_logprobs"][r, :t] = b.rollout_logprobs
@@ -118,8 +131,8 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         if "old_logprobs" in out:
             out["old_logprobs"][r, :t] = b.old_logprobs
         out["targets"][r, :len(row.targets)] = row.targets
-    out["attn_starts"], out["key_offsets"] = attention_windows(out["segments"],
-                                                               min_window=min_window)
+    out["attn_starts"], out["key_offsets"] = attention_windows(
+        out["segments"], min_window=min_window, reach=reach_of(rows, n_rows, length))
     if n_patches:
         padded = [pad_patches(rows[r] if r < len(rows) else None, config, n_patches, length)
                   for r in range(n_rows)]
@@ -185,15 +198,26 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
                                    if r.pixel_values is not None), default=0))
 
 
-def attention_windows(segments: np.ndarray, block: int = BLOCK, min_window: int = 0
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def reach_of(rows: Sequence[HostRow], n_rows: int, length: int) -> np.ndarray:
+    """(n_rows, length) the first key each token sees (`HostRow.reach`); `length` on padding."""
+    out = np.full((n_rows, length), length, np.int64)
+    for r, row in enumerate(rows):
+        out[r, :len(row.reach)] = row.reach
+    return out
+
+
+def attention_windows(segments: np.ndarray, block: int = BLOCK, min_window: int = 0,
+                      reach: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Key windows for `layers.windowed_attention` over rows of contiguous segments.
 
-    segments: (B, T) int, -1 on padding. Query block i of a row (block = gcd(T, `block`)) reads
-    keys [start_i, start_i + W): from the start of the sequence its first token belongs to
-    (padding blocks: from the block itself) to the block's end, with one W for the batch, a
-    multiple of the block and at least `min_window` (a bucket: fewer distinct shapes), at most T.
-    Returns starts (B, T / block) int32 and key_offsets (W,) int32."""
+    segments: (B, T) int, -1 on padding; reach: (B, T) the first key each token sees when it
+    comes before its segment (a shared prefix: `reach_of`), else T. Query block i of a row
+    (block = gcd(T, `block`)) reads keys [start_i, start_i + W): from the first key its first
+    token sees (padding blocks: from the block itself) to the block's end, with one W for the
+    batch, a multiple of the block and at least `min_window` (a bucket: fewer distinct shapes),
+    at most T. (Segments come in row order after their prefixes, so a block's first token sees
+    the earliest key of any of its tokens.) Returns starts (B, T / block) int32 and key_offsets
+    (W,) int32."""
     rows, length = segments.shape
     block = math.gcd(length, block)
     first = np.zeros_like(segments)  # index of the first token of each token's segment
@@ -201,6 +225,8 @@ def attention_windows(segments: np.ndarray, block: int = BLOCK, min_window: int 
         change = np.flatnonzero(np.diff(segments[r]) != 0) + 1
         bounds = np.concatenate([[0], change])
         first[r] = bounds[np.searchsorted(bounds, np.arange(length), side="right") - 1]
+    if reach is not None:
+        first = np.minimum(first, reach)
     block_start = np.arange(0, length, block)
     seq_start = np.where(segments[:, block_start] >= 0, first[:, block_start], block_start)
     need = int((block_start + block - seq_start).max())

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
-from geo3k_jax.batch import BLOCK, HostRow, assemble, attention_windows
+from geo3k_jax.batch import BLOCK, HostRow, assemble, attention_windows, reach_of
 
 TARGET_UNIT = 128  # trained tokens per row come in multiples of this times a power of two
 PATCH_UNITS = 16  # image patches per row: multiples of 16 merge units times a power of two
@@ -50,7 +50,8 @@ def step_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len:
     segments = np.full((max(len(rows), 1), row_len), -1, np.int32)
     for i, r in enumerate(rows):
         segments[i, :r.batch.num_tokens] = r.batch.seq_ids
-    window = len(attention_windows(segments)[1])
+    reach = reach_of(rows, len(segments), row_len)
+    window = len(attention_windows(segments, reach=reach)[1])
     used = -(-len(rows) // rows_per_slice)
     return {"used": used, "slices": bucket(used, 1),
             "targets": bucket(max((len(r.targets) for r in rows), default=1), TARGET_UNIT),

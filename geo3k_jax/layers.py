@@ -147,18 +147,24 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.reshape(t, h * d)
 
 
-def window_mask(segments: jax.Array, starts: jax.Array, key_offsets: jax.Array
-                ) -> jax.Array:
-    """Causal same-segment mask of each query block against its key window.
+def window_mask(segments: jax.Array, starts: jax.Array, key_offsets: jax.Array,
+                prefix: jax.Array | None = None) -> jax.Array:
+    """Mask of each query block against its key window: causal inside a segment, and every
+    key of the query's shared prefix segment (`common.batching`).
 
     segments: (T,) with T = nb * block; starts: (nb,) first key of each block's window;
-    key_offsets: (W,) = arange(W). Returns (nb, block, W) bool."""
+    key_offsets: (W,) = arange(W); prefix: (T,) the prefix segment of each query's segment,
+    NO_PREFIX (None: everywhere) for none. Returns (nb, block, W) bool."""
     nb = starts.shape[0]
     block = segments.shape[0] // nb
     keys = starts[:, None] + key_offsets[None, :]  # (nb, W) key positions
     queries = jnp.arange(segments.shape[0]).reshape(nb, block)
-    same = segments.reshape(nb, block)[:, :, None] == segments[keys][:, None, :]
-    return same & (queries[:, :, None] >= keys[:, None, :])
+    key_segments = segments[keys][:, None, :]
+    same = segments.reshape(nb, block)[:, :, None] == key_segments
+    mask = same & (queries[:, :, None] >= keys[:, None, :])
+    if prefix is None:
+        return mask
+    return mask | (prefix.reshape(nb, block)[:, :, None] == key_segments)
 
 
 def windowed_attention(q: jax.Array, k: jax.Array, v: jax.Array, starts: jax.Array,

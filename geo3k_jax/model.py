@@ -59,7 +59,8 @@ class QwenVL(nnx.Module):
             index = batch["visual_index"]  # (B, N) positions of the row's image tokens
             embeds = scatter_rows(embeds, index, image_embeds.astype(embeds.dtype), "set")
         return lm(embeds, batch["positions"], batch["segments"], batch["attn_starts"],
-                  batch["key_offsets"], index, deepstack, remat=remat)
+                  batch["key_offsets"], index, deepstack, remat=remat,
+                  prefix=batch.get("prefix"))
 
     def head_weight(self) -> jax.Array:
         """The LM head as (vocab, hidden): lm_head, or the tied embedding table."""

@@ -128,15 +128,18 @@ class TextModel(nnx.Module):
     def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,
                  starts: jax.Array, key_offsets: jax.Array,
                  visual_index: jax.Array | None = None,
-                 deepstack: list[jax.Array] = (), remat: bool = False) -> jax.Array:
+                 deepstack: list[jax.Array] = (), remat: bool = False,
+                 prefix: jax.Array | None = None) -> jax.Array:
         """embeds: (B, T, hidden); positions: (B, 3, T); segments: (B, T); attention windows:
         starts (B, T / block) and key_offsets (W,) (see `geo3k_jax.batch`). DeepStack:
         feature k (B, N, hidden) is added after layer k at the row positions visual_index
         (B, N) (positions >= T are dropped). remat: each layer's activations are recomputed in
-        the backward pass (memory of one layer instead of all). Returns normed hidden states
-        (B, T, hidden)."""
+        the backward pass (memory of one layer instead of all). prefix: (B, T) the shared prefix
+        segment each token's segment continues (`geo3k_jax.batch`; None: none). Returns normed
+        hidden states (B, T, hidden)."""
         cos, sin = self.rope(positions)
-        mask = jax.vmap(window_mask, in_axes=(0, 0, None))(segments, starts, key_offsets)
+        mask = jax.vmap(window_mask, in_axes=(0, 0, None, 0 if prefix is not None else None))(
+            segments, starts, key_offsets, prefix)
         x = embeds
         for i, layer in enumerate(self.layers):
             run = lambda h, layer=layer: jax.vmap(layer)(h, cos, sin, starts, mask)  # noqa

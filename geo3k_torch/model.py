@@ -2,10 +2,10 @@
 
 A packed micro-batch (`common.batching.PackedBatch`) is one row of T tokens holding S sequences.
 Its position ids are computed per sequence by `common.mrope` (3-D M-RoPE for image tokens) and
-passed in transformers' (4, 1, T) layout: row 0, the text position, restarts at 0 at every
-sequence, which is how the attention finds the sequence boundaries (no attention crosses them;
-with `geo3k_torch.attention` each sequence is attended on its own). Log-probs are read only where they are needed (the masked tokens), in fp32 from
-`logits / temperature`.
+passed in transformers' (4, 1, T) layout (row 0 the text position); its segments go to the
+attention (`geo3k_torch.attention`) as `packed_segments`, so no attention crosses a sequence
+boundary and a sample that continues its group's shared prompt attends to it. Log-probs are read
+only where they are needed (the masked tokens), in fp32 from `logits / temperature`.
 """
 
 from __future__ import annotations
@@ -33,14 +33,24 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
 
 
 def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | str = "cpu"
-                  ) -> dict[str, torch.Tensor]:
-    """Keyword arguments for the model's forward on a packed micro-batch (batch dim 1)."""
+                  ) -> dict:
+    """Keyword arguments for the model's forward on a packed micro-batch (batch dim 1),
+    `packed_segments` (for `geo3k_torch.attention`) included."""
+    parents = batch.parent_of()
+    if (parents >= 0).any() and config._attn_implementation != attention.NAME:
+        raise ValueError(f"a micro-batch with shared prefixes needs the {attention.NAME!r} "
+                         f"attention, the model runs {config._attn_implementation!r}")
     imgs = image_inputs(processor, batch.images)
     grid = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
     pos = packed_position_ids(batch.input_ids, batch.cu_seqlens, batch.image_counts, grid,
-                              config.image_token_id, config.vision_config.spatial_merge_size)
+                              config.image_token_id, config.vision_config.spatial_merge_size,
+                              parents)
+    cu = batch.cu_seqlens.tolist()
+    segments = tuple((cu[s], cu[s + 1]) + ((cu[p], cu[p + 1]) if p >= 0 else (0, 0))
+                     for s, p in enumerate(parents.tolist()))
     out = {"input_ids": torch.from_numpy(batch.input_ids).to(device)[None],
-           "position_ids": torch.from_numpy(pos).to(device)[:, None, :]}
+           "position_ids": torch.from_numpy(pos).to(device)[:, None, :],
+           "packed_segments": segments}
     if imgs:
         out["pixel_values"] = torch.from_numpy(imgs["pixel_values"]).to(device)
         out["image_grid_thw"] = torch.from_numpy(grid).to(device)

@@ -23,6 +23,7 @@ from common.rollout import RolloutConfig
 from common.scoring import RewardConfig
 from common.step import StepConfig, grpo_step
 from configs import base
+from geo3k_torch import attention
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
 from tests.tiny_models import ImageOnlyProcessor, qwen3_vl, special_ids
@@ -109,6 +110,7 @@ def jax_learner(model, processor, cfg):
 
 def train(sign: float, make_learner=torch_learner):
     model, patch = qwen3_vl(seed=0, vocab=VOCAB)
+    model.set_attn_implementation(attention.NAME)
     model.train()
     processor = ImageOnlyProcessor(patch)
     cfg = base.get_config().train
@@ -118,7 +120,7 @@ def train(sign: float, make_learner=torch_learner):
     engine = LocalEngine(model, processor, pad_id=STOP, seed=0)
     step_cfg = StepConfig(RolloutConfig(n_samples=8, max_response_tokens=3),
                           EnvConfig(max_turns=1), RewardConfig(source="tool"),
-                          micro_batch_tokens=BUDGET)
+                          micro_batch_tokens=BUDGET, image_token_id=model.config.image_token_id)
     if sign < 0:  # the broken variant: every advantage negated
         import common.step as step_module
         original = step_module.episode_advantages

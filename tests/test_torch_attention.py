@@ -41,7 +41,7 @@ def test_packed_row_equals_dense_block_diagonal_sdpa(build, monkeypatch):
     assert sorted(causal) == sorted(n for n in lengths for _ in range(layers))
 
 
-def test_a_single_sequence_or_a_cached_call_is_plain_sdpa(monkeypatch):
+def test_calls_without_segments_are_plain_sdpa(monkeypatch):
     called = []
     monkeypatch.setattr(attention, "sdpa_attention_forward",
                         lambda *a, **k: called.append(1) or ("sdpa", None))
@@ -51,14 +51,43 @@ def test_a_single_sequence_or_a_cached_call_is_plain_sdpa(monkeypatch):
     class Module:
         is_causal = True
 
-    one = torch.arange(6)[None]
-    assert attention.packed_sdpa(Module(), q, kv, kv, None, position_ids=one)[0] == "sdpa"
+    segments = ((0, 3, 0, 0), (3, 6, 0, 0))
+    assert attention.packed_sdpa(Module(), q, kv, kv, None)[0] == "sdpa"
     longer = torch.zeros(1, 2, 9, 8)  # a KV cache: keys past the queries
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    assert attention.packed_sdpa(Module(), q, longer, longer, None, position_ids=pos)[0] == "sdpa"
-    assert called == [1, 1]
-    out, _ = attention.packed_sdpa(Module(), q, kv, kv, None, position_ids=pos)
+    assert attention.packed_sdpa(Module(), q, longer, longer, None,
+                                 packed_segments=segments)[0] == "sdpa"
+    Module.is_causal = False  # the vision tower
+    assert attention.packed_sdpa(Module(), q, kv, kv, None, packed_segments=segments)[0] == "sdpa"
+    assert called == [1, 1, 1]
+    Module.is_causal = True
+    out, _ = attention.packed_sdpa(Module(), q, kv, kv, None, packed_segments=segments)
     assert out.shape == (1, 6, 4, 8)
+
+
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_segments_with_a_prefix_equal_the_dense_masked_reference(gqa):
+    """Segments attend causally to themselves and fully to their prefix, nothing else: the
+    dense T x T sdpa with that mask gives the same output."""
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 23, 4, 8
+    q = torch.randn(1, H, T, D, generator=g)
+    k, v = (torch.randn(1, H // gqa, T, D, generator=g) for _ in range(2))
+    # a prefix [0, 7) with two continuations, a plain sequence, another prefix with one
+    segments = ((0, 7, 0, 0), (7, 11, 0, 7), (11, 14, 0, 7), (14, 18, 0, 0), (18, 20, 0, 0),
+                (20, 23, 18, 20))
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for lo, hi, p_lo, p_hi in segments:
+        mask[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
+        mask[lo:hi, p_lo:p_hi] = True
+
+    class Module:
+        is_causal = True
+
+    out, _ = attention.packed_sdpa(Module(), q, k, v, None, scaling=0.3,
+                                   packed_segments=segments)
+    ref = attention.F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
+                                                   enable_gqa=gqa > 1).transpose(1, 2)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-6)
 
 
 def test_chunked_logprobs_equal_unchunked():
