@@ -23,11 +23,11 @@ first token of a sequence is always prompt, mask 0).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Sequence
 
 import numpy as np
 
+from common.processor import image_key
 from common.rollout import ABORTED, Trajectory, split_turns
 
 
@@ -215,7 +215,7 @@ def _shared_units(seqs: Sequence[TrainSequence], image_token_id: int, budget: in
     lens = [shared_prefix_len(s, image_token_id) for s in seqs]
     for i, s in enumerate(seqs):
         key = ((lens[i], np.asarray(s.token_ids[:lens[i]]).tobytes(),
-                tuple(_image_key(im) for im in s.images)) if lens[i] else ("alone", i))
+                tuple(image_key(im) for im in s.images)) if lens[i] else ("alone", i))
         groups.setdefault(key, []).append(i)
     units = []
     for members in groups.values():
@@ -234,16 +234,6 @@ def _unit(seqs: Sequence[TrainSequence], members: list[int], prefix: int) -> _Un
     if len(members) == 1 or prefix == 0:
         return _Unit(members, 0, len(seqs[members[0]]))
     return _Unit(members, prefix, prefix + sum(len(seqs[i]) - prefix for i in members))
-
-
-def _image_key(image) -> object:
-    """Identity of an image by content: PIL images and arrays by mode/shape and bytes."""
-    if hasattr(image, "tobytes"):
-        shape = getattr(image, "size", None) or getattr(image, "shape", None)
-        mode = getattr(image, "mode", None) or str(getattr(image, "dtype", ""))
-        return (type(image).__name__, mode, tuple(shape or ()),
-                hashlib.blake2b(image.tobytes(), digest_size=16).hexdigest())
-    return image
 
 
 def packing_efficiency(batches: Sequence[PackedBatch], token_budget: int) -> float:

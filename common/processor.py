@@ -23,6 +23,7 @@ path. Only `load_processor` imports transformers; importing this module does not
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -34,6 +35,18 @@ PROCESSOR_CONFIG_FILES = ("processor_config.json", "preprocessor_config.json")
 # model_type in config.json, or the processor class a processor config names -> our arch key
 _ARCH_OF = {"qwen2_5_vl": "qwen2_5_vl", "Qwen2_5_VLProcessor": "qwen2_5_vl",
             "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "Qwen3VLProcessor": "qwen3_vl"}
+
+
+def image_key(image) -> object:
+    """An image's identity by content (hashable): two copies of one picture are equal. PIL
+    images and arrays by type, mode / dtype, size / shape and a hash of their bytes; anything
+    else as itself."""
+    if hasattr(image, "tobytes"):
+        shape = getattr(image, "size", None) or getattr(image, "shape", None)
+        mode = getattr(image, "mode", None) or str(getattr(image, "dtype", ""))
+        return (type(image).__name__, mode, tuple(shape or ()),
+                hashlib.blake2b(image.tobytes(), digest_size=16).hexdigest())
+    return image
 
 
 def torchvision_available() -> bool:

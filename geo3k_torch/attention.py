@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -27,31 +28,30 @@ NAME = "packed_sdpa"
 def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                 scaling: float | None = None,
-                packed_segments: Sequence[tuple[int, int, int, int]] | None = None,
+                packed_segments: tuple[Sequence[int], Sequence[int]] | None = None,
                 **kwargs) -> tuple[torch.Tensor, None]:
-    """query (1, H, T, D), key / value (1, H_kv, T, D), packed_segments: (start, end,
-    prefix_start, prefix_end) of each segment of the row (an empty prefix for none) ->
-    (1, T, H, D). Calls without segments (or not causal, or with a KV cache) go to
-    transformers' sdpa unchanged."""
+    """query (1, H, T, D), key / value (1, H_kv, T, D), packed_segments: (lengths, parents) of
+    the row's segments in order (lengths summing to T; parents[s] the earlier segment whose keys
+    segment s also sees, -1 for none) -> (1, T, H, D). Calls without segments (or not causal,
+    or with a KV cache) go to transformers' sdpa unchanged."""
     length = query.shape[2]
     if (packed_segments is None or not getattr(module, "is_causal", True)
             or query.shape[0] != 1 or key.shape[2] != length):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    lengths, parents = packed_segments
     gqa = query.shape[1] != key.shape[1]
+    # split, not sliced: the backward pass concatenates the pieces' gradients once
+    qs, ks, vs = (x.split(list(lengths), dim=2) for x in (query, key, value))
     parts = []
-    for lo, hi, p_lo, p_hi in packed_segments:
-        q, k, v = query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi]
-        if p_lo == p_hi:
-            parts.append(F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scaling, dropout_p=dropout, enable_gqa=gqa))
-            continue
-        k = torch.cat([key[:, :, p_lo:p_hi], k], dim=2)
-        v = torch.cat([value[:, :, p_lo:p_hi], v], dim=2)
-        mask = torch.ones(hi - lo, k.shape[2], dtype=torch.bool, device=q.device)
+    for s, p in enumerate(parents):
+        k, v, mask = ks[s], vs[s], None
+        if p >= 0:  # causal, aligned at the end: the prefix's keys are all before the queries
+            k, v = torch.cat([ks[p], k], dim=2), torch.cat([vs[p], v], dim=2)
+            mask = causal_lower_right(lengths[s], lengths[p] + lengths[s])
         parts.append(F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask.tril(p_hi - p_lo), scale=scaling, dropout_p=dropout,
-            enable_gqa=gqa))
+            qs[s], k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
+            dropout_p=dropout, enable_gqa=gqa))
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -6,6 +6,9 @@ disk round trip: after an optimizer step the next `generate` samples from the ne
 One `generate` call: the requests' new tokens are left-padded into one batch (each row behind
 its own left-padded KV cache from earlier turns, if any), prefilled once with their images and
 explicit 3-D M-RoPE positions (`common.mrope`), then decoded token by token with the KV cache.
+Requests with the same tokens and images and no cache (the samples of a GRPO group on their
+first turn) are prefilled once: their row's KV cache and first logits are copied to each of them
+(`share_prefill`).
 Each sampled token's log-prob is read from the raw logits at the request's temperature,
 log_softmax(logits / T), before any top-p truncation (REFERENCE §7: `generate`'s scores are
 processed). Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its
@@ -23,7 +26,7 @@ from transformers import DynamicCache
 
 from common.engine import LENGTH, STOP, Completion, Request
 from common.mrope import image_token_counts, mrope_position_ids
-from common.processor import image_inputs
+from common.processor import image_inputs, image_key
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
@@ -70,13 +73,14 @@ class LocalEngine:
     """
 
     def __init__(self, model, processor, pad_id: int, seed: int = 0,
-                 device: torch.device | str = "cpu", keep_cache: bool = True):
+                 device: torch.device | str = "cpu", keep_cache: bool = True,
+                 share_prefill: bool = True):
         self.model = model
         self.processor = processor
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.keep_cache = keep_cache
+        self.keep_cache, self.share_prefill = keep_cache, share_prefill
         self._cache: dict[str, _Cached] = {}
         cfg = model.config
         self.image_token_id = cfg.image_token_id
@@ -112,10 +116,18 @@ class LocalEngine:
         return entry
 
     def _generate(self, requests: list[Request]) -> list[Completion]:
-        dev, B = self.device, len(requests)
-        imgs = image_inputs(self.processor, [im for r in requests for im in r.images])
-        grids = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
-        patches = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])
+        dev = self.device
+        images = [im for r in requests for im in r.images]
+        keys = [image_key(im) for im in images]
+        first_of: dict = {}  # each distinct image (by content) is processed once
+        for i, k in enumerate(keys):
+            first_of.setdefault(k, i)
+        slot = {k: j for j, k in enumerate(first_of)}
+        which = [slot[k] for k in keys]  # image -> its distinct image
+        imgs = image_inputs(self.processor, [images[i] for i in first_of.values()])
+        distinct_grids = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
+        grids = distinct_grids[which]
+        patches = np.concatenate([[0], np.cumsum(distinct_grids.prod(axis=1))])
         tokens_per_image = image_token_counts(grids, self.merge)
         rows, first = [], 0
         for r in requests:
@@ -128,6 +140,9 @@ class LocalEngine:
                                         int((ids[:c] == self.image_token_id).sum()), "right"))
             rows.append((ids, pos, cached, c, list(range(first + k_old, first + k))))
             first += k
+        unique, expand = self._distinct(rows, keys, [len(r.images) for r in requests])
+        rows_all, rows = rows, [rows[i] for i in unique]
+        B = len(rows)
         C = max(c for _, _, _, c, _ in rows)
         N = max(len(ids) - c for ids, _, _, c, _ in rows)
         input_ids = torch.full((B, N), self.pad_id, dtype=torch.long)
@@ -147,10 +162,17 @@ class LocalEngine:
         new_images = [i for *_, imgs_b in rows for i in imgs_b]
         if new_images:
             inputs["pixel_values"] = torch.from_numpy(np.concatenate(
-                [imgs["pixel_values"][patches[i]:patches[i + 1]] for i in new_images])).to(dev)
+                [imgs["pixel_values"][patches[which[i]]:patches[which[i] + 1]]
+                 for i in new_images])).to(dev)
             inputs["image_grid_thw"] = torch.from_numpy(grids[new_images]).to(dev)
         if C:
             inputs["past_key_values"] = self._stack_caches(rows, C)
+        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+        cache, logits, B = out.past_key_values, out.logits[:, -1].float(), len(requests)
+        if len(unique) < B:  # each request gets its row of the shared prefill
+            index = torch.tensor(expand, device=dev)
+            cache.reorder_cache(index)
+            logits, attn, next_pos = logits[index], attn[expand], next_pos[:, expand]
         temperature = torch.tensor([r.sampling.temperature for r in requests], device=dev)
         top_p = torch.tensor([r.sampling.top_p for r in requests], device=dev)
         budget = [r.sampling.max_new_tokens for r in requests]
@@ -158,10 +180,7 @@ class LocalEngine:
         tokens: list[list[int]] = [[] for _ in requests]
         logps: list[list[float]] = [[] for _ in requests]
         finish: list[str | None] = [None] * B
-        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        cache, attn, next_pos = out.past_key_values, attn.to(dev), next_pos.to(dev)
-        logits = out.logits[:, -1].float()
-        fed = 0
+        attn, next_pos, fed = attn.to(dev), next_pos.to(dev), 0
         while True:
             tok, lp = sample(logits, temperature, top_p, self.generator, self.banned)
             for b in range(B):
@@ -183,8 +202,24 @@ class LocalEngine:
             cache, next_pos, fed = out.past_key_values, next_pos + 1, fed + 1
             logits = out.logits[:, -1].float()
         if self.keep_cache:
-            self._keep(requests, rows, tokens, cache, C, N, fed)
+            self._keep(requests, rows_all, tokens, cache, C, N, fed)
         return [Completion(tokens[b], logps[b], finish[b]) for b in range(B)]
+
+    def _distinct(self, rows, image_keys: list, n_images: list[int]
+                  ) -> tuple[list[int], list[int]]:
+        """The requests to prefill (indices) and, for every request, its row among them: with
+        `share_prefill`, uncached requests with equal tokens and images (by `image_keys`, all
+        requests' in order) share one row."""
+        unique, expand, seen = [], [], {}
+        bounds = np.concatenate([[0], np.cumsum(n_images)]).astype(int)
+        for b, (ids, _, cached, _, _) in enumerate(rows):
+            key = (ids.tobytes(), tuple(image_keys[bounds[b]:bounds[b + 1]])) \
+                if self.share_prefill and cached is None else b
+            if key not in seen:
+                seen[key] = len(unique)
+                unique.append(b)
+            expand.append(seen[key])
+        return unique, expand
 
     def _stack_caches(self, rows, C: int) -> DynamicCache:
         """One left-padded (B, H, C, D) cache per layer from the rows' own caches."""

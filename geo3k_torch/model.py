@@ -45,9 +45,7 @@ def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | 
     pos = packed_position_ids(batch.input_ids, batch.cu_seqlens, batch.image_counts, grid,
                               config.image_token_id, config.vision_config.spatial_merge_size,
                               parents)
-    cu = batch.cu_seqlens.tolist()
-    segments = tuple((cu[s], cu[s + 1]) + ((cu[p], cu[p + 1]) if p >= 0 else (0, 0))
-                     for s, p in enumerate(parents.tolist()))
+    segments = (np.diff(batch.cu_seqlens).tolist(), parents.tolist())
     out = {"input_ids": torch.from_numpy(batch.input_ids).to(device)[None],
            "position_ids": torch.from_numpy(pos).to(device)[:, None, :],
            "packed_segments": segments}

@@ -4,8 +4,9 @@
 
 Each round: one rollout of `train.prompts_per_step` prompts x `rollout.n_samples` episodes with
 the local engine, then one learner step on every trajectory (random advantages, so nothing is
-filtered). Prints a table of the mean over rounds after a warm-up round. Timing never decides a
-test; this script is where speed is measured (docs/benchmarks.md).
+filtered). Prints a table of the mean over rounds after a warm-up round ("sequences" tokens/s
+counts every sequence's tokens, "packed" the tokens computed: a shared prompt once per group).
+Timing never decides a test; this script is where speed is measured (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def _sync(device):
 def main(argv):
     del argv
     cfg = _CONFIG.value
+    if cfg.train.share_prefix and _ATTN.value != "packed_sdpa":
+        raise app.UsageError(f"--attn={_ATTN.value} cannot train shared prefixes: add "
+                             "--config.train.share_prefix=False")
     device = resolve_device(cfg)
     torch.manual_seed(cfg.seed)
     model_dir = prepare_model_dir(cfg)
@@ -70,7 +74,8 @@ def main(argv):
         _sync(device)
         t1 = time.perf_counter()
         seqs = training_sequences(trajs, rng.normal(size=len(trajs)), roll_cfg.export_style)
-        batches = pack(seqs, cfg.train.micro_batch_tokens)
+        batches = pack(seqs, cfg.train.micro_batch_tokens,
+                       processor.image_token_id if cfg.train.share_prefix else None)
         n_tok = float(sum(s.loss_mask.sum() for s in seqs))
         t2 = time.perf_counter()
         learner.train_step(batches, n_tok, float(len(seqs)))
@@ -81,12 +86,13 @@ def main(argv):
             continue  # warm-up
         rows.append({
             "rollout generated tokens/s": sum(t.num_generated for t in trajs) / (t1 - t0),
+            "learner tokens/s (sequences)": sum(map(len, seqs)) / (t3 - t2),
             "learner tokens/s (packed)": sum(b.num_tokens for b in batches) / (t3 - t2),
             "packing efficiency": packing_efficiency(batches, cfg.train.micro_batch_tokens),
             "micro-batches": float(len(batches)),
             "rollout s / step": t1 - t0, "train s / step": t3 - t2})
     print(f"\nconfig: {cfg.model.path or cfg.model.tiny_dir}, device {device}, dtype {dtype}, "
-          f"attention {_ATTN.value}, "
+          f"attention {_ATTN.value}, shared prefixes {cfg.train.share_prefix}, "
           f"{cfg.train.prompts_per_step} prompts x {cfg.rollout.n_samples} samples, "
           f"micro-batch budget {cfg.train.micro_batch_tokens} tokens, {_ROUNDS.value} rounds")
     print(f"| {'quantity':<28} | {'mean':>10} |")

@@ -51,7 +51,7 @@ def test_calls_without_segments_are_plain_sdpa(monkeypatch):
     class Module:
         is_causal = True
 
-    segments = ((0, 3, 0, 0), (3, 6, 0, 0))
+    segments = ([3, 3], [-1, -1])
     assert attention.packed_sdpa(Module(), q, kv, kv, None)[0] == "sdpa"
     longer = torch.zeros(1, 2, 9, 8)  # a KV cache: keys past the queries
     assert attention.packed_sdpa(Module(), q, longer, longer, None,
@@ -73,18 +73,20 @@ def test_segments_with_a_prefix_equal_the_dense_masked_reference(gqa):
     q = torch.randn(1, H, T, D, generator=g)
     k, v = (torch.randn(1, H // gqa, T, D, generator=g) for _ in range(2))
     # a prefix [0, 7) with two continuations, a plain sequence, another prefix with one
-    segments = ((0, 7, 0, 0), (7, 11, 0, 7), (11, 14, 0, 7), (14, 18, 0, 0), (18, 20, 0, 0),
-                (20, 23, 18, 20))
+    lengths, parents = [7, 4, 3, 4, 2, 3], [-1, 0, 0, -1, -1, 4]
+    bounds = np.cumsum([0] + lengths)
     mask = torch.zeros(T, T, dtype=torch.bool)
-    for lo, hi, p_lo, p_hi in segments:
+    for s, p in enumerate(parents):
+        lo, hi = bounds[s], bounds[s + 1]
         mask[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
-        mask[lo:hi, p_lo:p_hi] = True
+        if p >= 0:
+            mask[lo:hi, bounds[p]:bounds[p + 1]] = True
 
     class Module:
         is_causal = True
 
     out, _ = attention.packed_sdpa(Module(), q, k, v, None, scaling=0.3,
-                                   packed_segments=segments)
+                                   packed_segments=(lengths, parents))
     ref = attention.F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
                                                    enable_gqa=gqa > 1).transpose(1, 2)
     assert torch.allclose(out, ref, rtol=0, atol=1e-6)

@@ -10,6 +10,7 @@ import torch
 from common.batching import TrainSequence, pack
 from common.engine import Request, SamplingParams
 from common.grpo import LossConfig, per_token_terms, policy_loss, token_weights
+import geo3k_torch.engine as engine_module
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.model import packed_inputs, token_logprobs
 from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
@@ -217,3 +218,42 @@ def test_non_finite_step_is_skipped_and_lr_schedules():
     assert lr_factor(5, "cosine", 0, 10) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         lr_factor(0, "step", 0, 10)
+
+
+def test_shared_group_prefill_equals_separate_prefills(tiny, monkeypatch):
+    """A group's identical first-turn requests are prefilled once (one row in the prefill
+    forward, its images processed once) and give the tokens and log-probs of separate
+    prefills, greedy and sampled, and the same kept caches for the next turn."""
+    model, processor = tiny
+    rng = np.random.default_rng(6)
+    imgs = [image(90, 50, 1), image(40, 70, 2)]
+    ids = tuple(prompt_ids(processor, imgs, rng))
+    other = [image(64, 64, 3)]
+    group = [Request(ids, [im.copy() for im in imgs], SamplingParams(t, 1.0, 8), f"g{i}")
+             for i, t in enumerate([1.0, 1.0, 0.0, 1.0])]
+    reqs = group[:2] + [Request(tuple(prompt_ids(processor, other, rng)), other,
+                                SamplingParams(1.0, 0.9, 8), "o")] + group[2:]
+    prefill_rows, processed = [], []
+    forward, process = model.forward, engine_module.image_inputs
+
+    def spy(*a, **kw):
+        if kw.get("past_key_values") is None:
+            prefill_rows.append(kw["input_ids"].shape[0])
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(model, "forward", spy)
+    monkeypatch.setattr(engine_module, "image_inputs",
+                        lambda p, ims: processed.append(len(ims)) or process(p, ims))
+    shared_engine = LocalEngine(model, processor, 0, seed=11)
+    shared = shared_engine.generate(reqs)
+    assert prefill_rows == [2] and processed == [3]
+    separate_engine = LocalEngine(model, processor, 0, seed=11, share_prefill=False)
+    separate = separate_engine.generate(reqs)
+    assert prefill_rows[1:] == [5] and processed[1:] == [3]
+    for a, b in zip(shared, separate):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert len({tuple(o.token_ids) for o in shared[:2] + shared[3:]}) > 1  # samples differ
+    for s in shared_engine._cache:  # the next turn continues from equal caches
+        for k_a, k_b in zip(shared_engine._cache[s].keys, separate_engine._cache[s].keys):
+            assert torch.allclose(k_a, k_b, rtol=0, atol=1e-5)
