@@ -47,13 +47,16 @@ class Request:
     """One generation call: continue `input_ids` (all tokens so far, prompt included).
 
     `images` are the episode's images (PIL), in the order of their placeholders in `input_ids`.
-    `session` names the episode, so an engine may keep its KV cache between turns.
+    `session` names the episode, so an engine may keep its KV cache between turns; `group` names
+    its GRPO group (samples of one prompt), so an engine may serve the group where the prompt's
+    cache already is.
     """
 
     input_ids: Sequence[int]
     images: Sequence[Any]
     sampling: SamplingParams
     session: str = ""
+    group: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -259,7 +259,8 @@ class _Stepper:
             return None
         sampling = SamplingParams(cfg.temperature, cfg.top_p, room,
                                   self.renderer.stop_token_ids)
-        return Request(tuple(ep.ids), ep.prompt.images, sampling, f"{ep.group}-{ep.sample}")
+        return Request(tuple(ep.ids), ep.prompt.images, sampling, f"{ep.group}-{ep.sample}",
+                       str(ep.group))
 
     def receive(self, ep: _Episode, req: Request, out: Completion | None) -> None:
         """Take the engine's answer (None: it failed every attempt) into the episode."""

@@ -12,8 +12,9 @@
 Only the standard library talks to the servers (http.client, json, threads); sglang is never
 imported. Each `Request` is one `POST /generate`; the requests of a `generate` call run
 concurrently (at most `max_concurrency` in flight), each on one server: the server its session
-used before (so a multi-turn episode keeps hitting its own radix cache), else the server with
-the fewest requests in flight (ties in turn). Connection errors, timeouts, 429 and 5xx answers
+used before (so a multi-turn episode keeps hitting its own radix cache), else the server its
+group went to (a group's samples share the prompt's prefill in that server's radix cache), else
+the server with the fewest requests in flight (ties in turn). Connection errors, timeouts, 429 and 5xx answers
 are retried `max_retries` times with exponential backoff, each retry on another server when
 there is one; a request that still fails (or gets another 4xx) comes back as an `abort`
 Completion, which the rollout retries or aborts by its own policy.
@@ -111,29 +112,31 @@ def _error_text(status: int, raw: bytes) -> str:
 
 
 class _Balancer:
-    """Picks a server per request: the session's previous server, else the least loaded (ties
-    in turn). `outstanding[i]` counts requests in flight on server i."""
+    """Picks a server per request: the session's previous server, else its group's, else the
+    least loaded (ties in turn). `outstanding[i]` counts requests in flight on server i."""
 
     def __init__(self, n: int):
         self.outstanding = [0] * n
-        self.sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # ("session", name) / ("group", name) -> server, least recently used first
+        self.homes: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self.last = -1
         self.lock = threading.Lock()
 
-    def acquire(self, session: str, avoid: int | None = None) -> int:
+    def acquire(self, session: str, avoid: int | None = None, group: str = "") -> int:
         with self.lock:
             n = len(self.outstanding)
-            i = self.sessions.get(session) if session else None
+            keys = [k for k in (("session", session), ("group", group)) if k[1]]
+            i = next((self.homes[k] for k in keys if k in self.homes), None)
             if i is None or (i == avoid and n > 1):
                 order = [(self.last + 1 + k) % n for k in range(n)]
                 order = [j for j in order if j != avoid] or order
                 i = min(order, key=lambda j: self.outstanding[j])  # first of the ties in turn
                 self.last = i
-            if session:
-                self.sessions[session] = i
-                self.sessions.move_to_end(session)
-                if len(self.sessions) > _MAX_SESSIONS:
-                    self.sessions.popitem(last=False)
+            for k in keys:
+                self.homes[k] = i
+                self.homes.move_to_end(k)
+            while len(self.homes) > _MAX_SESSIONS:
+                self.homes.popitem(last=False)
             self.outstanding[i] += 1
             return i
 
@@ -143,7 +146,7 @@ class _Balancer:
 
     def forget_sessions(self) -> None:
         with self.lock:
-            self.sessions.clear()
+            self.homes.clear()
 
 
 # ---------------------------------------------------------------------------------------- engine
@@ -260,7 +263,7 @@ class SGLangEngine:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            i = self.balancer.acquire(req.session, avoid)
+            i = self.balancer.acquire(req.session, avoid, req.group)
             try:
                 status, raw = http_call(self.urls[i], "POST", "/generate", body, self.timeout_s)
             except (OSError, http.client.HTTPException) as e:

@@ -273,6 +273,19 @@ def test_least_outstanding_balancing_and_session_affinity(two_fakes):
     assert {"x", "x2"} <= set(sent_texts(x_home)) and {"y", "y2"} <= set(sent_texts(y_home))
 
 
+def test_a_group_goes_to_one_server(two_fakes):
+    """The samples of a group (their own sessions, one group) go where the group went first,
+    so the server's radix cache prefills the prompt once; the next group goes elsewhere."""
+    a, b = two_fakes
+    with make_engine([a.url, b.url]) as engine:
+        reqs = [dataclasses.replace(request(f"g{g}s{k}", session=f"{g}-{k}"), group=str(g))
+                for g in range(2) for k in range(4)]
+        out = engine.generate(reqs)
+    assert all(o.finish_reason == STOP for o in out)
+    homes = [{t[1] for t in sent_texts(server)} for server in (a, b)]
+    assert sorted(homes) == [{"0"}, {"1"}], homes
+
+
 def test_failed_server_is_avoided_on_retry(two_fakes):
     a, b = two_fakes
     a.script.append(Action(fail="500"))
