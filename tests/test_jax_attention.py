@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geo3k_jax.batch import attention_windows
+from geo3k_jax.batch import NO_PREFIX, attention_windows
 from geo3k_jax.layers import attention, window_mask, windowed_attention
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -53,3 +53,38 @@ def test_window_is_the_longest_sequence_plus_a_block():
     starts, offsets = attention_windows(seg)
     assert len(offsets) % 128 == 0 and 300 <= len(offsets) <= 300 + 2 * 128
     assert starts.shape == (2, 8) and (starts >= 0).all() and (starts + len(offsets) <= 1024).all()
+
+
+@pytest.mark.parametrize("layout,length", [
+    # (segment lengths, parents) per row: prompts with several continuations, plain sequences
+    ([([300, 40, 90, 25], [-1, 0, 0, 0]), ([50, 200, 10, 10, 60], [-1, -1, 1, 1, -1])], 512),
+    ([([7, 3, 3], [-1, 0, 0]), ([5, 9, 2, 1], [-1, -1, 1, 1])], 21),
+])
+def test_windows_reach_shared_prefixes(layout, length):
+    """Segments that continue a shared prefix see all of it (and themselves causally): the
+    windowed attention with prefix-aware masks and windows equals the dense reference."""
+    b = len(layout)
+    seg = np.full((b, length), -1, np.int32)
+    prefix = np.full((b, length), NO_PREFIX, np.int32)
+    reach = np.full((b, length), length)
+    allowed = np.zeros((b, length, length), bool)
+    for r, (lengths, parents) in enumerate(layout):
+        bounds = np.cumsum([0] + lengths)
+        for s, p in enumerate(parents):
+            lo, hi = bounds[s], bounds[s + 1]
+            seg[r, lo:hi] = s
+            allowed[r, lo:hi, lo:hi] = np.tril(np.ones((hi - lo, hi - lo), bool))
+            reach[r, lo:hi] = lo
+            if p >= 0:
+                prefix[r, lo:hi], reach[r, lo:hi] = p, bounds[p]
+                allowed[r, lo:hi, bounds[p]:bounds[p + 1]] = True
+    starts, offsets = attention_windows(seg, reach=reach)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, length, n, 8)), jnp.float32) for n in (4, 2, 2))
+    mask = jax.vmap(window_mask)(jnp.asarray(seg), starts,
+                                 jnp.broadcast_to(offsets, (b, len(offsets))), jnp.asarray(prefix))
+    got = jax.vmap(windowed_attention, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, starts, mask, 0.3)
+    for r in range(b):
+        real = seg[r] >= 0
+        want = attention(q[r], k[r], v[r], jnp.asarray(allowed[r]), 0.3)
+        np.testing.assert_allclose(np.asarray(got[r])[real], np.asarray(want)[real], atol=1e-6)
