@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install test test-fast train train-jax clean
 
@@ -16,10 +17,15 @@ $(STAMP): requirements-cpu.txt setup.py
 	$(PY) -m pip install -q -c requirements-cpu.txt --no-build-isolation -e .
 	touch $(STAMP)
 
-test: install
+# The tests also need requirements-test.txt (trl, for Qwen's published chat templates).
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(PY) -m pip install -q -c requirements-cpu.txt -c requirements-test.txt -r requirements-test.txt
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q tests
 
-test-fast: install
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 train: install
