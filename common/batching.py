@@ -213,19 +213,24 @@ def _shared_units(seqs: Sequence[TrainSequence], image_token_id: int, budget: in
     not fit the budget are split greedily (a part of one is a plain sequence)."""
     groups: dict[tuple, list[int]] = {}
     lens = [shared_prefix_len(s, image_token_id) for s in seqs]
+    known: dict[int, object] = {}  # id(image) -> image_key: a group's samples hold one image
     for i, s in enumerate(seqs):
-        key = ((lens[i], np.asarray(s.token_ids[:lens[i]]).tobytes(),
-                tuple(image_key(im) for im in s.images)) if lens[i] else ("alone", i))
+        key = ("alone", i)
+        if lens[i]:
+            images = tuple(known[id(im)] if id(im) in known else
+                           known.setdefault(id(im), image_key(im)) for im in s.images)
+            key = (lens[i], np.asarray(s.token_ids[:lens[i]], np.int64).tobytes(), images)
         groups.setdefault(key, []).append(i)
     units = []
     for members in groups.values():
         n = lens[members[0]]
-        part: list[int] = []
+        part, cost = [], n
         for i in members:
-            if part and n + sum(len(seqs[j]) - n for j in part + [i]) > budget:
+            if part and cost + len(seqs[i]) - n > budget:
                 units.append(_unit(seqs, part, n))
-                part = []
+                part, cost = [], n
             part.append(i)
+            cost += len(seqs[i]) - n
         units.append(_unit(seqs, part, n))
     return units
 
