@@ -91,5 +91,6 @@ def packed_position_ids(input_ids: np.ndarray, cu_seqlens: np.ndarray, image_cou
         grids = np.concatenate([grid[first[k]:first[k + 1]] for k, _, _ in spans])
         skip = len(ids) - (hi - lo)
         out[0, lo:hi] = np.arange(skip, len(ids))
-        out[1:, lo:hi] = mrope_position_ids(ids, image_token_id, grids, spatial_merge_size)[:, skip:]
+        pos = mrope_position_ids(ids, image_token_id, grids, spatial_merge_size)
+        out[1:, lo:hi] = pos[:, skip:]
     return out

@@ -14,9 +14,9 @@ imported. Each `Request` is one `POST /generate`; the requests of a `generate` c
 concurrently (at most `max_concurrency` in flight), each on one server: the server its session
 used before (so a multi-turn episode keeps hitting its own radix cache), else the server its
 group went to (a group's samples share the prompt's prefill in that server's radix cache), else
-the server with the fewest requests in flight (ties in turn). Connection errors, timeouts, 429 and 5xx answers
-are retried `max_retries` times with exponential backoff, each retry on another server when
-there is one; a request that still fails (or gets another 4xx) comes back as an `abort`
+the server with the fewest requests in flight (ties in turn). Connection errors, timeouts, 429
+and 5xx answers are retried `max_retries` times with exponential backoff, each retry on another
+server when there is one; a request that still fails (or gets another 4xx) comes back as an `abort`
 Completion, which the rollout retries or aborts by its own policy.
 
 The wire format (request encoding, answer parsing, the image-token and version checks) is in
