@@ -47,6 +47,9 @@ _BUDGETS = flags.DEFINE_list("budgets", ["512", "2048", "4096"],
 _SIDE = flags.DEFINE_enum("side", "both", ["both", "trl", "ours"],
                           "both: run every side in its own process and compare.")
 _BUDGET = flags.DEFINE_integer("budget", 0, "Our micro-batch budget (--side=ours).")
+_TRL_ACCUMULATE = flags.DEFINE_integer(
+    "trl_accumulate", 4, "TRL's gradient accumulation steps: the batch of completions is trained in "
+    "this many micro-batches (one optimizer step either way).")
 _OUT = flags.DEFINE_string("out", "", "Where a side writes its step times (JSON).")
 
 
@@ -195,6 +198,10 @@ def run_trl(cfg, steps: int) -> list[float]:
         processor.tokenizer.response_template = qwen3_template
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     n_samples, per_step = cfg.rollout.n_samples, cfg.train.prompts_per_step
+    accumulate = _TRL_ACCUMULATE.value
+    if (per_step * n_samples) % accumulate:
+        raise SystemExit(f"--trl_accumulate={accumulate} does not divide the batch of "
+                         f"{per_step * n_samples} completions")
     times: list[float] = []
 
     class StepTimer(TrainerCallback):
@@ -207,8 +214,9 @@ def run_trl(cfg, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, report_to="none", use_cpu=True, bf16=False, seed=cfg.seed,
-            max_steps=steps, per_device_train_batch_size=per_step * n_samples,
-            gradient_accumulation_steps=1, num_generations=n_samples, steps_per_generation=1,
+            max_steps=steps, per_device_train_batch_size=per_step * n_samples // accumulate,
+            gradient_accumulation_steps=accumulate, generation_batch_size=per_step * n_samples,
+            num_generations=n_samples,
             num_iterations=1, max_completion_length=cfg.rollout.max_response_tokens,
             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
             learning_rate=cfg.train.lr, lr_scheduler_type="constant", warmup_steps=0,
@@ -252,7 +260,8 @@ def main(argv):
             raise SystemExit(f"{len(times)} steps timed, expected {steps}")
         Path(_OUT.value).write_text(json.dumps({"times": times}))
         return
-    rows = [("TRL GRPOTrainer", _side(["--side=trl"], "trl"))]
+    rows = [("TRL GRPOTrainer", _side(["--side=trl", f"--trl_accumulate={_TRL_ACCUMULATE.value}"],
+                                      "trl"))]
     for budget in _BUDGETS.value:
         rows.append((f"geo3k-rl, budget {budget}",
                      _side(["--side=ours", f"--budget={int(budget)}"], f"ours {budget}")))
