@@ -41,5 +41,8 @@ setup(
         "gpu": ["sglang>=0.5.15,<0.6"],
         # trl ships Qwen's published chat templates, which the tests render with.
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "trl>=1.16"],
+        # scripts/benchmark_trl.py: TRL's GRPOTrainer side by side with ours (the figures in
+        # docs/benchmarks.md were taken with this release).
+        "benchmark": ["trl==1.16.0"],
     },
 )

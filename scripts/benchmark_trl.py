@@ -18,12 +18,11 @@ optimizer step (TRL: `on_step_begin` to `on_step_end`, generation happens inside
 median seconds per step of each side and the ratio TRL / ours, for each micro-batch budget of
 ours. Timing never decides a test; docs/benchmarks.md records the figures with the command.
 
-Multi-turn: TRL 1.16 can call tools (`tools=` / `environment_factory`): it parses the model's
-tool calls with the tokenizer's response schema and appends the tool's result to the
-conversation. It cannot run this project's episode: the model's tool call is answered with a
-scored feedback message by an environment that ends the episode when the answer is right, and
-TRL gives the reward only from the final completion (no per-turn score, no early end on success).
-The script says so and measures single turn only.
+Multi-turn: TRL 1.16 runs tool calls (`tools=` / `environment_factory`): after each call it
+appends the tool's result and generates again, until the model calls no tool or
+`max_tool_calling_iterations`. It cannot run this project's episode: the environment cannot end
+an episode when the answer is right (TRL asks the model for another turn after a correct
+answer), so the work differs turn by turn. The script measures single turn and says so.
 """
 
 from __future__ import annotations
