@@ -78,10 +78,11 @@ def check_prompts(n: int, images_per_prompt: Sequence[int], size_range: tuple[in
 
 
 def check_batches(processor, *, prompts: int, samples: int, images: Sequence[int],
-                  image_sizes: tuple[int, int], micro_batch_tokens: int, seed: int
-                  ) -> tuple[list[PackedBatch], float, float]:
+                  image_sizes: tuple[int, int], micro_batch_tokens: int, seed: int,
+                  share_prefix: bool = True) -> tuple[list[PackedBatch], float, float]:
     """(packed micro-batches, masked tokens, sequences) of scripted multi-turn episodes.
-    micro_batch_tokens 0 = half the tokens of all sequences (so there are several rows)."""
+    micro_batch_tokens 0 = half the tokens of all sequences (so there are several rows);
+    share_prefix: a problem's samples share its prompt (`common.batching.pack`)."""
     renderer = ChatRenderer(processor)
     ps = check_prompts(prompts, images, image_sizes, seed)
     scripts = {}
@@ -99,11 +100,13 @@ def check_batches(processor, *, prompts: int, samples: int, images: Sequence[int
     budget = micro_batch_tokens or max(max(len(s) for s in seqs),
                                        sum(len(s) for s in seqs) // 2)
     n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
-    return pack(seqs, budget), n_tokens, float(len(seqs))
+    image_token_id = processor.image_token_id if share_prefix else None
+    return pack(seqs, budget, image_token_id), n_tokens, float(len(seqs))
 
 
 
-def batches_from_config(processor, chk) -> tuple[list[PackedBatch], float, float]:
+def batches_from_config(processor, chk, share_prefix: bool = True
+                        ) -> tuple[list[PackedBatch], float, float]:
     """`check_batches` with the settings of config section `jax.check` (images "1,2": images
     per problem, cycled; image_sizes "40-200": pixel range of widths and heights)."""
     try:
@@ -120,4 +123,4 @@ def batches_from_config(processor, chk) -> tuple[list[PackedBatch], float, float
         raise ValueError("jax.check.prompts and jax.check.samples must be >= 1")
     return check_batches(processor, prompts=chk.prompts, samples=chk.samples, images=images,
                          image_sizes=sizes, micro_batch_tokens=chk.micro_batch_tokens,
-                         seed=chk.seed)
+                         seed=chk.seed, share_prefix=share_prefix)

@@ -167,7 +167,7 @@ def run_check(cfg, model_dir: str, processor) -> tuple[list[Row], dict]:
     chk = cfg.jax.check
     if chk.dtype not in TOLERANCES:
         raise ValueError(f"jax.check.dtype must be one of {sorted(TOLERANCES)}, got {chk.dtype!r}")
-    batches, n_tokens, n_seqs = batches_from_config(processor, chk)
+    batches, n_tokens, n_seqs = batches_from_config(processor, chk, cfg.train.share_prefix)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     args = (model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, cfg.train,
             cfg.rollout.temperature, chk.dtype)

@@ -61,7 +61,7 @@ def main(argv):
     model_dir = prepare_model_dir(cfg)
     processor = load_processor(model_dir)
     chk = cfg.jax.check
-    batches, n_tokens, n_seqs = batches_from_config(processor, chk)
+    batches, n_tokens, n_seqs = batches_from_config(processor, chk, cfg.train.share_prefix)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     temp = cfg.rollout.temperature
 

@@ -47,7 +47,8 @@ def test_check_batch_is_multi_turn_multi_image(ckpt):
                                               image_sizes=(30, 120), micro_batch_tokens=0, seed=0)
     assert len(batches) >= 2 and n_seqs == 6
     assert max(len(b.seq_index) for b in batches) >= 2  # several sequences in a row
-    assert sorted({int(c) for b in batches for c in b.image_counts}) == [1, 3]
+    assert sorted({int(c) for b in batches for c in b.image_counts if c}) == [1, 3]
+    assert any((b.parent_of() >= 0).any() for b in batches)  # samples share their prompt
     sizes = {im.size for b in batches for im in b.images}
     assert len(sizes) >= 4
     # masked spans separated by unmasked observation tokens: a multi-turn episode
@@ -102,7 +103,8 @@ def test_bad_check_settings_are_errors(ckpt, field, value):
 
 def test_batch_positions_equal_transformers(ckpt):
     """The JAX batch's M-RoPE rows, sequence by sequence, are transformers' get_rope_index of
-    that sequence alone (multi-turn trajectories with one or three images of different sizes)."""
+    that sequence alone (multi-turn trajectories with one or three images of different sizes;
+    a sample that continues its group's shared prompt takes the positions after it)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -117,14 +119,21 @@ def test_batch_positions_equal_transformers(ckpt):
                          n_seqs=n_seqs)
     grids = processor.image_processor(images=[im for b in batches for im in b.images],
                                       return_tensors="np")["image_grid_thw"]
-    k = checked = 0
+    first, checked = 0, 0
     for r, b in enumerate(batches):
-        for s in range(len(b.seq_index)):
-            lo, hi = int(b.cu_seqlens[s]), int(b.cu_seqlens[s + 1])
-            n = int(b.image_counts[s])
-            ids = torch.from_numpy(b.input_ids[lo:hi])[None]
+        cu, parents = b.cu_seqlens, b.parent_of()
+        image_at = first + np.concatenate([[0], np.cumsum(b.image_counts)])
+        first = image_at[-1]
+        for s in np.flatnonzero(b.seq_index >= 0):  # each sequence, with its shared prompt
+            spans = [s] if parents[s] < 0 else [parents[s], s]
+            ids = torch.from_numpy(np.concatenate([b.input_ids[cu[j]:cu[j + 1]]
+                                                   for j in spans]))[None]
+            grid = np.concatenate([grids[image_at[j]:image_at[j + 1]] for j in spans])
             ref, _ = hf.model.get_rope_index(ids, (ids == hf.config.image_token_id).int(),
-                                             image_grid_thw=torch.from_numpy(grids[k:k + n]))
-            np.testing.assert_array_equal(batch["positions"][r, :, lo:hi], ref[:, 0].numpy())
-            k, checked = k + n, checked + 1
-    assert checked == n_seqs and k == len(grids)
+                                             image_grid_thw=torch.from_numpy(grid))
+            lo, hi = int(cu[s]), int(cu[s + 1])
+            np.testing.assert_array_equal(batch["positions"][r, :, lo:hi],
+                                          ref[:, 0, ids.shape[1] - (hi - lo):].numpy())
+            checked += 1
+    assert checked == n_seqs and first == len(grids)
+    assert any((b.parent_of() >= 0).any() for b in batches)
