@@ -52,15 +52,24 @@ _TRL_ACCUMULATE = flags.DEFINE_integer(
 _OUT = flags.DEFINE_string("out", "", "Where a side writes its step times (JSON).")
 
 
-def same_work(cfg):
-    """The config with the benchmark's fixed settings (single turn, every group trained)."""
+# What both sides must share, whatever the config says: one turn, every group trained, one
+# optimizer step per fresh rollout, no KL, token-mean loss (TRL's "dapo").
+FIXED = {"env.max_turns": 1, "advantage.filter_equal_groups": False,
+         "train.updates_per_rollout": 1, "train.max_staleness": 0, "loss.kl_coef": 0.0,
+         "loss.agg": "token-mean"}
+
+
+def same_work(cfg, argv: list[str] = ()):
+    """The config with the benchmark's fixed settings (`FIXED`); a command-line override of one
+    of them is refused rather than silently replaced."""
+    overridden = [k for k in FIXED for a in argv if a.startswith(f"--config.{k}=")]
+    if overridden:
+        raise app.UsageError(f"the benchmark fixes {', '.join(overridden)} (the work TRL can "
+                             "do the same way); drop the override")
     with cfg.unlocked():
-        cfg.env.max_turns = 1
-        cfg.advantage.filter_equal_groups = False
-        cfg.train.updates_per_rollout = 1
-        cfg.train.max_staleness = 0
-        cfg.loss.kl_coef = 0.0
-        cfg.loss.agg = "token-mean"
+        for key, value in FIXED.items():
+            section, name = key.split(".")
+            cfg[section][name] = value
     return cfg
 
 
@@ -250,7 +259,7 @@ def _side(argv_extra: list[str], label: str) -> list[float]:
 
 def main(argv):
     del argv
-    cfg = same_work(_CONFIG.value)
+    cfg = same_work(_CONFIG.value, sys.argv)
     steps = _STEPS.value + 1  # the first is the warm-up
     if _SIDE.value != "both":
         times = (run_trl(cfg, steps) if _SIDE.value == "trl"

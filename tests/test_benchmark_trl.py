@@ -84,6 +84,13 @@ def test_trl_reward_is_our_single_turn_reward(bench, processor):
     assert got == [1.0, 1.0, 0.0, 1.0, 0.0]
 
 
+def test_fixed_settings_cannot_be_overridden_silently(bench):
+    cfg = bench.same_work(cpu.get_config(), ["--config.train.lr=0.1"])
+    assert cfg.env.max_turns == 1 and not cfg.advantage.filter_equal_groups
+    with pytest.raises(Exception, match="env.max_turns"):
+        bench.same_work(cpu.get_config(), ["--config.env.max_turns=3"])
+
+
 def test_schema_tool_refuses_what_trl_cannot_render(bench):
     bad = json.loads(json.dumps(SCORE_TOOL))
     bad["function"]["parameters"]["properties"]["answer"]["type"] = "number"
