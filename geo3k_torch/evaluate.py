@@ -34,7 +34,7 @@ _OUT = flags.DEFINE_string("out", "eval", "Folder for eval.json, eval.md and eva
 
 def make_backend(cfg, model_dir: str, processor, device, workdir: str):
     """The configured rollout backend serving `model_dir` (its `.engine` generates)."""
-    if cfg.engine.backend == "local":
+    if cfg.engine.backend in ("local", "torch"):  # its own engine is the torch one
         from geo3k_torch.backend import LocalBackend
         from geo3k_torch.model import load_model
         model = load_model(model_dir).to(device).eval().requires_grad_(False)
@@ -43,7 +43,7 @@ def make_backend(cfg, model_dir: str, processor, device, workdir: str):
     if cfg.engine.backend == "sglang":
         from common.sglang_backend import SGLangBackend
         return SGLangBackend(cfg, model_dir, processor, workdir, SingleProcess())
-    raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
+    raise ValueError(f"engine.backend must be local, torch or sglang, got {cfg.engine.backend!r}")
 
 
 def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
