@@ -178,22 +178,19 @@ class JaxEngine:
             batch["input_ids"][b, :len(ids)] = ids
             batch["positions"][b, :, :len(ids)] = pos
             batch["lengths"][b] = len(ids)
-            next_pos[b] = int(pos.max()) + 1 if len(ids) else 0
-        unit = self.merge_size ** 2
+            next_pos[b] = int(pos.max()) + 1
         patches = max(sum(len(p) for p in pixels) for *_, pixels in rows)
         if patches:
-            n_patches = bucket(patches, PATCH_UNITS * unit)
-            padded = [pad_patches(self._image_row(ids, grid, pixels) if b < len(rows) else None,
-                                  self.config, n_patches, length)
-                      for b, (ids, _, grid, pixels) in enumerate(
-                          rows + [rows[0]] * (n_rows - len(rows)))]
+            n_patches = bucket(patches, PATCH_UNITS * self.merge_size ** 2)
+            padded = [pad_patches(self._image_row(*rows[b]) if b < len(rows) else None,
+                                  self.config, n_patches, length) for b in range(n_rows)]
             batch["pixel_values"] = np.stack([p["pixel_values"] for p in padded])
             batch["visual_index"] = np.stack([p["visual_index"] for p in padded])
             batch["vision"] = {k: np.stack([p["vision"][k] for p in padded])
                                for k in padded[0]["vision"]}
         return batch, next_pos, batch["lengths"].copy()
 
-    def _image_row(self, ids, grid, pixels) -> HostRow | None:
+    def _image_row(self, ids, pos, grid, pixels) -> HostRow | None:
         """What `geo3k_jax.batch.pad_patches` reads of a row: its patches, grids, image slots."""
         if not pixels:
             return None

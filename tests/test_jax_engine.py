@@ -179,3 +179,21 @@ def test_seeded_rng_state_and_top_p(tiny):
     assert tiny.engine(seed=2).generate([greedy])[0].token_ids == g.token_ids
     nucleus = dataclasses.replace(req, sampling=SamplingParams(1.0, 1e-6, 10))
     assert tiny.engine(seed=3).generate([nucleus])[0].token_ids == g.token_ids
+
+
+def test_backend_reads_the_learners_params(tiny):
+    """Sync is free: the engine samples from the learner's own arrays; with `own_copy` (rollouts
+    while the learner's step donates its buffers) from equal arrays of its own."""
+    from geo3k_jax.backend import JaxBackend
+    learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), 1.0,
+                      processor=tiny.processor, config=tiny.hf.config)
+    shared = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0)
+    own = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, own_copy=True)
+    learner.params = {k: v + 1.0 for k, v in learner.params.items()}  # as after a step
+    shared.sync(learner, 1)
+    own.sync(learner, 1)
+    for k, v in learner.params.items():
+        assert shared.engine.params()[k] is v
+        assert own.engine.params()[k] is not v
+        np.testing.assert_array_equal(np.asarray(own.engine.params()[k]), np.asarray(v))
+    assert shared.rng_state() == np.asarray(jax.random.PRNGKey(0)).tolist()
