@@ -62,8 +62,9 @@ def episodes(engine, processor, seed, turns=3, max_new=12, temperature=1.0, n=3,
     for _ in range(turns):
         done = engine.generate(reqs)
         out.append((reqs, done))
-        reqs = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + tuple(
-            int(x) for x in rng.integers(1, 200, 4 + i))) for i, (r, o) in enumerate(zip(reqs, done))]
+        feedback = [tuple(int(x) for x in rng.integers(1, 200, 4 + i)) for i in range(n)]
+        reqs = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + f)
+                for r, o, f in zip(reqs, done, feedback)]
     return out
 
 
