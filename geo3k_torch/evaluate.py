@@ -5,9 +5,9 @@
     python -m geo3k_torch.evaluate --config=configs/h100.py --config.model.path=/ckpt \
         --config.engine.sglang_urls=http://host:30000 --out=/ckpt/eval    # SGLang serves it
 
-Rollouts come from `engine.backend`: the in-process torch engine (`local`), or SGLang (`sglang`:
-the servers in `engine.sglang_urls`, which must serve `model.path`, or servers launched here on
-it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
+Rollouts come from `engine.backend`: the in-process torch engine (`local` or `torch`), or
+SGLang (`sglang`: the servers in `engine.sglang_urls`, which must serve `model.path`, or servers
+launched here on it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
 episodes each. Writes eval.json, eval.md and eval.png into --out (`common.eval_report`) and
 prints the table. The metrics are `common.evaluate`'s.
 """
