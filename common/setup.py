@@ -37,8 +37,14 @@ def make_renderer(cfg, processor) -> ChatRenderer:
                         tool_format=cfg.model.tool_format)
 
 
+ENGINE_BACKENDS = ("local", "torch", "sglang")
+
+
 def check_config(cfg, world: int) -> None:
     """Refuse settings that cannot run, before anything is built."""
+    if cfg.engine.backend not in ENGINE_BACKENDS:
+        raise ValueError(f"engine.backend must be one of {ENGINE_BACKENDS}, got "
+                         f"{cfg.engine.backend!r}")
     if cfg.train.micro_batch_tokens < cfg.rollout.max_context_tokens:
         raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
                          f"whole episode: at least rollout.max_context_tokens="

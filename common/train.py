@@ -48,6 +48,7 @@ class Run:
     test_set: Sequence
     shutdown: Callable[[], None] = lambda: None
     renderer: object = None  # a `common.rollout.Renderer`; None: the processor's chat template
+    counters: Callable[[], dict[str, float]] = dict  # logged every step (engine compiles)
 
 
 def step_config(cfg, processor=None) -> StepConfig:
@@ -124,6 +125,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
             with timed(train_m, "weight_sync"), rollouts.engine_lock:
                 backend.sync(learner, step)  # the next rollouts sample from the new weights
             rollouts.landed(step)
+            train_m |= run.counters()
 
             # metrics, dump, curve (process 0 sees every process's trajectories)
             all_trajs = [t for part in comm.gather(trajs) for t in part]

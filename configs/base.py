@@ -81,9 +81,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.export_style = "concat"
     c.rollout.schedule = "episode"  # episode (each episode at its own pace) | lockstep
 
-    # Where rollouts come from: the in-process engine, or SGLang servers (GPU machines).
+    # Where rollouts come from: the in-process engine of the learner's framework (local: torch
+    # for geo3k_torch, JAX for geo3k_jax), the torch engine (torch: for the JAX learner, reloads
+    # its exported weights every step), or SGLang servers (GPU machines).
     c.engine = ml_collections.ConfigDict()
-    c.engine.backend = "local"  # local | sglang
+    c.engine.backend = "local"  # local | torch | sglang
     c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
     c.engine.sglang_servers = 1
     c.engine.sglang_gpus_per_server = 1

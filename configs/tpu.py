@@ -9,9 +9,9 @@ Learner: parameters and optimizer state sharded FSDP-style over every chip (`jax
 bf16 compute with fp32 state, decoder layers rematerialised, the LM head 1,024 trained tokens
 of a row at a time, 16,384-token rows; on a multi-host slice every host runs this command
 (`jax.distributed`). Rollouts: SGLang servers given by URL (GPU machines the slice can reach),
-synced from the HF export after every step, until the in-process JAX engine exists;
-`--config.engine.backend=local` generates with torch on the host CPU instead (slow, for a
-smoke test). What has run on a TPU so far: nothing (see the README). Refuses to start where
+synced from the HF export after every step; on one host `--config.engine.backend=local`
+generates with the in-process JAX engine on the learner's own parameters, and
+`--config.engine.backend=torch` with torch on the host CPU (slow, for a smoke test). What has run on a TPU so far: nothing (see the README). Refuses to start where
 JAX sees no TPU.
 """
 
@@ -20,7 +20,7 @@ from configs import h100
 
 def get_config():
     c = h100.get_config()
-    c.train.device = "cpu"  # the torch side (a local engine, if chosen) stays on the host
+    c.train.device = "cpu"  # the torch side (a torch engine, if chosen) stays on the host
     c.engine.sglang_colocated = False  # the servers are not on the TPU hosts
     c.jax.platform = "tpu"
     c.jax.distributed = True

@@ -5,9 +5,11 @@
 
 Builds the JAX pieces (mesh, Flax model from the HF checkpoint, learner) and a rollout backend,
 then runs `common.train.train`, the loop the torch learner runs too. Rollouts: with
-`engine.backend=local` the in-process torch engine (`geo3k_torch.backend.LocalBackend`), loaded
-after every step with the weights this learner exports; with `engine.backend=sglang`, SGLang
-servers synced from the same export. Same workdir as `python -m geo3k_torch.main`; checkpoints
+`engine.backend=local` (the default) the in-process JAX engine (`geo3k_jax.backend.JaxBackend`),
+sampling from the learner's own parameters (no torch model is built); with `engine.backend=torch`
+the in-process torch engine (`geo3k_torch.backend.LocalBackend`), loaded after every step with
+the weights this learner exports; with `engine.backend=sglang`, SGLang servers synced from the
+same export. Same workdir as `python -m geo3k_torch.main`; checkpoints
 hold the HF export and the orbax learner state (`jax_state/`).
 """
 
@@ -79,16 +81,20 @@ def build(cfg, workdir: str) -> loop.Run:
                       ref_params=params if loss_cfg.kl_coef else None,
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
                       model_dir=model_dir)
+    counters = dict
     if cfg.engine.backend == "local":
+        from geo3k_jax.backend import JaxBackend
+        backend = JaxBackend(learner, processor, config, seed=cfg.seed,
+                             own_copy=cfg.train.max_staleness > 0)
+        counters = backend.metrics
+    elif cfg.engine.backend == "torch":
         from geo3k_torch.backend import LocalBackend
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device="cpu", comm=comm,
                                workdir=workdir)
-    elif cfg.engine.backend == "sglang":
+    else:  # sglang (check_config knows the names)
         from common.sglang_backend import SGLangBackend
         backend = SGLangBackend(cfg, model_dir, processor, workdir, comm)
-    else:
-        raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
-    return loop.Run(learner, backend, comm, processor, train_set, test_set)
+    return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 
 
 def train(cfg, workdir: str) -> dict:

@@ -5,9 +5,9 @@
     python -m geo3k_torch.evaluate --config=configs/h100.py --config.model.path=/ckpt \
         --config.engine.sglang_urls=http://host:30000 --out=/ckpt/eval    # SGLang serves it
 
-Rollouts come from `engine.backend`: the in-process torch engine (`local`), or SGLang (`sglang`:
-the servers in `engine.sglang_urls`, which must serve `model.path`, or servers launched here on
-it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
+Rollouts come from `engine.backend`: the in-process torch engine (`local` or `torch`), or
+SGLang (`sglang`: the servers in `engine.sglang_urls`, which must serve `model.path`, or servers
+launched here on it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
 episodes each. Writes eval.json, eval.md and eval.png into --out (`common.eval_report`) and
 prints the table. The metrics are `common.evaluate`'s.
 """
@@ -34,7 +34,7 @@ _OUT = flags.DEFINE_string("out", "eval", "Folder for eval.json, eval.md and eva
 
 def make_backend(cfg, model_dir: str, processor, device, workdir: str):
     """The configured rollout backend serving `model_dir` (its `.engine` generates)."""
-    if cfg.engine.backend == "local":
+    if cfg.engine.backend in ("local", "torch"):  # its own engine is the torch one
         from geo3k_torch.backend import LocalBackend
         from geo3k_torch.model import load_model
         model = load_model(model_dir).to(device).eval().requires_grad_(False)
@@ -43,7 +43,7 @@ def make_backend(cfg, model_dir: str, processor, device, workdir: str):
     if cfg.engine.backend == "sglang":
         from common.sglang_backend import SGLangBackend
         return SGLangBackend(cfg, model_dir, processor, workdir, SingleProcess())
-    raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
+    raise ValueError(f"engine.backend must be local, torch or sglang, got {cfg.engine.backend!r}")
 
 
 def run(cfg, split: str = "test", workdir: str = "eval") -> dict:

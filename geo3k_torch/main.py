@@ -50,7 +50,7 @@ def build(cfg, workdir: str) -> loop.Run:
     learner = Learner(model, processor, loss_cfg, cfg.train, cfg.rollout.temperature, device,
                       ref_model=ref_model, comm=comm, model_dir=model_dir,
                       chunk=cfg.train.logprob_chunk)
-    if cfg.engine.backend == "local":
+    if cfg.engine.backend in ("local", "torch"):  # its own engine is the torch one
         from geo3k_torch.backend import LocalBackend
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
                                model=model, own_copy=cfg.train.max_staleness > 0)
@@ -59,7 +59,7 @@ def build(cfg, workdir: str) -> loop.Run:
         backend = SGLangBackend(cfg, model_dir, processor, workdir, comm,
                                 free_memory=torch.cuda.empty_cache if on_gpu else lambda: None)
     else:
-        raise ValueError(f"engine.backend must be local or sglang, got {cfg.engine.backend!r}")
+        raise ValueError(f"engine.backend must be local, torch or sglang, got {cfg.engine.backend!r}")
     return loop.Run(learner, backend, comm, processor, train_set, test_set,
                     shutdown=distributed.shutdown)
 

@@ -75,3 +75,16 @@ def test_command_line_typo_is_rejected(tmp_path):
     bad = subprocess.run([sys.executable, "-c", code, "--config=configs/cpu.py",
                           "--config.rollout.n_sample=3"], capture_output=True, text=True)
     assert bad.returncode != 0 and "n_sample" in bad.stderr
+
+
+def test_engine_backend_names():
+    """local (the learner's own framework), torch and sglang run; anything else stops before a
+    model is built."""
+    from common.setup import check_config
+    for name in ("local", "torch", "sglang"):
+        cfg = cpu.get_config()
+        cfg.engine.backend = name
+        check_config(cfg, 1)
+    cfg.engine.backend = "jax"
+    with pytest.raises(ValueError, match="engine.backend"):
+        check_config(cfg, 1)

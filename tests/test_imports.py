@@ -34,11 +34,13 @@ def test_whole_common_package_imports_without_frameworks():
 
 
 def test_jax_learner_needs_no_torch():
-    """The JAX learner runs where torch is absent (TPU hosts); only the cross-backend check
-    (numerics, main) imports torch, inside the functions that compare against it."""
+    """The JAX learner and its engine run where torch is absent (TPU hosts); only the
+    cross-backend check (numerics, main) imports torch, inside the functions that compare
+    against it."""
     modules = [f"geo3k_jax.{m}" for m in ("layers", "vision_grid", "vision", "text", "model", "weights",
                                            "sharding", "batch", "buckets", "learner",
-                                           "check_batch", "numerics", "main")]
+                                           "check_batch", "numerics", "main", "decode",
+                                           "engine", "backend", "train")]
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -89,3 +89,27 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
     w_part = load_file(str(part / "checkpoints" / "step_4" / "model.safetensors"))
     assert max(float(np.abs(w4[k] - w_part[k]).max()) for k in w4) == 0.0
     assert checkpoints.latest(part / "checkpoints") == Path(part / "checkpoints" / "step_4")
+
+
+def test_default_engine_is_jax_no_torch_model_bounded_compiles(shared, tmp_path, monkeypatch):
+    """With the default `engine.backend=local` the JAX trainer samples with the JAX engine: no
+    torch module is constructed once the tiny checkpoint exists (a reloading torch engine would
+    build one at once), and the engine's compilations, logged every step, stop growing once
+    the run's shape buckets are met (a shape that followed the data would compile at every
+    step: prompt lengths, image sizes and response lengths all vary)."""
+    from geo3k_jax.backend import JaxBackend
+    from geo3k_torch.setup import prepare_model_dir
+
+    cfg = jax_config(shared, 4)
+    prepare_model_dir(cfg)  # setup, not training: the tiny checkpoint is built with torch once
+
+    def no_torch_model(self, *args, **kwargs):
+        raise AssertionError(f"a torch {type(self).__name__} was built during JAX training")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", no_torch_model)
+    _, pieces = run(cfg, tmp_path)
+    assert isinstance(pieces.backend, JaxBackend)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    compiles = [r["train/engine_compiles"] for r in rows]
+    print("engine compiles per step", compiles)
+    assert compiles == sorted(compiles) and 2 <= compiles[-1] <= 12

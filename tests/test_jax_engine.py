@@ -1,0 +1,200 @@
+"""The JAX rollout engine (geo3k_jax.engine) on the tiny checkpoints, fp32 on CPU: its log-probs
+are the JAX learner's over multi-turn episodes, its greedy tokens are the torch engine's, and it
+stops, bans and seeds as the rollout requires of any engine."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from common.batching import TrainSequence, pack
+from common.engine import Request, SamplingParams
+from common.grpo import LossConfig
+from geo3k_jax.engine import JaxEngine
+from geo3k_jax.learner import Learner
+from geo3k_torch.engine import LocalEngine
+from tests.jax_learner_setup import train_config
+from tests.test_jax_model import jax_copy
+from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+
+jax.config.update("jax_default_matmul_precision", "highest")
+ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+
+
+@dataclasses.dataclass
+class Tiny:
+    hf: torch.nn.Module
+    processor: object
+    merge: object
+    params: dict
+    shared: JaxEngine
+
+    def engine(self, seed=0) -> JaxEngine:
+        """The module's engine (compiled once per shape) reseeded as a fresh one would be."""
+        self.shared.set_rng_state(np.asarray(jax.random.PRNGKey(seed)).tolist())
+        self.shared.params = lambda: self.params
+        return self.shared
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def tiny(request):
+    hf, patch = ARCHS[request.param]()
+    merge, params = jax_copy(hf)
+    processor = ImageOnlyProcessor(patch)
+    return Tiny(hf, processor, merge, params,
+                JaxEngine(merge, lambda: params, processor, hf.config))
+
+
+def episodes(engine, processor, seed, turns=3, max_new=12, temperature=1.0, n=3, stop=(7,)):
+    """n sessions of `turns` turns, 1-3 images of different sizes each; turn k + 1 continues
+    turn k's request and output with random feedback tokens. Returns every turn's
+    (requests, completions)."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for i in range(n):
+        imgs = [image(int(rng.integers(40, 130)), int(rng.integers(40, 130)), 100 + 10 * i + k)
+                for k in range(1 + i % 3)]
+        reqs.append(Request(tuple(prompt_ids(processor, imgs, rng, (3 + 4 * i, 2))), imgs,
+                            SamplingParams(temperature, 1.0, max_new, stop), f"s{i}"))
+    out = []
+    for _ in range(turns):
+        done = engine.generate(reqs)
+        out.append((reqs, done))
+        feedback = [tuple(int(x) for x in rng.integers(1, 200, 4 + i)) for i in range(n)]
+        reqs = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + f)
+                for r, o, f in zip(reqs, done, feedback)]
+    return out
+
+
+def trajectories(turns) -> list[TrainSequence]:
+    """Each session's whole episode as one training sequence: its generated tokens in the loss
+    mask with the engine's log-probs, prompt and feedback out of it."""
+    last_reqs, last_outs = turns[-1]
+    seqs = []
+    for i, (r, o) in enumerate(zip(last_reqs, last_outs)):
+        ids = np.r_[np.asarray(r.input_ids), o.token_ids].astype(np.int64)
+        mask, logp = np.zeros(len(ids), np.int8), np.zeros(len(ids), np.float32)
+        for reqs, outs in turns:
+            start = len(reqs[i].input_ids)
+            mask[start:start + len(outs[i].token_ids)] = 1
+            logp[start:start + len(outs[i].token_ids)] = outs[i].logprobs
+        seqs.append(TrainSequence(ids, mask, logp, 1.0, list(r.images), i))
+    return seqs
+
+
+def test_engine_logprobs_equal_learner(tiny, temperature=0.7):
+    """Three turns with feedback, 1-3 images each: every sampled token's engine log-prob is the
+    JAX learner's at the same temperature. A decode position off by one after an image (text
+    resumes at start + max(h, w)) or a DeepStack feature missing from the prefill moves them by
+    1e-3 or more."""
+    engine = tiny.engine(seed=3)
+    turns = episodes(engine, tiny.processor, 2, temperature=temperature)
+    seqs = trajectories(turns)
+    assert all(len(o.token_ids) >= 1 for _, outs in turns for o in outs)
+    learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), temperature,
+                      processor=tiny.processor, config=tiny.hf.config, row_len=1024)
+    batches = pack(seqs, 1024)
+    learned = learner.logprobs(batches)
+    gap = 0.0
+    for b, lp in zip(batches, learned):
+        m = b.loss_mask > 0
+        gap = max(gap, float(np.abs(lp[m] - b.rollout_logprobs[m]).max()))
+    assert sum(int(b.loss_mask.sum()) for b in batches) > 30
+    assert gap <= 1e-5
+
+
+def test_greedy_tokens_equal_torch_engine(tiny):
+    """Greedy, 32 new tokens per turn (no stop token), 3 turns fed back with feedback tokens:
+    the JAX engine and the torch LocalEngine pick the same tokens with the same log-probs."""
+    kw = dict(max_new=32, temperature=0.0, n=2, stop=())
+    jax_turns = episodes(tiny.engine(), tiny.processor, 5, **kw)
+    torch_turns = episodes(LocalEngine(tiny.hf, tiny.processor, 0), tiny.processor, 5, **kw)
+    for (_, a), (_, b) in zip(jax_turns, torch_turns):
+        for x, y in zip(a, b):
+            assert len(x.token_ids) == 32 and x.finish_reason == "length"
+            assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+            np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-4)
+
+
+def one_request(processor, seed=0, sampling=SamplingParams(1.0, 1.0, 10), session="a"):
+    rng = np.random.default_rng(seed)
+    imgs = [image(64, 48, seed)]
+    return Request(tuple(prompt_ids(processor, imgs, rng)), imgs, sampling, session)
+
+
+def test_stop_tokens_and_budgets(tiny):
+    """In one batch: a request stops at the first of its stop tokens (kept as its last token,
+    finish 'stop'), another runs to its own max_new_tokens ('length'), a third of a different
+    prompt length and budget is unaffected by the others."""
+    engine = tiny.engine(seed=1)
+    probe = engine.generate([one_request(tiny.processor, sampling=SamplingParams(0.0, 1.0, 6))])[0]
+    stop = probe.token_ids[2]  # greedy: the third token comes again with that stop id set
+    reqs = [one_request(tiny.processor, sampling=SamplingParams(0.0, 1.0, 6, (stop, 299))),
+            one_request(tiny.processor, sampling=SamplingParams(0.0, 1.0, 6)),
+            one_request(tiny.processor, 1, SamplingParams(1.0, 1.0, 3))]
+    a, b, c = engine.generate(reqs)
+    first = probe.token_ids.index(stop)
+    assert a.token_ids == probe.token_ids[:first + 1] and a.finish_reason == "stop"
+    assert b == probe and b.finish_reason == "length"
+    assert len(c.token_ids) == 3 or c.finish_reason == "stop"
+    assert [len(o.token_ids) == len(o.logprobs) for o in (a, b, c)] == [True] * 3
+
+
+def test_placeholders_never_sampled(tiny):
+    """With the image placeholder made by far the likeliest token it is still never sampled
+    (greedy or not); the video placeholder is banned too."""
+    params = dict(tiny.params)
+    key = "lm_head.weight" if "lm_head.weight" in params else \
+        "model.language_model.embed_tokens.weight"
+    w = np.array(params[key])
+    for banned in (IMG, tiny.hf.config.video_token_id):
+        w[banned] = np.sign(w[banned]) * 50.0
+    params[key] = jax.numpy.asarray(w)
+    engine = tiny.engine()
+    engine.params = lambda: params
+    outs = engine.generate([one_request(tiny.processor, sampling=SamplingParams(t, 1.0, 8))
+                            for t in (1.0, 0.0)])
+    for o in outs:
+        assert len(o.token_ids) == 8
+        assert not {IMG, tiny.hf.config.video_token_id} & set(o.token_ids)
+
+
+def test_seeded_rng_state_and_top_p(tiny):
+    """Same seed, same samples; the RNG state round-trips through JSON and replays the same
+    samples; greedy ignores the seed; a tiny top_p keeps only the likeliest token (= greedy)."""
+    import json
+    req = one_request(tiny.processor, 2, SamplingParams(1.0, 0.9, 10))
+    engine = tiny.engine(seed=5)
+    state = json.loads(json.dumps(engine.rng_state()))
+    first = engine.generate([req])[0]
+    assert tiny.engine(seed=5).generate([req])[0] == first
+    assert engine.generate([req])[0].token_ids != first.token_ids  # the key moved on
+    engine.set_rng_state(state)
+    assert engine.generate([req])[0] == first
+    assert JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                     seed=5).rng_state() == state
+    greedy = dataclasses.replace(req, sampling=SamplingParams(0.0, 1.0, 10))
+    g = tiny.engine(seed=1).generate([greedy])[0]
+    assert tiny.engine(seed=2).generate([greedy])[0].token_ids == g.token_ids
+    nucleus = dataclasses.replace(req, sampling=SamplingParams(1.0, 1e-6, 10))
+    assert tiny.engine(seed=3).generate([nucleus])[0].token_ids == g.token_ids
+
+
+def test_backend_reads_the_learners_params(tiny):
+    """Sync is free: the engine samples from the learner's own arrays; with `own_copy` (rollouts
+    while the learner's step donates its buffers) from equal arrays of its own."""
+    from geo3k_jax.backend import JaxBackend
+    learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), 1.0,
+                      processor=tiny.processor, config=tiny.hf.config)
+    shared = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0)
+    own = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, own_copy=True)
+    learner.params = {k: v + 1.0 for k, v in learner.params.items()}  # as after a step
+    shared.sync(learner, 1)
+    own.sync(learner, 1)
+    for k, v in learner.params.items():
+        assert shared.engine.params()[k] is v
+        assert own.engine.params()[k] is not v
+        np.testing.assert_array_equal(np.asarray(own.engine.params()[k]), np.asarray(v))
+    assert shared.rng_state() == np.asarray(jax.random.PRNGKey(0)).tolist()
