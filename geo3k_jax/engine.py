@@ -15,7 +15,9 @@ rows, prompt length, patches per row, cache length), so a run compiles a handful
 `compiles` counts the traces. The decode step donates the cache it replaces.
 
 Every turn is prefilled again from the whole conversation (`Request.input_ids`): no KV cache is
-kept between `generate` calls. The sampling key is a raw uint32[2] PRNG key (`rng_state`).
+kept between `generate` calls. Requests with the same tokens and images (a GRPO group's samples
+on their first turn) are prefilled once: their row's cache and last logits are copied to each of
+them inside the compiled prefill before the first token is sampled (`share_prefill`). The sampling key is a raw uint32[2] PRNG key (`rng_state`).
 """
 
 from __future__ import annotations
@@ -65,12 +67,12 @@ class JaxEngine:
     merge: `geo3k_jax.model.split_params`'s; params: returns the current parameter dict (the
     learner's: read at every `generate`, so an update is seen at once); config: the transformers
     config; compute_dtype: the parameters are cast to it inside the compiled functions, as the
-    learner does."""
+    learner does; share_prefill: identical requests share one prefill row."""
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
-                 seed: int = 0, compute_dtype=None):
+                 seed: int = 0, compute_dtype=None, share_prefill: bool = True):
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
         self.key = jax.random.PRNGKey(seed)
         self.image_token_id = int(config.image_token_id)
         self.merge_size = config.vision_config.spatial_merge_size
@@ -93,9 +95,12 @@ class JaxEngine:
             params = jax.tree.map(lambda a: a.astype(self.compute_dtype), params)
         return self.merge(params)
 
-    def _prefill_fn(self, params, batch, sampling, key, cache_len):
+    def _prefill_fn(self, params, batch, index, sampling, key, cache_len):
+        """Prefill the distinct rows of `batch`; row b of the result is distinct row index[b]."""
         self.compiles += 1  # runs while tracing only
         logits, cache = prefill(self._model(params), batch, cache_len)
+        logits = logits[index]
+        cache = tuple((k[index], v[index]) for k, v in cache)
         key, sub = jax.random.split(key)
         tokens, logp = sample(logits, *sampling, sub, self.banned)
         return tokens, logp, cache, key
@@ -113,8 +118,12 @@ class JaxEngine:
             return []
         requests = list(requests)
         n = len(requests)
-        batch, next_pos, lengths = self._prompt_arrays(requests)
-        rows = batch["input_ids"].shape[0]
+        unique, expand = self._distinct(requests)
+        batch, next_pos, lengths = self._prompt_arrays([requests[i] for i in unique])
+        rows = bucket(n, 1)
+        index = np.zeros(rows, np.int32)  # padding rows copy row 0
+        index[:n] = expand
+        next_pos, lengths = next_pos[index], lengths[index]
         budget = [r.sampling.max_new_tokens for r in requests]
         cache_len = bucket(batch["input_ids"].shape[1] + max(budget), LENGTH_UNIT)
         pad = rows - n  # padding rows decode greedily, unread
@@ -122,7 +131,7 @@ class JaxEngine:
                     .astype(np.float32),
                     np.r_[[r.sampling.top_p for r in requests], np.ones(pad)].astype(np.float32))
         params = self.params()
-        tok, lp, cache, self.key = self._prefill(params, batch, sampling, self.key,
+        tok, lp, cache, self.key = self._prefill(params, batch, index, sampling, self.key,
                                                  cache_len=cache_len)
         stops = [set(r.sampling.stop_token_ids) for r in requests]
         tokens: list[list[int]] = [[] for _ in requests]
@@ -147,6 +156,21 @@ class JaxEngine:
                                                   sampling, self.key)
             next_pos, lengths = next_pos + 1, lengths + 1
         return [Completion(tokens[b], logps[b], finish[b]) for b in range(n)]
+
+    def _distinct(self, requests: list[Request]) -> tuple[list[int], list[int]]:
+        """The requests to prefill (indices) and each request's row among them: with
+        `share_prefill`, requests with equal tokens and images share one."""
+        if not self.share_prefill:
+            return list(range(len(requests))), list(range(len(requests)))
+        unique, expand, seen = [], [], {}
+        for b, r in enumerate(requests):
+            key = (np.asarray(r.input_ids, np.int64).tobytes(),
+                   tuple(image_key(im) for im in r.images))
+            if key not in seen:
+                seen[key] = len(unique)
+                unique.append(b)
+            expand.append(seen[key])
+        return unique, expand
 
     def _prompt_arrays(self, requests: list[Request]):
         """(prefill batch, next M-RoPE position (B,), lengths (B,)), B and T bucketed; rows past

@@ -198,3 +198,25 @@ def test_backend_reads_the_learners_params(tiny):
         assert own.engine.params()[k] is not v
         np.testing.assert_array_equal(np.asarray(own.engine.params()[k]), np.asarray(v))
     assert shared.rng_state() == np.asarray(jax.random.PRNGKey(0)).tolist()
+
+
+def test_shared_group_prefill_equals_separate_prefills(tiny):
+    """A group's identical requests (own image copies) are prefilled in one row and give the
+    tokens and log-probs of separate prefills, sampled from the same key."""
+    rng = np.random.default_rng(8)
+    imgs = [image(90, 50, 1), image(40, 70, 2)]
+    ids = tuple(prompt_ids(tiny.processor, imgs, rng))
+    other = [image(64, 64, 3)]
+    group = [Request(ids, [im.copy() for im in imgs], SamplingParams(t, 1.0, 10), f"g{i}")
+             for i, t in enumerate([1.0, 1.0, 0.0, 1.0])]
+    reqs = group[:2] + [Request(tuple(prompt_ids(tiny.processor, other, rng)), other,
+                                SamplingParams(1.0, 0.9, 10), "o")] + group[2:]
+    shared_engine = tiny.engine(seed=4)
+    assert shared_engine._distinct(reqs) == ([0, 2], [0, 0, 1, 0, 0])
+    shared = shared_engine.generate(reqs)
+    separate = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                         seed=4, share_prefill=False).generate(reqs)
+    for a, b in zip(shared, separate):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    assert len({tuple(o.token_ids) for o in shared[:2] + shared[3:]}) > 1  # samples differ
