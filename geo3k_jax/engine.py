@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common.engine import LENGTH, STOP, Completion, Request
+from common.engine import Completion, Decoding, Request
 from common.mrope import mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
@@ -133,29 +133,15 @@ class JaxEngine:
         params = self.params()
         tok, lp, cache, self.key = self._prefill(params, batch, index, sampling, self.key,
                                                  cache_len=cache_len)
-        stops = [set(r.sampling.stop_token_ids) for r in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logps: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * n
+        decoding = Decoding(requests)
         while True:
-            tok_host, lp_host = np.asarray(tok), np.asarray(lp)
-            for b in range(n):
-                if finish[b] is not None:
-                    continue
-                t = int(tok_host[b])
-                tokens[b].append(t)
-                logps[b].append(float(lp_host[b]))
-                if t in stops[b]:
-                    finish[b] = STOP
-                elif len(tokens[b]) >= budget[b]:
-                    finish[b] = LENGTH
-            if all(f is not None for f in finish):
+            if decoding.add(np.asarray(tok).tolist(), np.asarray(lp).tolist()):
                 break
             positions = np.repeat(next_pos[:, None], 3, axis=1)  # (B, 3): text after the prompt
             tok, lp, cache, self.key = self._step(params, cache, tok, positions, lengths,
                                                   sampling, self.key)
             next_pos, lengths = next_pos + 1, lengths + 1
-        return [Completion(tokens[b], logps[b], finish[b]) for b in range(n)]
+        return decoding.completions()
 
     def _distinct(self, requests: list[Request]) -> tuple[list[int], list[int]]:
         """The requests to prefill (indices) and each request's row among them: with

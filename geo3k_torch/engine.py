@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from common.engine import LENGTH, STOP, Completion, Request
+from common.engine import Completion, Decoding, Request
 from common.mrope import image_token_counts, mrope_position_ids
 from common.processor import image_inputs, image_key
 
@@ -175,25 +175,11 @@ class LocalEngine:
             logits, attn, next_pos = logits[index], attn[expand], next_pos[:, expand]
         temperature = torch.tensor([r.sampling.temperature for r in requests], device=dev)
         top_p = torch.tensor([r.sampling.top_p for r in requests], device=dev)
-        budget = [r.sampling.max_new_tokens for r in requests]
-        stops = [set(r.sampling.stop_token_ids) for r in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logps: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * B
+        decoding = Decoding(requests)
         attn, next_pos, fed = attn.to(dev), next_pos.to(dev), 0
         while True:
             tok, lp = sample(logits, temperature, top_p, self.generator, self.banned)
-            for b in range(B):
-                if finish[b] is not None:
-                    continue
-                t = int(tok[b])
-                tokens[b].append(t)
-                logps[b].append(float(lp[b]))
-                if t in stops[b]:
-                    finish[b] = STOP
-                elif len(tokens[b]) >= budget[b]:
-                    finish[b] = LENGTH
-            if all(f is not None for f in finish):
+            if decoding.add(tok.tolist(), lp.tolist()):
                 break
             step_pos = torch.cat([next_pos[:1], next_pos[1:].expand(3, -1)])[:, :, None]
             attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
@@ -202,8 +188,8 @@ class LocalEngine:
             cache, next_pos, fed = out.past_key_values, next_pos + 1, fed + 1
             logits = out.logits[:, -1].float()
         if self.keep_cache:
-            self._keep(requests, rows_all, tokens, cache, C, N, fed)
-        return [Completion(tokens[b], logps[b], finish[b]) for b in range(B)]
+            self._keep(requests, rows_all, decoding.tokens, cache, C, N, fed)
+        return decoding.completions()
 
     def _distinct(self, rows, image_keys: list, n_images: list[int]
                   ) -> tuple[list[int], list[int]]:
