@@ -4,7 +4,8 @@ The engine samples from the learner's own parameter arrays (`geo3k_jax.learner.L
 in the learner's shardings): `sync` only points the engine at the arrays the last optimizer step
 produced, no export and no copy. The learner's step donates its parameter buffers, so rollouts
 that run while it trains (`train.max_staleness` >= 1) need weights of their own: with
-`own_copy`, `sync` copies the parameters (on device) instead.
+`own_copy`, `sync` copies the parameters (on device) instead. Either way the engine's kept KV
+caches are dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class JaxBackend:
     def sync(self, learner, step: int) -> None:
         self.params = jax.tree.map(jnp.copy, learner.params) if self.own_copy else \
             learner.params
+        self.engine.clear_cache()  # the KV caches were computed with the old weights
 
     def train_context(self):
         return contextlib.nullcontext()

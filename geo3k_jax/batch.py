@@ -20,11 +20,13 @@ backends' inputs identical, which is what the cross-backend check compares.
     weights      (B, T) float32   loss weights (`common.grpo.token_weights`) for the global batch
     old_logprobs (B, T) float32   the behaviour policy's log-probs, only when the micro-batches
                                   carry them (several updates on one rollout)
-    attn_starts  (B, T / block) int32  first key of each query block's attention window
+    attn_starts  (B, T / block) int32  first key of each query block's own key window
+    prefix_starts (B, T / block) int32 first key of each query block's prefix window
     targets      (B, K) int32     positions of the row's trained tokens (loss mask 1), padded
                                   with 0 (a sequence start, never trained)
-    key_offsets  (W,) int32       arange(W): the window length W (a multiple of the block, at
-                                  most T) covers every block's sequences (`attention_windows`)
+    key_offsets  (W,) int32       arange(W) and arange(Wp): the own and prefix windows' lengths
+    prefix_offsets (Wp,) int32    (multiples of the block, at most T) cover every block's
+                                  keys (`attention_windows`)
   only when some row has an image:
     pixel_values (B, P, C*t*p*p)  the row's image patches, padded with zero patches
     vision       dict             per-row grid index arrays (`vision_aux`), each (B, P, ...)
@@ -46,11 +48,11 @@ from common.batching import PackedBatch
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
+from geo3k_jax.layers import NO_PREFIX
 from geo3k_jax.vision_grid import QWEN3, vision_aux
 
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
-NO_PREFIX = -2  # `prefix` of a segment that continues none (never a segment id, nor padding's)
-REPLICATED_KEYS = ("key_offsets",)  # every other array has the row axis first
+REPLICATED_KEYS = ("key_offsets", "prefix_offsets")  # every other array: the row axis first
 
 
 @dataclasses.dataclass
@@ -60,7 +62,6 @@ class HostRow:
     batch: PackedBatch
     positions: np.ndarray  # (3, t)
     prefix: np.ndarray  # (t,) the prefix segment of each token's segment, NO_PREFIX for none
-    reach: np.ndarray  # (t,) the first key each token's query sees
     weights: np.ndarray  # (t,)
     targets: np.ndarray  # (k,)
     pixel_values: np.ndarray | None  # (p, width)
@@ -77,9 +78,8 @@ def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
     parents = b.parent_of()
     pos = packed_position_ids(b.input_ids, b.cu_seqlens, b.image_counts, grid,
                               config.image_token_id, merge, parents)
-    lens, seg_start = np.diff(b.cu_seqlens), b.cu_seqlens[:-1]
-    prefix = np.repeat(np.where(parents >= 0, parents, NO_PREFIX), lens).astype(np.int32)
-    reach = np.repeat(np.where(parents >= 0, seg_start[parents], seg_start), lens)
+    prefix = np.repeat(np.where(parents >= 0, parents, NO_PREFIX),
+                       np.diff(b.cu_seqlens)).astype(np.int32)
     if (b.loss_mask[b.cu_seqlens[:-1]] > 0).any():
         raise ValueError("a sequence's first token is in the loss mask: it has no predecessor "
                          "to predict it")
@@ -89,14 +89,14 @@ def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
                          f"{image_token_counts(grid, merge).sum()}")
     weights = token_weights(b.loss_mask, agg, seq_ids=b.seq_ids, n_tokens=n_tokens,
                             n_seqs=n_seqs)
-    return HostRow(b, pos[1:], prefix, reach, weights,
+    return HostRow(b, pos[1:], prefix, weights,
                    np.flatnonzero(b.loss_mask > 0).astype(np.int32),
                    imgs["pixel_values"].astype(np.float32) if imgs else None,
                    vision_aux(config.vision_config, grid) if imgs else {}, index)
 
 
 def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_targets: int,
-             n_patches: int, min_window: int = 0) -> dict:
+             n_patches: int, min_window: int = 0, min_prefix_window: int = 0) -> dict:
     """The padded (B = n_rows, T = length) arrays of `rows` (module docstring); rows past
     len(rows) are all padding. n_patches = 0: no image arrays (no row may have an image)."""
     if len(rows) > n_rows:
@@ -131,8 +131,8 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         if "old_logprobs" in out:
             out["old_logprobs"][r, :t] = b.old_logprobs
         out["targets"][r, :len(row.targets)] = row.targets
-    out["attn_starts"], out["key_offsets"] = attention_windows(
-        out["segments"], min_window=min_window, reach=reach_of(rows, n_rows, length))
+    out.update(attention_windows(out["segments"], out["prefix"], min_window=min_window,
+                                 min_prefix_window=min_prefix_window))
     if n_patches:
         padded = [pad_patches(rows[r] if r < len(rows) else None, config, n_patches, length)
                   for r in range(n_rows)]
@@ -198,38 +198,60 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
                                    if r.pixel_values is not None), default=0))
 
 
-def reach_of(rows: Sequence[HostRow], n_rows: int, length: int) -> np.ndarray:
-    """(n_rows, length) the first key each token sees (`HostRow.reach`); `length` on padding."""
-    out = np.full((n_rows, length), length, np.int64)
-    for r, row in enumerate(rows):
-        out[r, :len(row.reach)] = row.reach
-    return out
-
-
-def attention_windows(segments: np.ndarray, block: int = BLOCK, min_window: int = 0,
-                      reach: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,
+                      block: int = BLOCK, min_window: int = 0, min_prefix_window: int = 0
+                      ) -> dict[str, np.ndarray]:
     """Key windows for `layers.windowed_attention` over rows of contiguous segments.
 
-    segments: (B, T) int, -1 on padding; reach: (B, T) the first key each token sees when it
-    comes before its segment (a shared prefix: `reach_of`), else T. Query block i of a row
-    (block = gcd(T, `block`)) reads keys [start_i, start_i + W): from the first key its first
-    token sees (padding blocks: from the block itself) to the block's end, with one W for the
-    batch, a multiple of the block and at least `min_window` (a bucket: fewer distinct shapes),
-    at most T. (Segments come in row order after their prefixes, so a block's first token sees
-    the earliest key of any of its tokens.) Returns starts (B, T / block) int32 and key_offsets
-    (W,) int32."""
+    segments: (B, T) int, -1 on padding; prefix: (B, T) the shared prefix segment each token's
+    segment continues (`common.batching`), NO_PREFIX for none (None: no token continues one).
+    Query block i of a row (block = gcd(T, `block`)) reads two windows of keys:
+
+      prefix window  [prefix_starts_i, + Wp): the keys of one shared prefix, window_prefix_i
+                     (NO_PREFIX: none), up to the block's end: the one its first token
+                     continues, or its first token's own segment when that is a prefix
+      own window     [attn_starts_i, + W): from the first other key any of its queries sees
+                     to the block's end (its segments, any other prefix)
+
+    so a row of shared groups costs T x (prompt + longest continuation) scores, not T x group.
+    One W and one Wp for the batch, multiples of the block, at least `min_window` /
+    `min_prefix_window` (buckets: fewer shapes), at most T (Wp = 0 when no block needs one).
+    Returns {attn_starts, prefix_starts, window_prefix: (B, T / block), key_offsets: (W,),
+    prefix_offsets: (Wp,)} int32, the offsets arange(W) and arange(Wp)."""
     rows, length = segments.shape
     block = math.gcd(length, block)
-    first = np.zeros_like(segments)  # index of the first token of each token's segment
-    for r in range(rows):
-        change = np.flatnonzero(np.diff(segments[r]) != 0) + 1
-        bounds = np.concatenate([[0], change])
-        first[r] = bounds[np.searchsorted(bounds, np.arange(length), side="right") - 1]
-    if reach is not None:
-        first = np.minimum(first, reach)
+    prefix = np.full_like(segments, NO_PREFIX) if prefix is None else np.asarray(prefix)
     block_start = np.arange(0, length, block)
-    seq_start = np.where(segments[:, block_start] >= 0, first[:, block_start], block_start)
-    need = int((block_start + block - seq_start).max())
-    window = min(length, -(-max(need, min_window) // block) * block)
-    starts = np.minimum(seq_start, length - window).astype(np.int32)
-    return starts, np.arange(window, dtype=np.int32)
+    need = np.zeros((rows, len(block_start)), np.int64)  # first own-window key of each block
+    p_start = np.zeros_like(need)
+    p_need = np.zeros_like(need)  # keys of the prefix window each block reads
+    p_seg = np.full_like(need, NO_PREFIX)
+    for r in range(rows):
+        seg, pre = segments[r], prefix[r]
+        ids, first, count = np.unique(seg, return_index=True, return_counts=True)
+        at = lambda s: np.minimum(np.searchsorted(ids, s), len(ids) - 1)  # noqa: E731
+        start_of = lambda s: first[at(s)]  # noqa: E731  (segments are contiguous)
+        pre_ok = pre >= 0
+        if pre_ok.any() and not np.isin(pre[pre_ok], ids[ids >= 0]).all():
+            raise ValueError(f"row {r}: a prefix segment that is not in the row")
+        head_seg, head_pre = seg[block_start], pre[block_start]
+        p_seg[r] = np.where(head_pre >= 0, head_pre,
+                            np.where(np.isin(head_seg, pre[pre_ok]), head_seg, NO_PREFIX))
+        window_seg = np.repeat(p_seg[r], block)
+        own = np.where(seg == window_seg, length, start_of(seg))  # own keys: prefix window's
+        other = pre_ok & (pre != window_seg)  # a prefix read from the own window
+        seen = np.where(other, np.minimum(own, start_of(np.maximum(pre, 0))), own)
+        seen = np.where(seg >= 0, seen, length)  # padding queries need nothing
+        need[r] = np.minimum(seen.reshape(-1, block).min(axis=1), block_start)
+        has = p_seg[r] >= 0
+        p_start[r] = np.where(has, start_of(np.maximum(p_seg[r], 0)), 0)
+        ends = p_start[r] + count[at(np.maximum(p_seg[r], 0))]
+        p_need[r] = np.where(has, np.minimum(ends, block_start + block) - p_start[r], 0)
+    up = lambda n: min(length, -(-n // block) * block)  # noqa: E731
+    window = up(max(int((block_start + block - need).max()), min_window))
+    prefix_window = up(max(int(p_need.max()), min_prefix_window))
+    return {"attn_starts": np.minimum(need, length - window).astype(np.int32),
+            "key_offsets": np.arange(window, dtype=np.int32),
+            "prefix_starts": np.minimum(p_start, length - prefix_window).astype(np.int32),
+            "window_prefix": p_seg.astype(np.int32),
+            "prefix_offsets": np.arange(prefix_window, dtype=np.int32)}

@@ -1,13 +1,13 @@
-"""The Flax Qwen-VL with a fixed-size KV cache: a prefill forward and a one-token decode step.
+"""The Flax Qwen-VL over a fixed-size KV cache: new tokens in, last-token logits out.
 
-Rollouts need what training does not: keys and values kept between forwards. These functions
-walk the same modules as `geo3k_jax.model.QwenVL.hidden_states` (same parameters, same vision
-tower, same M-RoPE and DeepStack), with plain causal attention over one sequence per row:
+Rollouts need what training does not: keys and values kept between forwards. `extend` walks the
+same modules as `geo3k_jax.model.QwenVL.hidden_states` (same parameters, same vision tower, same
+M-RoPE and DeepStack) with plain causal attention over one sequence per row. It is the whole
+engine's model: a first-turn prefill (empty cache, images), a later turn's feedback (the cache
+of the earlier turns) and a decode step (one token) are the same call with different shapes.
 
     cache        tuple over layers of (keys, values), each (B, L, Hkv, D); row b holds its
                  sequence's first `lengths[b]` tokens at slots 0.. and garbage after them
-    prefill      rows of right-padded prompts (B, T) -> last-token logits (B, V) and the cache
-    decode_step  one token per row (B,), written at slot lengths[b] -> logits (B, V), cache
 
 Logits are the head's products accumulated in fp32, as `geo3k_jax.model.token_logprobs` does.
 """
@@ -21,6 +21,14 @@ from geo3k_jax.layers import apply_rotary, attention, scatter_rows
 from geo3k_jax.model import QwenVL
 
 
+def empty_cache(model: QwenVL, rows: int, length: int, dtype) -> tuple:
+    """A cache of `rows` rows of `length` zero slots."""
+    lm = model.model.language_model
+    attn = lm.layers[0].self_attn
+    shape = (rows, length, attn.kv_heads, attn.head_dim)
+    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in lm.layers)
+
+
 def _qkv(attn, x, cos, sin):
     """One row's rotated q (T, H, D), k and v (T, Hkv, D) from normed x (T, hidden)."""
     t = x.shape[0]
@@ -32,20 +40,19 @@ def _qkv(attn, x, cos, sin):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def _head(model: QwenVL, hidden: jax.Array) -> jax.Array:
-    """(B, hidden) -> (B, vocab) fp32 logits."""
-    return jnp.einsum("bd,vd->bv", hidden, model.head_weight(),
-                      preferred_element_type=jnp.float32)
+def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict):
+    """Run each row's new tokens over its cache.
 
-
-def prefill(model: QwenVL, batch: dict, cache_len: int):
-    """batch: input_ids (B, T), positions (B, 3, T), lengths (B,) real tokens per row (the rest
-    is padding, never attended to), and the image arrays of `geo3k_jax.batch` (pixel_values,
-    vision, visual_index) when a row has an image. Returns (logits (B, V) fp32 of each row's
-    last real token, cache of `cache_len` >= T slots)."""
+    cache: (B, L) rows (module docstring) holding lengths (B,) tokens each; batch: input_ids
+    (B, T) new tokens, right-padded, positions (B, 3, T) their M-RoPE positions, count (B,)
+    real new tokens per row (>= 1), and the image arrays of `geo3k_jax.batch` (pixel_values,
+    vision, visual_index: positions among the new tokens) when a new token is an image token.
+    Row b's token i is written at slot lengths[b] + i (slots past L are dropped: padding) and
+    attends to slots <= lengths[b] + i. Returns (logits (B, V) fp32 of each row's last real
+    new token, the cache, rows holding lengths + count tokens)."""
     lm = model.model.language_model
-    ids, lengths = batch["input_ids"], batch["lengths"]
-    b, t = ids.shape
+    ids, count = batch["input_ids"], batch["count"]
+    t = ids.shape[1]
     x = lm.embed_tokens(ids)  # (B, T, hidden)
     deepstack, index = [], None
     if "pixel_values" in batch:
@@ -54,45 +61,23 @@ def prefill(model: QwenVL, batch: dict, cache_len: int):
         index = batch["visual_index"]  # (B, N); padding entries are T (dropped)
         x = scatter_rows(x, index, image_embeds.astype(x.dtype), "set")
     cos, sin = lm.rope(batch["positions"])  # (B, T, D)
-    keys = jnp.arange(t)
-    mask = (keys[None, :, None] >= keys[None, None, :]) & (keys[None, None, :] < lengths[:, None,
-                                                                                          None])
-    cache = []
-    for i, layer in enumerate(lm.layers):
-        attn = layer.self_attn
-        q, k, v = jax.vmap(lambda h, c, s, a=attn: _qkv(a, h, c, s))(
-            layer.input_layernorm(x), cos, sin)
-        out = jax.vmap(lambda q_, k_, v_, m: attention(q_, k_, v_, m, attn.head_dim ** -0.5))(
-            q, k, v, mask)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i < len(deepstack):
-            x = scatter_rows(x, index, deepstack[i].astype(x.dtype), "add")
-        pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
-        cache.append((jnp.pad(k, pad), jnp.pad(v, pad)))
-    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # (B, hidden)
-    return _head(model, lm.norm(last)), tuple(cache)
-
-
-def decode_step(model: QwenVL, cache: tuple, tokens: jax.Array, positions: jax.Array,
-                lengths: jax.Array):
-    """tokens (B,) at M-RoPE positions (B, 3), written at cache slot lengths (B,) (each row then
-    attends to its slots 0..lengths[b]). Returns (logits (B, V) fp32, the updated cache)."""
-    lm = model.model.language_model
-    x = lm.embed_tokens(tokens[:, None])  # (B, 1, hidden)
-    cos, sin = lm.rope(positions[:, :, None])  # (B, 1, D)
-    slots = jnp.arange(cache[0][0].shape[1])
-    mask = (slots[None, :] <= lengths[:, None])[:, None, :]  # (B, 1, L)
-    write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, 0))
+    slots = lengths[:, None] + jnp.arange(t)[None, :]  # (B, T) where each new token goes
+    mask = jnp.arange(cache[0][0].shape[1])[None, None, :] <= slots[:, :, None]  # (B, T, L)
+    write = jax.vmap(lambda c, at, new: c.at[at].set(new.astype(c.dtype), mode="drop"))
     new_cache = []
-    for layer, (ck, cv) in zip(lm.layers, cache):
+    for i, (layer, (ck, cv)) in enumerate(zip(lm.layers, cache)):
         attn = layer.self_attn
         q, k, v = jax.vmap(lambda h, c, s, a=attn: _qkv(a, h, c, s))(
             layer.input_layernorm(x), cos, sin)
-        ck, cv = write(ck, k, lengths), write(cv, v, lengths)
+        ck, cv = write(ck, slots, k), write(cv, slots, v)
         out = jax.vmap(lambda q_, k_, v_, m: attention(q_, k_, v_, m, attn.head_dim ** -0.5))(
             q, ck, cv, mask)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i < len(deepstack):
+            x = scatter_rows(x, index, deepstack[i].astype(x.dtype), "add")
         new_cache.append((ck, cv))
-    return _head(model, lm.norm(x[:, 0])), tuple(new_cache)
+    last = jnp.take_along_axis(x, (count - 1)[:, None, None], axis=1)[:, 0]  # (B, hidden)
+    logits = jnp.einsum("bd,vd->bv", lm.norm(last), model.head_weight(),
+                        preferred_element_type=jnp.float32)
+    return logits, tuple(new_cache)

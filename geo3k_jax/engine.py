@@ -1,27 +1,32 @@
 """The in-process JAX rollout engine: batched sampling from the JAX learner's current weights.
 
 `JaxEngine` implements `common.engine.Engine` on the project's Flax Qwen-VL with the semantics of
-the torch `geo3k_torch.engine.LocalEngine`: each request is prefilled whole (its images through
-the vision tower, DeepStack features, explicit 3-D M-RoPE positions from `common.mrope`), then
-decoded token by token over a fixed-size KV cache (`geo3k_jax.decode`). The decode position of a
-row continues its M-RoPE positions: max + 1, then + 1 per token. A token's log-prob is
-log_softmax(logits / T) of the raw logits (T = 0: greedy, log_softmax(logits)), before top-p;
-image and video placeholders are never sampled; a request ends at a stop token (kept as its last
-token) or at `max_new_tokens`.
+the torch `geo3k_torch.engine.LocalEngine`: a request's new tokens are prefilled (its images
+through the vision tower, DeepStack features, explicit 3-D M-RoPE positions from `common.mrope`),
+then decoded token by token over a fixed-size KV cache (`geo3k_jax.decode.extend`: the prefill and
+the decode step are the same function). The decode position of a row continues its M-RoPE
+positions: max + 1, then + 1 per token. A token's log-prob is log_softmax(logits / T) of the raw
+logits (T = 0: greedy, log_softmax(logits)), before top-p; image and video placeholders are never
+sampled; a request ends at a stop token (kept as its last token) or at `max_new_tokens`.
+
+Between turns of an episode (same `Request.session`) the session's KV cache is kept, so a turn
+prefills only its new tokens (the last generated one and the feedback), as the torch engine does;
+caches live for the sessions of the latest `generate` call and `clear_cache` (after every weight
+update) drops them. A request whose new part holds an image token is prefilled whole. Requests
+with the same tokens and images and no cache (a GRPO group's samples on their first turn) are
+prefilled once: their row's cache and last logits are copied to each of them inside the compiled
+prefill before the first token is sampled (`share_prefill`).
 
 Both compiled functions (prefill + first sample, decode step + sample) take the parameters as an
 argument, so new weights never recompile, and see bucketed shapes (`geo3k_jax.buckets.bucket`:
-rows, prompt length, patches per row, cache length), so a run compiles a handful of times;
-`compiles` counts the traces. The decode step donates the cache it replaces.
-
-Every turn is prefilled again from the whole conversation (`Request.input_ids`): no KV cache is
-kept between `generate` calls. Requests with the same tokens and images (a GRPO group's samples
-on their first turn) are prefilled once: their row's cache and last logits are copied to each of
-them inside the compiled prefill before the first token is sampled (`share_prefill`). The sampling key is a raw uint32[2] PRNG key (`rng_state`).
+rows, new tokens, patches per row, cache length), so a run compiles a handful of times;
+`compiles` counts the traces. The decode step donates the cache it replaces. The sampling key is
+a raw uint32[2] PRNG key (`rng_state`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -33,10 +38,11 @@ from common.mrope import mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
 from geo3k_jax.buckets import PATCH_UNITS, bucket
-from geo3k_jax.decode import decode_step, prefill
+from geo3k_jax.decode import empty_cache, extend
 from geo3k_jax.vision_grid import vision_aux
 
-LENGTH_UNIT = 128  # prompt and cache lengths are buckets of this
+LENGTH_UNIT = 128  # cache lengths are buckets of this
+NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a turn's feedback)
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
@@ -67,12 +73,15 @@ class JaxEngine:
     merge: `geo3k_jax.model.split_params`'s; params: returns the current parameter dict (the
     learner's: read at every `generate`, so an update is seen at once); config: the transformers
     config; compute_dtype: the parameters are cast to it inside the compiled functions, as the
-    learner does; share_prefill: identical requests share one prefill row."""
+    learner does; share_prefill: identical requests share one prefill row; keep_cache: a
+    session's next turn continues its KV cache (`clear_cache` after every weight update)."""
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
-                 seed: int = 0, compute_dtype=None, share_prefill: bool = True):
+                 seed: int = 0, compute_dtype=None, share_prefill: bool = True,
+                 keep_cache: bool = True):
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
+        self.keep_cache = keep_cache
         self.key = jax.random.PRNGKey(seed)
         self.image_token_id = int(config.image_token_id)
         self.merge_size = config.vision_config.spatial_merge_size
@@ -81,6 +90,14 @@ class JaxEngine:
         self.compiles = 0  # traces of the prefill and decode functions
         self._prefill = jax.jit(self._prefill_fn, static_argnames="cache_len")
         self._step = jax.jit(self._step_fn, donate_argnums=1)
+        self._kept: dict[str, _Kept] = {}  # session -> its row of `_kept_cache`
+        self._kept_cache = None
+        self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing
+
+    def clear_cache(self) -> None:
+        """Forget every session's KV cache (stale once the weights change)."""
+        self._kept, self._kept_cache = {}, None
+        self._epoch += 1
 
     # ---- RNG ---------------------------------------------------------------------------
     def rng_state(self) -> list[int]:
@@ -95,19 +112,31 @@ class JaxEngine:
             params = jax.tree.map(lambda a: a.astype(self.compute_dtype), params)
         return self.merge(params)
 
-    def _prefill_fn(self, params, batch, index, sampling, key, cache_len):
-        """Prefill the distinct rows of `batch`; row b of the result is distinct row index[b]."""
+    def _prefill_fn(self, params, kept, source, lengths, batch, index, sampling, key,
+                    cache_len):
+        """Run the work rows' new tokens over their caches (row r continues row source[r] of
+        `kept`, or starts empty: source -1, kept None), then sample each request's first token;
+        request b is work row index[b]."""
         self.compiles += 1  # runs while tracing only
-        logits, cache = prefill(self._model(params), batch, cache_len)
-        logits = logits[index]
+        model = self._model(params)
+        dtype = model.model.language_model.embed_tokens.weight.dtype
+        cache = empty_cache(model, len(source), cache_len, dtype)
+        if kept is not None:  # continuing rows start from their kept rows (slots < lengths)
+            fresh = (source < 0)[:, None, None, None]
+            take = lambda old, new: jnp.where(fresh, new, _resize(  # noqa: E731
+                old[jnp.maximum(source, 0)], cache_len))
+            cache = tuple((take(ko, k), take(vo, v)) for (ko, vo), (k, v) in zip(kept, cache))
+        logits, cache = extend(model, cache, lengths, batch)
         cache = tuple((k[index], v[index]) for k, v in cache)
         key, sub = jax.random.split(key)
-        tokens, logp = sample(logits, *sampling, sub, self.banned)
+        tokens, logp = sample(logits[index], *sampling, sub, self.banned)
         return tokens, logp, cache, key
 
     def _step_fn(self, params, cache, tokens, positions, lengths, sampling, key):
         self.compiles += 1
-        logits, cache = decode_step(self._model(params), cache, tokens, positions, lengths)
+        batch = {"input_ids": tokens[:, None], "positions": positions[:, :, None],
+                 "count": jnp.ones_like(lengths)}
+        logits, cache = extend(self._model(params), cache, lengths, batch)
         key, sub = jax.random.split(key)
         tokens, logp = sample(logits, *sampling, sub, self.banned)
         return tokens, logp, cache, key
@@ -116,23 +145,27 @@ class JaxEngine:
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         if not requests:
             return []
-        requests = list(requests)
+        requests, epoch = list(requests), self._epoch
+        kept, kept_cache = self._kept, self._kept_cache
+        self._kept, self._kept_cache = {}, None  # a failed call leaves no stale rows behind
         n = len(requests)
-        unique, expand = self._distinct(requests)
-        batch, next_pos, lengths = self._prompt_arrays([requests[i] for i in unique])
+        work, expand = self._plan(requests, kept)
+        batch, source, lengths, first_pos = self._work_arrays(work)
         rows = bucket(n, 1)
         index = np.zeros(rows, np.int32)  # padding rows copy row 0
         index[:n] = expand
-        next_pos, lengths = next_pos[index], lengths[index]
         budget = [r.sampling.max_new_tokens for r in requests]
-        cache_len = bucket(batch["input_ids"].shape[1] + max(budget), LENGTH_UNIT)
+        cache_len = bucket(int((lengths + batch["count"]).max()) + max(budget), LENGTH_UNIT)
         pad = rows - n  # padding rows decode greedily, unread
         sampling = (np.r_[[r.sampling.temperature for r in requests], np.zeros(pad)]
                     .astype(np.float32),
                     np.r_[[r.sampling.top_p for r in requests], np.ones(pad)].astype(np.float32))
         params = self.params()
-        tok, lp, cache, self.key = self._prefill(params, batch, index, sampling, self.key,
-                                                 cache_len=cache_len)
+        tok, lp, cache, self.key = self._prefill(
+            params, kept_cache if (source >= 0).any() else None, source, lengths, batch, index,
+            sampling, self.key, cache_len=cache_len)
+        first_pos = first_pos[index]
+        next_pos, lengths = first_pos.copy(), (lengths + batch["count"])[index]
         decoding = Decoding(requests)
         while True:
             if decoding.add(np.asarray(tok).tolist(), np.asarray(lp).tolist()):
@@ -141,70 +174,124 @@ class JaxEngine:
             tok, lp, cache, self.key = self._step(params, cache, tok, positions, lengths,
                                                   sampling, self.key)
             next_pos, lengths = next_pos + 1, lengths + 1
-        return decoding.completions()
+        done = decoding.completions()
+        if self.keep_cache and epoch == self._epoch:
+            self._keep(requests, done, first_pos, cache)
+        return done
 
-    def _distinct(self, requests: list[Request]) -> tuple[list[int], list[int]]:
-        """The requests to prefill (indices) and each request's row among them: with
-        `share_prefill`, requests with equal tokens and images share one."""
-        if not self.share_prefill:
-            return list(range(len(requests))), list(range(len(requests)))
-        unique, expand, seen = [], [], {}
-        for b, r in enumerate(requests):
-            key = (np.asarray(r.input_ids, np.int64).tobytes(),
-                   tuple(image_key(im) for im in r.images))
-            if key not in seen:
-                seen[key] = len(unique)
-                unique.append(b)
+    def _keep(self, requests, done, first_pos, cache) -> None:
+        """Each session's row of the final cache: its request and every generated token but the
+        last (the one never fed back), the next position after them."""
+        self._kept_cache = cache
+        for b, (r, c) in enumerate(zip(requests, done)):
+            if r.session and c.token_ids:
+                self._kept[r.session] = _Kept(
+                    b, tuple(r.input_ids) + tuple(c.token_ids[:-1]),
+                    int(first_pos[b]) + len(c.token_ids) - 1, len(r.images))
+
+    def _plan(self, requests: list[Request], kept: dict) -> tuple[list, list[int]]:
+        """The work rows and each request's row among them. A request whose session's kept
+        cache holds a strict prefix of it, with no image token after it, continues that row;
+        the others are prefilled whole, requests with equal tokens and images sharing one
+        (`share_prefill`). A work row: (kept row or -1, cached tokens, request)."""
+        work, expand, seen = [], [], {}
+        for r in requests:
+            entry = kept.get(r.session) if r.session else None
+            ids = tuple(r.input_ids)
+            if (entry is not None and len(entry.ids) < len(ids)
+                    and ids[:len(entry.ids)] == entry.ids and len(r.images) == entry.images
+                    and self.image_token_id not in ids[len(entry.ids):]):
+                expand.append(len(work))
+                work.append((entry, r))
+                continue
+            key = (np.asarray(ids, np.int64).tobytes(), tuple(image_key(im) for im in r.images))
+            if not self.share_prefill or key not in seen:
+                seen[key] = len(work)
+                work.append((None, r))
             expand.append(seen[key])
-        return unique, expand
+        return work, expand
 
-    def _prompt_arrays(self, requests: list[Request]):
-        """(prefill batch, next M-RoPE position (B,), lengths (B,)), B and T bucketed; rows past
-        the requests hold one pad token."""
+    def _work_arrays(self, work: list):
+        """(batch of new tokens for `extend`, kept row per work row (-1: none), cached tokens
+        per row, the first generated token's M-RoPE position per row), rows and new-token
+        length bucketed; rows past the work hold one pad token."""
+        fresh = [r for entry, r in work if entry is None]
+        prompts = self._prompt_rows(fresh)
+        n_rows = bucket(len(work), 1)
+        news = [np.asarray(r.input_ids[len(entry.ids):] if entry else r.input_ids, np.int64)
+                for entry, r in work]
+        length = bucket(max(map(len, news)), NEW_TOKENS_UNIT)
+        batch = {"input_ids": np.zeros((n_rows, length), np.int32),
+                 "positions": np.zeros((n_rows, 3, length), np.int32),
+                 "count": np.ones(n_rows, np.int32)}
+        source, lengths = np.full(n_rows, -1, np.int32), np.zeros(n_rows, np.int32)
+        first_pos = np.zeros(n_rows, np.int32)
+        image_rows, f = [None] * n_rows, 0
+        for b, ((entry, r), ids) in enumerate(zip(work, news)):
+            if entry is None:
+                pos, image_rows[b] = prompts[f]
+                f += 1
+            else:
+                pos = np.broadcast_to(entry.next_pos + np.arange(len(ids)), (3, len(ids)))
+                source[b], lengths[b] = entry.row, len(entry.ids)
+            batch["input_ids"][b, :len(ids)] = ids
+            batch["positions"][b, :, :len(ids)] = pos
+            batch["count"][b] = len(ids)
+            first_pos[b] = int(pos.max()) + 1
+        patches = max((len(row.pixel_values) for row in image_rows if row is not None),
+                      default=0)
+        if patches:
+            n_patches = bucket(patches, PATCH_UNITS * self.merge_size ** 2)
+            padded = [pad_patches(row, self.config, n_patches, length) for row in image_rows]
+            batch["pixel_values"] = np.stack([p["pixel_values"] for p in padded])
+            batch["visual_index"] = np.stack([p["visual_index"] for p in padded])
+            batch["vision"] = {k: np.stack([p["vision"][k] for p in padded])
+                               for k in padded[0]["vision"]}
+        return batch, source, lengths, first_pos
+
+    def _prompt_rows(self, requests: list[Request]) -> list[tuple]:
+        """(M-RoPE positions (3, t), image row for `pad_patches` or None) of whole requests,
+        each distinct image (by content) through the processor once."""
         images = [im for r in requests for im in r.images]
         keys = [image_key(im) for im in images]
-        first_of: dict = {}  # each distinct image (by content) goes through the processor once
+        first_of: dict = {}
         for i, k in enumerate(keys):
             first_of.setdefault(k, i)
         slot = {k: j for j, k in enumerate(first_of)}
         imgs = image_inputs(self.processor, [images[i] for i in first_of.values()])
         grids = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
         bounds = np.concatenate([[0], np.cumsum(grids.prod(axis=1))]).astype(int)
-        rows, first = [], 0
+        out, first = [], 0
         for r in requests:
             which = [slot[k] for k in keys[first:first + len(r.images)]]
             first += len(r.images)
             ids = np.asarray(r.input_ids, np.int64)
             pos = mrope_position_ids(ids, self.image_token_id, grids[which], self.merge_size)
-            pixels = [imgs["pixel_values"][bounds[j]:bounds[j + 1]] for j in which]
-            rows.append((ids, pos, grids[which], pixels))
-        n_rows = bucket(len(rows), 1)
-        length = bucket(max(len(ids) for ids, *_ in rows), LENGTH_UNIT)
-        batch = {"input_ids": np.zeros((n_rows, length), np.int32),
-                 "positions": np.zeros((n_rows, 3, length), np.int32),
-                 "lengths": np.ones(n_rows, np.int32)}
-        next_pos = np.zeros(n_rows, np.int32)
-        for b, (ids, pos, _, _) in enumerate(rows):
-            batch["input_ids"][b, :len(ids)] = ids
-            batch["positions"][b, :, :len(ids)] = pos
-            batch["lengths"][b] = len(ids)
-            next_pos[b] = int(pos.max()) + 1
-        patches = max(sum(len(p) for p in pixels) for *_, pixels in rows)
-        if patches:
-            n_patches = bucket(patches, PATCH_UNITS * self.merge_size ** 2)
-            padded = [pad_patches(self._image_row(*rows[b]) if b < len(rows) else None,
-                                  self.config, n_patches, length) for b in range(n_rows)]
-            batch["pixel_values"] = np.stack([p["pixel_values"] for p in padded])
-            batch["visual_index"] = np.stack([p["visual_index"] for p in padded])
-            batch["vision"] = {k: np.stack([p["vision"][k] for p in padded])
-                               for k in padded[0]["vision"]}
-        return batch, next_pos, batch["lengths"].copy()
+            row = None
+            if which:
+                row = HostRow(batch=None, positions=None, prefix=None, weights=None,
+                              targets=None, pixel_values=np.concatenate(
+                                  [imgs["pixel_values"][bounds[j]:bounds[j + 1]]
+                                   for j in which]).astype(np.float32),
+                              vision=vision_aux(self.config.vision_config, grids[which]),
+                              visual_index=np.flatnonzero(ids == self.image_token_id)
+                              .astype(np.int32))
+            out.append((pos, row))
+        return out
 
-    def _image_row(self, ids, pos, grid, pixels) -> HostRow | None:
-        """What `geo3k_jax.batch.pad_patches` reads of a row: its patches, grids, image slots."""
-        if not pixels:
-            return None
-        return HostRow(batch=None, positions=None, prefix=None, reach=None, weights=None,
-                       targets=None, pixel_values=np.concatenate(pixels).astype(np.float32),
-                       vision=vision_aux(self.config.vision_config, grid),
-                       visual_index=np.flatnonzero(ids == self.image_token_id).astype(np.int32))
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A session's row of the kept cache: the tokens in it, the next token's position."""
+
+    row: int
+    ids: tuple
+    next_pos: int
+    images: int
+
+
+def _resize(cache: jax.Array, length: int) -> jax.Array:
+    """(B, L', ...) cache rows cut or zero-padded to `length` slots."""
+    if cache.shape[1] >= length:
+        return cache[:, :length]
+    return jnp.pad(cache, [(0, 0), (0, length - cache.shape[1])] + [(0, 0)] * (cache.ndim - 2))

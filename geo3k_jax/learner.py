@@ -21,6 +21,7 @@ log-probs and the loss in fp32 — the JAX counterpart of torch autocast.
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,7 +37,7 @@ from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import step_arrays, step_sizes
+from geo3k_jax.buckets import step_sizes, step_slices
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
@@ -132,7 +133,7 @@ class Learner:
             raise ValueError(f"rows_per_slice={self.rows_per_slice} must be a multiple of the "
                              f"mesh's data-parallel size {data}")
         self.row_len = row_len
-        self.compiles = 0  # traces of the step: each is one compilation (or a cache load)
+        self.compiles = 0  # traces of the compiled functions: each one compilation
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
         self.opt_sh = None
@@ -193,30 +194,48 @@ class Learner:
         """Accumulate over `batches` (this process's share), then one optimizer step.
         n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns loss,
         grad_norm, lr, skipped, and token means of entropy, clip_frac, approx_kl, kl,
-        tis_mean, logp_diff_mean, plus logp_diff_max and compiles (of the step, this run)."""
-        return self.train_arrays(self._step_arrays(batches, n_tokens, n_seqs)[0])
+        tis_mean, logp_diff_mean, plus logp_diff_max and compiles (of this learner, so far)."""
+        return self.train_slices(self._slices(batches, n_tokens, n_seqs))
+
+    def train_slices(self, slices: Sequence[dict]) -> dict[str, float]:
+        """One optimizer step on a step's slices (`geo3k_jax.buckets.step_slices`, this
+        process's rows): each slice's gradient (compiled once per shape), their sum, then the
+        update (compiled once). Returns float metrics (see `train_step`)."""
+        if not slices:
+            raise ValueError("a step needs at least one slice (a process with no micro-batch "
+                             "runs a filler: common.step.even_out)")
+        total = None
+        for sl in slices:
+            grad_fn, shardings = self._compiled("grad", sl)
+            out = grad_fn(self.params, self._global(sl, shardings), self.ref_params)
+            total = out if total is None else _accumulate(total, out)
+        if "apply" not in self._steps:
+            kw = {} if self.mesh is None else dict(
+                in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
+                out_shardings=(self.param_sh, self.opt_sh, None))
+            self._steps["apply"] = jax.jit(self._apply, donate_argnums=(0, 1), **kw)
+        self.params, self.opt_state, metrics = self._steps["apply"](self.params, self.opt_state,
+                                                                    *total)
+        return {k: float(v) for k, v in metrics.items()} | {"compiles": float(self.compiles)}
 
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
         """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
         mask): the behaviour policy when several updates share one rollout."""
-        step, local = self._step_arrays(batches, 1.0, 1.0)
-        key = ("logprobs",) + tuple(sorted(step))
-        if key not in self._steps:
-            self._steps[key] = jax.jit(self._logprobs)
-        step_sh = None if self.mesh is None else batch_shardings(
-            self.mesh, step, row_axis=1, processes=self.comm.world)
-        if step_sh is not None:
-            step = jax.tree.map(_global_array, step, step_sh)
-        out = self._steps[key](self.params, step)  # (S, R, T)
-        if not out.is_fully_addressable:  # this process's rows only
-            from jax.experimental import multihost_utils
-            out = multihost_utils.global_array_to_host_local_array(
-                out, self.mesh, P(None, BATCH_AXES))
-        out = np.asarray(out)
-        return [out[i // local, i % local, :b.num_tokens] for i, b in enumerate(batches)]
+        slices = self._slices(batches, 1.0, 1.0)
+        local = len(slices[0]["input_ids"])  # this process's rows per slice
+        out = []
+        for sl in slices:
+            fn, shardings = self._compiled("logprobs", sl)
+            rows = fn(self.params, self._global(sl, shardings))  # (R, T)
+            if not rows.is_fully_addressable:  # this process's rows only
+                from jax.experimental import multihost_utils
+                rows = multihost_utils.global_array_to_host_local_array(
+                    rows, self.mesh, P(BATCH_AXES))
+            out.append(np.asarray(rows))
+        return [out[i // local][i % local, :b.num_tokens] for i, b in enumerate(batches)]
 
-    def _step_arrays(self, batches, n_tokens: float, n_seqs: float) -> tuple[dict, int]:
-        """(this process's step arrays, its rows per slice), shapes agreed over processes."""
+    def _slices(self, batches, n_tokens: float, n_seqs: float) -> list[dict]:
+        """This process's slices, their shapes and count agreed over processes."""
         if self.processor is None or self.config is None:
             raise ValueError("the JAX learner needs its processor and config for micro-batches")
         rows = [host_row(b, self.processor, self.config, agg=self.loss_cfg.agg,
@@ -226,69 +245,48 @@ class Learner:
         sizes = step_sizes(rows, self.config, rows_per_slice=local, row_len=row_len)
         sizes = {k: int(v) for k, v in self.comm.sum_scalars(
             sizes, max_keys=tuple(sizes)).items()}  # every process pads to the same shapes
-        return step_arrays(rows, self.config, rows_per_slice=local, row_len=row_len,
-                           sizes=sizes), local
+        return step_slices(rows, self.config, rows_per_slice=local, row_len=row_len,
+                           sizes=sizes)
 
-    def _logprobs(self, params, step):
-        cast = params if self.compute_dtype is None else jax.tree.map(
-            lambda a: a.astype(self.compute_dtype), params)
-        model = self.merge(cast)
-        arrays = {k: v for k, v in step.items() if k not in ("n_slices", "key_offsets")}
-        return jax.lax.map(lambda sl: token_logprobs(
-            model, dict(sl, key_offsets=step["key_offsets"]), self.temperature,
-            chunk=self.chunk), arrays)
+    def _global(self, sl: dict, shardings) -> dict:
+        """A slice as the compiled functions take it: with a mesh, this process's rows become
+        its part of global arrays."""
+        return sl if shardings is None else jax.tree.map(_global_array, sl, shardings)
 
-    def train_arrays(self, step: dict) -> dict[str, float]:
-        """One optimizer step on a step's arrays (`geo3k_jax.buckets.step_arrays`, this
-        process's rows); returns float metrics (see `train_step`)."""
-        fn, shardings = self._compiled(step)
-        if shardings is not None:  # this process's rows become slices of global arrays
-            step = jax.tree.map(_global_array, step, shardings)
-        self.params, self.opt_state, metrics = fn(self.params, self.opt_state, step,
-                                                  self.ref_params)
-        return {k: float(v) for k, v in metrics.items()} | {"compiles": float(self.compiles)}
-
-    def _compiled(self, step: dict):
-        """The jitted step for this step's key set (shardings are fixed per key set)."""
-        key = tuple(sorted(step))
+    def _compiled(self, kind: str, sl: dict):
+        """The jitted `kind` function ("grad" or "logprobs") for slices with these keys, and
+        their shardings (fixed per key set; jit compiles once per shape)."""
+        key = (kind,) + tuple(sorted(sl))
         if key not in self._steps:
-            kw, step_sh = {}, None
+            kw, sl_sh = {}, None
             if self.mesh is not None:
-                step_sh = batch_shardings(self.mesh, step, row_axis=1,
-                                          processes=self.comm.world)
+                sl_sh = batch_shardings(self.mesh, sl, processes=self.comm.world)
                 ref_sh = None if self.ref_params is None else self.param_sh
-                kw = dict(in_shardings=(self.param_sh, self.opt_sh, step_sh, ref_sh),
-                          out_shardings=(self.param_sh, self.opt_sh, None))
-            self._steps[key] = (jax.jit(self._step, donate_argnums=(0, 1), **kw), step_sh)
+                kw = dict(in_shardings=(self.param_sh, sl_sh, ref_sh),
+                          out_shardings=(self.param_sh, None)) if kind == "grad" else dict(
+                    in_shardings=(self.param_sh, sl_sh))
+            fn = self._slice_grad if kind == "grad" else self._logprobs
+            self._steps[key] = (jax.jit(fn, **kw), sl_sh)
         return self._steps[key]
 
-    def _slice_loss(self, params, batch, ref_params):
-        return grpo_loss(self.merge, params, batch, self.loss_cfg, self.temperature,
-                         self.compute_dtype, ref_params, self.chunk, self.remat)
-
-    def _step(self, params, opt_state, step, ref_params):
+    def _logprobs(self, params, sl):
         self.compiles += 1  # runs while tracing only
-        n_slices = step["n_slices"]
-        arrays = {k: v for k, v in step.items() if k not in ("n_slices", "key_offsets")}
-        take = lambda i: dict(jax.tree.map(lambda a: a[i], arrays),  # noqa: E731
-                              key_offsets=step["key_offsets"])
-        grad_fn = jax.value_and_grad(self._slice_loss, has_aux=True)
+        cast = params if self.compute_dtype is None else jax.tree.map(
+            lambda a: a.astype(self.compute_dtype), params)
+        return token_logprobs(self.merge(cast), sl, self.temperature, chunk=self.chunk)
 
-        def body(i, carry):  # one slice: add its gradient and metric sums
-            grads, sums = carry
-            (loss, s), g = grad_fn(params, take(i), ref_params)
-            s = dict(s, loss=loss)
-            sums = {k: jnp.maximum(sums[k], v) if k == "logp_diff_max" else sums[k] + v
-                    for k, v in s.items()}
-            return jax.tree.map(jnp.add, grads, g), sums
+    def _slice_grad(self, params, sl, ref_params):
+        """(gradient, metric sums and the loss) of one slice."""
+        self.compiles += 1
+        (loss, sums), grads = jax.value_and_grad(
+            lambda p: grpo_loss(self.merge, p, sl, self.loss_cfg, self.temperature,
+                                self.compute_dtype, ref_params, self.chunk, self.remat),
+            has_aux=True)(params)
+        return grads, dict(sums, loss=loss)
 
-        shapes = jax.eval_shape(lambda: grad_fn(params, take(0), ref_params)[0][1])
-        sums0 = {k: jnp.zeros((), jnp.float32) for k in (*shapes, "loss")}
-        grads0 = jax.tree.map(jnp.zeros_like, params)
-        if self.param_sh is not None:
-            grads0 = jax.lax.with_sharding_constraint(grads0, self.param_sh)
-        grads, sums = jax.lax.fori_loop(0, n_slices, body, (grads0, sums0))
-
+    def _apply(self, params, opt_state, grads, sums):
+        """Clip and AdamW unless the gradient norm is not finite; the step's metrics."""
+        self.compiles += 1
         grad_norm = optax.tree.norm(grads)
         lr = current_lr(opt_state, self.cfg)
 
@@ -303,6 +301,15 @@ class Learner:
         metrics = {k: (v if k in ("loss", "logp_diff_max") else v / n) for k, v in sums.items()}
         metrics.update(grad_norm=grad_norm, skipped=1.0 - jnp.isfinite(grad_norm), lr=lr)
         return params, opt_state, metrics
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _accumulate(total, new):
+    """(gradients, metric sums) of two slices added (the largest logp_diff_max kept)."""
+    grads = jax.tree.map(jnp.add, total[0], new[0])
+    sums = {k: jnp.maximum(v, new[1][k]) if k == "logp_diff_max" else v + new[1][k]
+            for k, v in total[1].items()}
+    return grads, sums
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import Linear, scatter_rows
+from geo3k_jax.layers import WINDOW_AXES, Linear, scatter_rows
 from geo3k_jax.text import ARCHS, TextModel
 from geo3k_jax.vision import build_vision_tower
 
@@ -58,9 +58,9 @@ class QwenVL(nnx.Module):
                                                                   batch["vision"])
             index = batch["visual_index"]  # (B, N) positions of the row's image tokens
             embeds = scatter_rows(embeds, index, image_embeds.astype(embeds.dtype), "set")
-        return lm(embeds, batch["positions"], batch["segments"], batch["attn_starts"],
-                  batch["key_offsets"], index, deepstack, remat=remat,
-                  prefix=batch.get("prefix"))
+        windows = {k: batch[k] for k in WINDOW_AXES}
+        return lm(embeds, batch["positions"], batch["segments"], windows, index, deepstack,
+                  remat=remat, prefix=batch.get("prefix"))
 
     def head_weight(self) -> jax.Array:
         """The LM head as (vocab, hidden): lm_head, or the tied embedding table."""

@@ -25,6 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from geo3k_jax.batch import REPLICATED_KEYS
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -77,21 +79,20 @@ def param_shardings(params: Mapping[str, object], mesh, rules: Sequence
             for name, v in params.items()}
 
 
-def batch_shardings(mesh, batch: Mapping[str, object], row_axis: int = 0,
-                    replicated: Sequence[str] = ("key_offsets", "n_slices"),
-                    processes: int = 1) -> dict:
-    """Shardings of a batch (`geo3k_jax.batch`; with row_axis=1 a step of
-    `geo3k_jax.buckets`): every array's row axis is split over the data-parallel axes (the row
-    count, times `processes` when `batch` is one process's share, must divide), the
-    `replicated` keys are copied to every device."""
+def batch_shardings(mesh, batch: Mapping[str, object],
+                    replicated: Sequence[str] = REPLICATED_KEYS, processes: int = 1) -> dict:
+    """Shardings of a batch (`geo3k_jax.batch`, or a slice of `geo3k_jax.buckets`): every
+    array's row axis (the first) is split over the data-parallel axes (the row count, times
+    `processes` when `batch` is one process's share, must divide), the `replicated` keys are
+    copied to every device."""
     n = _axis_size(mesh, BATCH_AXES)
-    spec = P(*([None] * row_axis), BATCH_AXES if n > 1 else None)
+    spec = P(BATCH_AXES if n > 1 else None)
 
     def one(key, a):
         if key in replicated:
             return NamedSharding(mesh, P())
-        if a.shape[row_axis] * processes % n:
-            raise ValueError(f"batch {key!r} has {a.shape[row_axis] * processes} rows; the "
+        if a.shape[0] * processes % n:
+            raise ValueError(f"batch {key!r} has {a.shape[0] * processes} rows; the "
                              f"mesh's data axes {BATCH_AXES} need a multiple of {n}")
         return NamedSharding(mesh, spec)
     return {k: jax.tree.map(lambda a, k=k: one(k, a), v) for k, v in batch.items()}

@@ -10,9 +10,9 @@ Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. Th
 
 Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
 by segment ids; attention is causal within a segment, which is what transformers does when it is
-given packed text positions. Each block of queries reads one window of keys that covers its
-segments (`layers.windowed_attention`), so a row costs T x W scores, W about the longest sequence,
-rather than T x T. Positions are the three M-RoPE rows
+given packed text positions. Each block of queries reads two windows of keys, its shared prefix
+and its own segments (`layers.windowed_attention`), so a row costs T x (Wp + W) scores, Wp about
+the longest shared prompt and W the longest continuation, rather than T x T. Positions are the three M-RoPE rows
 (temporal, height, width) of `common.mrope`.
 """
 
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, scatter_rows,
-                              rope_inv_freq, window_mask, windowed_attention)
+from geo3k_jax.layers import (WINDOW_AXES, Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
+                              rope_inv_freq, scatter_rows, window_mask, windowed_attention)
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -76,7 +76,7 @@ class TextAttention(nnx.Module):
         self.heads, self.kv_heads, self.head_dim = h, kv, d
         self.qk_norm = arch == "qwen3_vl"
 
-    def __call__(self, x, cos, sin, starts, mask):
+    def __call__(self, x, cos, sin, windows, mask):
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.kv_heads, self.head_dim)
@@ -84,7 +84,7 @@ class TextAttention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(windowed_attention(q, k, v, starts, mask, self.head_dim ** -0.5))
+        return self.o_proj(windowed_attention(q, k, v, windows, mask, self.head_dim ** -0.5))
 
 
 class DecoderLayer(nnx.Module):
@@ -98,8 +98,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)
 
-    def __call__(self, x, cos, sin, starts, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, starts, mask)
+    def __call__(self, x, cos, sin, windows, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, windows, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,23 +126,24 @@ class TextModel(nnx.Module):
         self.rope = MRoPE(arch, head_dim_of(cfg, arch), dict(cfg.rope_parameters))
 
     def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,
-                 starts: jax.Array, key_offsets: jax.Array,
-                 visual_index: jax.Array | None = None,
+                 windows: dict, visual_index: jax.Array | None = None,
                  deepstack: list[jax.Array] = (), remat: bool = False,
                  prefix: jax.Array | None = None) -> jax.Array:
         """embeds: (B, T, hidden); positions: (B, 3, T); segments: (B, T); attention windows:
-        starts (B, T / block) and key_offsets (W,) (see `geo3k_jax.batch`). DeepStack:
+        attn_starts, prefix_starts (B, T / block), key_offsets (W,), prefix_offsets (Wp,)
+        (`geo3k_jax.batch.attention_windows`). DeepStack:
         feature k (B, N, hidden) is added after layer k at the row positions visual_index
         (B, N) (positions >= T are dropped). remat: each layer's activations are recomputed in
         the backward pass (memory of one layer instead of all). prefix: (B, T) the shared prefix
         segment each token's segment continues (`geo3k_jax.batch`; None: none). Returns normed
         hidden states (B, T, hidden)."""
         cos, sin = self.rope(positions)
-        mask = jax.vmap(window_mask, in_axes=(0, 0, None, 0 if prefix is not None else None))(
-            segments, starts, key_offsets, prefix)
+        mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, None if prefix is None else 0))(
+            segments, windows, prefix)
         x = embeds
         for i, layer in enumerate(self.layers):
-            run = lambda h, layer=layer: jax.vmap(layer)(h, cos, sin, starts, mask)  # noqa
+            run = lambda h, layer=layer: jax.vmap(  # noqa: E731
+                layer, in_axes=(0, 0, 0, WINDOW_AXES, 0))(h, cos, sin, windows, mask)
             x = jax.checkpoint(run)(x) if remat else run(x)
             if i < len(deepstack):
                 x = scatter_rows(x, visual_index, deepstack[i].astype(x.dtype), "add")

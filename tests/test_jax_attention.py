@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from geo3k_jax.batch import NO_PREFIX, attention_windows
-from geo3k_jax.layers import attention, window_mask, windowed_attention
+from geo3k_jax.layers import WINDOW_AXES, attention, window_mask, windowed_attention
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -18,6 +18,14 @@ def rows_of(lengths_per_row, length):
     for r, lengths in enumerate(lengths_per_row):
         out[r, :sum(lengths)] = np.repeat(np.arange(len(lengths)), lengths)
     return out
+
+
+def windowed(q, k, v, seg, windows, prefix=None):
+    """The windowed attention of rows (B, T, ...) as the text model runs it (scale 0.3)."""
+    mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, None if prefix is None else 0))(
+        jnp.asarray(seg), windows, None if prefix is None else jnp.asarray(prefix))
+    return jax.jit(jax.vmap(lambda q_, k_, v_, w, m: windowed_attention(q_, k_, v_, w, m, 0.3),
+                            in_axes=(0, 0, 0, WINDOW_AXES, 0)))(q, k, v, windows, mask)
 
 
 def dense(q, k, v, seg):
@@ -34,13 +42,12 @@ def dense(q, k, v, seg):
 ])
 def test_windowed_equals_dense(lengths, length):
     seg = rows_of(lengths, length)
-    starts, offsets = attention_windows(seg)
+    windows = attention_windows(seg)
+    assert len(windows["prefix_offsets"]) == 0  # nothing continues a prefix
     rng = np.random.default_rng(0)
     b, t, h, kv, d = len(lengths), length, 4, 2, 8
     q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, d)), jnp.float32) for n in (h, kv, kv))
-    mask = jax.vmap(window_mask, in_axes=(0, 0, None))(jnp.asarray(seg), starts, offsets)
-    got = jax.jit(jax.vmap(windowed_attention, in_axes=(0, 0, 0, 0, 0, None)),
-                  static_argnums=5)(q, k, v, starts, mask, 0.3)
+    got = windowed(q, k, v, seg, windows)
     for r in range(b):
         real = seg[r] >= 0
         want = dense(q[r], k[r], v[r], seg[r])
@@ -50,23 +57,17 @@ def test_windowed_equals_dense(lengths, length):
 
 def test_window_is_the_longest_sequence_plus_a_block():
     seg = rows_of([[100, 300, 50], [20] * 20], 1024)
-    starts, offsets = attention_windows(seg)
+    w = attention_windows(seg)
+    starts, offsets = w["attn_starts"], w["key_offsets"]
     assert len(offsets) % 128 == 0 and 300 <= len(offsets) <= 300 + 2 * 128
     assert starts.shape == (2, 8) and (starts >= 0).all() and (starts + len(offsets) <= 1024).all()
 
 
-@pytest.mark.parametrize("layout,length", [
-    # (segment lengths, parents) per row: prompts with several continuations, plain sequences
-    ([([300, 40, 90, 25], [-1, 0, 0, 0]), ([50, 200, 10, 10, 60], [-1, -1, 1, 1, -1])], 512),
-    ([([7, 3, 3], [-1, 0, 0]), ([5, 9, 2, 1], [-1, -1, 1, 1])], 21),
-])
-def test_windows_reach_shared_prefixes(layout, length):
-    """Segments that continue a shared prefix see all of it (and themselves causally): the
-    windowed attention with prefix-aware masks and windows equals the dense reference."""
+def shared_rows(layout, length):
+    """(segments, prefix, allowed (B, T, T) dense mask) of rows of (segment lengths, parents)."""
     b = len(layout)
     seg = np.full((b, length), -1, np.int32)
     prefix = np.full((b, length), NO_PREFIX, np.int32)
-    reach = np.full((b, length), length)
     allowed = np.zeros((b, length, length), bool)
     for r, (lengths, parents) in enumerate(layout):
         bounds = np.cumsum([0] + lengths)
@@ -74,17 +75,53 @@ def test_windows_reach_shared_prefixes(layout, length):
             lo, hi = bounds[s], bounds[s + 1]
             seg[r, lo:hi] = s
             allowed[r, lo:hi, lo:hi] = np.tril(np.ones((hi - lo, hi - lo), bool))
-            reach[r, lo:hi] = lo
             if p >= 0:
-                prefix[r, lo:hi], reach[r, lo:hi] = p, bounds[p]
+                prefix[r, lo:hi] = p
                 allowed[r, lo:hi, bounds[p]:bounds[p + 1]] = True
-    starts, offsets = attention_windows(seg, reach=reach)
+    return seg, prefix, allowed
+
+
+LONG_GROUP = ([400] + [60] * 10 + [30, 100], [-1] + [0] * 10 + [-1, 11])  # 1,130 tokens
+
+
+@pytest.mark.parametrize("layout,length", [
+    # (segment lengths, parents) per row: prompts with several continuations, plain sequences
+    ([([300, 40, 90, 25], [-1, 0, 0, 0]), ([50, 200, 10, 10, 60], [-1, -1, 1, 1, -1])], 512),
+    ([([7, 3, 3], [-1, 0, 0]), ([5, 9, 2, 1], [-1, -1, 1, 1])], 21),
+    # a group over many blocks, then another group; two groups meeting inside a block
+    ([LONG_GROUP, ([100, 20, 20, 150, 50, 50, 30], [-1, 0, 0, -1, 3, 3, -1])], 1152),
+    # the last block's own window is pulled left over its prefix (kept once, not twice)
+    ([([130, 10, 500], [-1, 0, 0]), ([64, 64, 64, 64, 100], [-1, 0, -1, 2, 2])], 640),
+])
+def test_windows_reach_shared_prefixes(layout, length):
+    """Segments that continue a shared prefix see all of it (and themselves causally): the
+    windowed attention with prefix-aware masks and windows equals the dense reference."""
+    b = len(layout)
+    seg, prefix, allowed = shared_rows(layout, length)
+    windows = attention_windows(seg, prefix)
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((b, length, n, 8)), jnp.float32) for n in (4, 2, 2))
-    mask = jax.vmap(window_mask)(jnp.asarray(seg), starts,
-                                 jnp.broadcast_to(offsets, (b, len(offsets))), jnp.asarray(prefix))
-    got = jax.vmap(windowed_attention, in_axes=(0, 0, 0, 0, 0, None))(q, k, v, starts, mask, 0.3)
+    got = windowed(q, k, v, seg, windows, prefix)
     for r in range(b):
         real = seg[r] >= 0
         want = attention(q[r], k[r], v[r], jnp.asarray(allowed[r]), 0.3)
         np.testing.assert_allclose(np.asarray(got[r])[real], np.asarray(want)[real], atol=1e-6)
+
+
+def test_a_long_group_costs_its_prompt_plus_a_continuation():
+    """A group's queries read the prompt (prefix window) and their own continuation, not the
+    whole group: Wp is the prompt and W a continuation plus a block or two, also for the
+    blocks that start inside the prompt."""
+    seg, prefix, _ = shared_rows([LONG_GROUP], 1152)
+    w = attention_windows(seg, prefix)
+    assert len(w["prefix_offsets"]) == 512  # the 400-token prompt, in blocks of 128
+    assert len(w["key_offsets"]) <= 100 + 2 * 128
+    assert list(w["window_prefix"][0, :4]) == [0, 0, 0, 0]  # the prompt's blocks, then ...
+    assert (w["window_prefix"][0, 4:8] == 0).all()  # ... its continuations' blocks
+
+
+def test_a_prefix_outside_the_row_is_an_error():
+    seg, prefix, _ = shared_rows([([10, 5], [-1, 0])], 16)
+    prefix[0, 10:15] = 7
+    with pytest.raises(ValueError, match="prefix segment that is not in the row"):
+        attention_windows(seg, prefix)

@@ -32,9 +32,11 @@ class Tiny:
     shared: JaxEngine
 
     def engine(self, seed=0) -> JaxEngine:
-        """The module's engine (compiled once per shape) reseeded as a fresh one would be."""
+        """The module's engine (compiled once per shape) reseeded and emptied as a fresh one
+        would be."""
         self.shared.set_rng_state(np.asarray(jax.random.PRNGKey(seed)).tolist())
         self.shared.params = lambda: self.params
+        self.shared.clear_cache()
         return self.shared
 
 
@@ -212,7 +214,8 @@ def test_shared_group_prefill_equals_separate_prefills(tiny):
     reqs = group[:2] + [Request(tuple(prompt_ids(tiny.processor, other, rng)), other,
                                 SamplingParams(1.0, 0.9, 10), "o")] + group[2:]
     shared_engine = tiny.engine(seed=4)
-    assert shared_engine._distinct(reqs) == ([0, 2], [0, 0, 1, 0, 0])
+    work, expand = shared_engine._plan(reqs, {})
+    assert [r for _, r in work] == [reqs[0], reqs[2]] and expand == [0, 0, 1, 0, 0]
     shared = shared_engine.generate(reqs)
     separate = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
                          seed=4, share_prefill=False).generate(reqs)
@@ -220,3 +223,32 @@ def test_shared_group_prefill_equals_separate_prefills(tiny):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     assert len({tuple(o.token_ids) for o in shared[:2] + shared[3:]}) > 1  # samples differ
+
+
+def test_kept_cache_equals_whole_prefills(tiny):
+    """Turns 2 and 3 continue each session's kept KV cache (only the last generated token and
+    the feedback are prefilled) and sample what prefilling the whole conversation samples:
+    the same tokens, log-probs within 1e-5, sampled (same key) and greedy; after
+    `clear_cache`, or with an image token in the new part, a request is prefilled whole."""
+    for temperature in (1.0, 0.0):
+        kept = episodes(tiny.engine(seed=6), tiny.processor, 9, temperature=temperature)
+        engine = tiny.engine()
+        whole = episodes(JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor,
+                                   tiny.hf.config, seed=6, keep_cache=False),
+                         tiny.processor, 9, temperature=temperature)
+        for (_, a), (_, b) in zip(kept, whole):
+            for x, y in zip(a, b):
+                assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+                np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+    reqs, outs = kept[-1]
+    nxt = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + (5, 6))
+           for r, o in zip(reqs, outs)]
+    engine = tiny.engine()
+    engine.generate(reqs)
+    work, _ = engine._plan(nxt, engine._kept)
+    assert all(entry is not None for entry, _ in work)  # every session continues
+    assert len(work[0][1].input_ids) - len(work[0][0].ids) == 1 + 2  # last token + feedback
+    with_image = dataclasses.replace(nxt[0], input_ids=nxt[0].input_ids + (IMG,))
+    assert engine._plan([with_image], engine._kept)[0][0][0] is None
+    engine.clear_cache()
+    assert all(entry is None for entry, _ in engine._plan(nxt, engine._kept)[0])

@@ -147,16 +147,20 @@ def test_chunked_logprobs_and_remat_change_nothing(setup):
 
 
 def test_a_run_compiles_once_per_bucket(setup):
-    """Steps whose sizes fall in the same buckets reuse the compiled step (4 micro-batches in
-    any order: one shape; 3: another)."""
+    """Steps whose slices fall in the same buckets reuse the compiled gradient (4 micro-batches
+    in any order, or 3: how many slices a step has is no shape), the update compiles once; a
+    new slice shape (longer rows) compiles the gradient again, not the update."""
     learner = setup.learner(LossConfig(), train_config())
     assert len(setup.batches) == 4
     setup.step(learner)
     setup.step(learner, setup.batches[::-1])
-    assert learner.compiles == 1
+    assert learner.compiles == 2  # the slice gradient and the update
     setup.step(learner, setup.batches[:3])
     setup.step(learner, setup.batches[1:])
     assert learner.compiles == 2
+    learner.row_len *= 2
+    setup.step(learner)
+    assert learner.compiles == 3
 
 
 def test_bucket_ladder():

@@ -52,5 +52,4 @@ def test_single_device_shardings():
     out = batch_shardings(mesh, batch)
     assert set(out) == {"input_ids", "key_offsets", "vision"}
     assert set(out["vision"]) == {"rope_pos"}
-    step = {"input_ids": np.zeros((2, 3, 8)), "n_slices": np.int32(2)}
-    assert set(batch_shardings(mesh, step, row_axis=1)) == {"input_ids", "n_slices"}
+    assert out["key_offsets"].spec == P()

@@ -124,10 +124,9 @@ def test_export_loads_in_transformers_with_the_same_logits(ckpt, tmp_path):
     assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
     ids = rng.integers(0, config.text_config.vocab_size - 4, (1, 40))
     segments = np.zeros((1, 40), np.int32)
-    starts, offsets = attention_windows(segments)
     batch = {"input_ids": ids.astype(np.int32),
              "positions": np.broadcast_to(np.arange(40), (1, 3, 40)).astype(np.int32),
-             "segments": segments, "attn_starts": starts, "key_offsets": offsets}
+             "segments": segments, **attention_windows(segments)}
     jax_logits = np.asarray(merge(params).logits(merge(params).hidden_states(batch)))
     with torch.no_grad():
         torch_logits = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
