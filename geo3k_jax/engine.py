@@ -18,15 +18,16 @@ prefilled once: their row's cache and last logits are copied to each of them ins
 prefill before the first token is sampled (`share_prefill`).
 
 Both compiled functions (prefill + first sample, decode step + sample) take the parameters as an
-argument, so new weights never recompile, and see bucketed shapes (`geo3k_jax.buckets.bucket`:
-rows, new tokens, patches per row, cache length), so a run compiles a handful of times;
-`compiles` counts the traces. The decode step donates the cache it replaces. The sampling key is
+argument, so new weights never recompile, and see bucketed shapes (rows and new tokens: powers of
+two; patches per row: `geo3k_jax.buckets.bucket`; the cache: the longest a request has needed so
+far, in units of 128 slots), so a run compiles a handful of times; `compiles` counts the traces. The decode step donates the cache it replaces. The sampling key is
 a raw uint32[2] PRNG key (`rng_state`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Sequence
 
 import jax
@@ -46,23 +47,26 @@ NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a tu
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
-           banned: jax.Array) -> tuple[jax.Array, jax.Array]:
+           banned: jax.Array, nucleus: bool = True) -> tuple[jax.Array, jax.Array]:
     """One token per row, as `geo3k_torch.engine.sample`. logits: (B, V) fp32 raw; temperature,
-    top_p: (B,); banned: ids never sampled. Returns (tokens (B,) int32, log-probs (B,) under
-    log_softmax(logits / T); greedy rows (T = 0) report log_softmax(logits))."""
+    top_p: (B,); banned: ids never sampled; nucleus: whether some row has top_p < 1 (else the
+    sort is skipped). Returns (tokens (B,) int32, log-probs (B,) under log_softmax(logits / T);
+    greedy rows (T = 0) report log_softmax(logits))."""
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(logits / t, axis=-1)
     logits = logits.at[:, banned].set(-jnp.inf)
     scaled = logits / t
-    probs = jax.nn.softmax(scaled, axis=-1)
-    order = jnp.argsort(-probs, axis=-1)  # descending
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
-    keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
-    drawn = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1)
+    if nucleus:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        order = jnp.argsort(-probs, axis=-1)  # descending
+        sorted_p = jnp.take_along_axis(probs, order, axis=-1)
+        before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly above each token
+        keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1)
+        rows = jnp.arange(logits.shape[0])[:, None]
+        keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
+        scaled = jnp.where(keep, scaled, -jnp.inf)
+    drawn = jax.random.categorical(key, scaled, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
@@ -88,11 +92,12 @@ class JaxEngine:
         placeholders = {config.image_token_id, getattr(config, "video_token_id", None)} - {None}
         self.banned = jnp.asarray(sorted(placeholders), jnp.int32)
         self.compiles = 0  # traces of the prefill and decode functions
-        self._prefill = jax.jit(self._prefill_fn, static_argnames="cache_len")
-        self._step = jax.jit(self._step_fn, donate_argnums=1)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("cache_len", "nucleus"))
+        self._step = jax.jit(self._step_fn, donate_argnums=1, static_argnames="nucleus")
         self._kept: dict[str, _Kept] = {}  # session -> its row of `_kept_cache`
         self._kept_cache = None
         self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing
+        self._cache_len = 0  # the longest cache so far: it never shrinks (fewer shapes)
 
     def clear_cache(self) -> None:
         """Forget every session's KV cache (stale once the weights change)."""
@@ -113,7 +118,7 @@ class JaxEngine:
         return self.merge(params)
 
     def _prefill_fn(self, params, kept, source, lengths, batch, index, sampling, key,
-                    cache_len):
+                    cache_len, nucleus):
         """Run the work rows' new tokens over their caches (row r continues row source[r] of
         `kept`, or starts empty: source -1, kept None), then sample each request's first token;
         request b is work row index[b]."""
@@ -129,16 +134,16 @@ class JaxEngine:
         logits, cache = extend(model, cache, lengths, batch)
         cache = tuple((k[index], v[index]) for k, v in cache)
         key, sub = jax.random.split(key)
-        tokens, logp = sample(logits[index], *sampling, sub, self.banned)
+        tokens, logp = sample(logits[index], *sampling, sub, self.banned, nucleus)
         return tokens, logp, cache, key
 
-    def _step_fn(self, params, cache, tokens, positions, lengths, sampling, key):
+    def _step_fn(self, params, cache, tokens, positions, lengths, sampling, key, nucleus):
         self.compiles += 1
         batch = {"input_ids": tokens[:, None], "positions": positions[:, :, None],
                  "count": jnp.ones_like(lengths)}
         logits, cache = extend(self._model(params), cache, lengths, batch)
         key, sub = jax.random.split(key)
-        tokens, logp = sample(logits, *sampling, sub, self.banned)
+        tokens, logp = sample(logits, *sampling, sub, self.banned, nucleus)
         return tokens, logp, cache, key
 
     # ---- generate ----------------------------------------------------------------------
@@ -151,19 +156,19 @@ class JaxEngine:
         n = len(requests)
         work, expand = self._plan(requests, kept)
         batch, source, lengths, first_pos = self._work_arrays(work)
-        rows = bucket(n, 1)
+        rows = power_of_two(n, 1)
         index = np.zeros(rows, np.int32)  # padding rows copy row 0
         index[:n] = expand
-        budget = [r.sampling.max_new_tokens for r in requests]
-        cache_len = bucket(int((lengths + batch["count"]).max()) + max(budget), LENGTH_UNIT)
+        need = max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
+        self._cache_len = cache_len = max(self._cache_len, bucket(need, LENGTH_UNIT))
         pad = rows - n  # padding rows decode greedily, unread
         sampling = (np.r_[[r.sampling.temperature for r in requests], np.zeros(pad)]
                     .astype(np.float32),
                     np.r_[[r.sampling.top_p for r in requests], np.ones(pad)].astype(np.float32))
-        params = self.params()
+        params, nucleus = self.params(), bool((sampling[1] < 1).any())
         tok, lp, cache, self.key = self._prefill(
             params, kept_cache if (source >= 0).any() else None, source, lengths, batch, index,
-            sampling, self.key, cache_len=cache_len)
+            sampling, self.key, cache_len=cache_len, nucleus=nucleus)
         first_pos = first_pos[index]
         next_pos, lengths = first_pos.copy(), (lengths + batch["count"])[index]
         decoding = Decoding(requests)
@@ -172,7 +177,7 @@ class JaxEngine:
                 break
             positions = np.repeat(next_pos[:, None], 3, axis=1)  # (B, 3): text after the prompt
             tok, lp, cache, self.key = self._step(params, cache, tok, positions, lengths,
-                                                  sampling, self.key)
+                                                  sampling, self.key, nucleus=nucleus)
             next_pos, lengths = next_pos + 1, lengths + 1
         done = decoding.completions()
         if self.keep_cache and epoch == self._epoch:
@@ -217,10 +222,10 @@ class JaxEngine:
         length bucketed; rows past the work hold one pad token."""
         fresh = [r for entry, r in work if entry is None]
         prompts = self._prompt_rows(fresh)
-        n_rows = bucket(len(work), 1)
+        n_rows = power_of_two(len(work), 1)
         news = [np.asarray(r.input_ids[len(entry.ids):] if entry else r.input_ids, np.int64)
                 for entry, r in work]
-        length = bucket(max(map(len, news)), NEW_TOKENS_UNIT)
+        length = power_of_two(max(map(len, news)), NEW_TOKENS_UNIT)
         batch = {"input_ids": np.zeros((n_rows, length), np.int32),
                  "positions": np.zeros((n_rows, 3, length), np.int32),
                  "count": np.ones(n_rows, np.int32)}
@@ -288,6 +293,12 @@ class _Kept:
     ids: tuple
     next_pos: int
     images: int
+
+
+def power_of_two(n: int, unit: int) -> int:
+    """The smallest unit x 2^k >= n: the engine's rows and new tokens (coarser than
+    `geo3k_jax.buckets.bucket`: every shape here compiles the prefill and the decode step)."""
+    return unit * 2 ** max(0, math.ceil(math.log2(max(n, 1) / unit)))
 
 
 def _resize(cache: jax.Array, length: int) -> jax.Array:

@@ -139,7 +139,8 @@ def test_stop_tokens_and_budgets(tiny):
     a, b, c = engine.generate(reqs)
     first = probe.token_ids.index(stop)
     assert a.token_ids == probe.token_ids[:first + 1] and a.finish_reason == "stop"
-    assert b == probe and b.finish_reason == "length"
+    assert b.token_ids == probe.token_ids and b.finish_reason == "length"
+    np.testing.assert_allclose(b.logprobs, probe.logprobs, rtol=0, atol=1e-5)  # other shapes
     assert len(c.token_ids) == 3 or c.finish_reason == "stop"
     assert [len(o.token_ids) == len(o.logprobs) for o in (a, b, c)] == [True] * 3
 
@@ -252,3 +253,20 @@ def test_kept_cache_equals_whole_prefills(tiny):
     assert engine._plan([with_image], engine._kept)[0][0][0] is None
     engine.clear_cache()
     assert all(entry is None for entry, _ in engine._plan(nxt, engine._kept)[0])
+
+
+def test_sampling_without_top_p_skips_the_sort_and_draws_the_same():
+    """With every top_p = 1 the sort is skipped (`nucleus=False`): same tokens and log-probs
+    from the same key as through the nucleus path; placeholders stay banned."""
+    from geo3k_jax.engine import power_of_two, sample
+    logits = jax.random.normal(jax.random.PRNGKey(1), (6, 50)) * 3
+    logits = logits.at[:, 7].set(100.0)  # a placeholder that would always win
+    temperature = jax.numpy.asarray([1.0, 0.7, 0.0, 1.3, 1.0, 0.0])
+    top_p, key, banned = jax.numpy.ones(6), jax.random.PRNGKey(2), jax.numpy.asarray([7])
+    fast = sample(logits, temperature, top_p, key, banned, nucleus=False)
+    full = sample(logits, temperature, top_p, key, banned, nucleus=True)
+    np.testing.assert_array_equal(fast[0], full[0])
+    np.testing.assert_array_equal(fast[1], full[1])
+    assert 7 not in np.asarray(fast[0]).tolist()
+    assert [power_of_two(n, 32) for n in (1, 32, 33, 100, 512, 513)] == \
+        [32, 32, 64, 128, 512, 1024]
