@@ -1,12 +1,13 @@
 """A step's micro-batches as fixed-shape slices: what the JAX learner's compiled functions take.
 
 The step accumulates gradients over S "slices"; a slice is R rows (R = the mesh's data-parallel
-size), one packed micro-batch per row (`geo3k_jax.batch`), every row `row_len` tokens. A slice's
+size), one packed micro-batch per row (`geo3k_jax.batch`), every row T tokens. A slice's
 arrays are the compiled gradient's input, so that a whole run compiles a handful of times every
 size that follows the data is rounded up to a bucket (`bucket`: a unit times 1, 2, 3, 4, 6, 8,
 12, ...), the same for every slice of the step; how many slices a step has is no shape at all:
 
-    K  trained tokens per row                 P  image patches per row
+    T  tokens per row (at most `row_len`)     K  trained tokens per row
+    P  image patches per row
     W  own attention keys per query block     Wp prefix attention keys per query block
 
 Padding never changes a result (see `geo3k_jax.batch`): padded targets point at a row's first
@@ -14,8 +15,8 @@ token (never trained, weight 0), padded patches form an image of their own whose
 dropped, padded rows and slices (a process with fewer micro-batches than another) are all
 padding.
 
-    slices = step_slices(rows, config, rows_per_slice=R, row_len=T)
-    slices[i]["input_ids"]  (R, T)   ... every key of `geo3k_jax.batch`
+    slices = step_slices(rows, config, rows_per_slice=R, row_len=budget)
+    slices[i]["input_ids"]  (R, T)   ... every key of `geo3k_jax.batch`, T <= budget
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from geo3k_jax.batch import BLOCK, NO_PREFIX, HostRow, assemble, attention_windows
 
 TARGET_UNIT = 128  # trained tokens per row come in multiples of this times a power of two
+ROW_UNIT = 256  # tokens per row: multiples of this (up to the row length)
 PATCH_UNITS = 16  # image patches per row: multiples of 16 merge units times a power of two
 
 
@@ -43,20 +45,22 @@ def bucket(n: int, unit: int) -> int:
 
 def step_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int
                ) -> dict[str, int]:
-    """The sizes this process's rows need: slices holding rows and, bucketed, targets,
-    patches, window, prefix_window. Several processes take the maximum of each (the learner
-    does) before `step_slices`: each then runs as many slices of the same shapes."""
+    """The sizes this process's rows need: slices holding rows and, bucketed, length (at most
+    `row_len`), targets, patches, window, prefix_window. Several processes take the maximum
+    of each (the learner does) before `step_slices`: each then runs as many slices of the
+    same shapes."""
     unit = config.vision_config.spatial_merge_size ** 2
     patches = max((len(r.pixel_values) for r in rows if r.pixel_values is not None), default=0)
-    segments = np.full((max(len(rows), 1), row_len), -1, np.int32)
+    length = min(row_len, bucket(max((r.batch.num_tokens for r in rows), default=1), ROW_UNIT))
+    segments = np.full((max(len(rows), 1), length), -1, np.int32)
     prefix = np.full_like(segments, NO_PREFIX)
     for i, r in enumerate(rows):
         segments[i, :r.batch.num_tokens] = r.batch.seq_ids
         prefix[i, :r.batch.num_tokens] = r.prefix
     windows = attention_windows(segments, prefix)
-    block = math.gcd(row_len, BLOCK)
-    window = lambda key: min(row_len, bucket(len(windows[key]), block))  # noqa: E731
-    return {"slices": -(-len(rows) // rows_per_slice),
+    block = math.gcd(length, BLOCK)
+    window = lambda key: min(length, bucket(len(windows[key]), block))  # noqa: E731
+    return {"slices": -(-len(rows) // rows_per_slice), "length": length,
             "targets": bucket(max((len(r.targets) for r in rows), default=1), TARGET_UNIT),
             "patches": bucket(patches, PATCH_UNITS * unit) if patches else 0,
             "window": window("key_offsets"),
@@ -72,7 +76,7 @@ def step_slices(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len
     if len(groups) > sizes["slices"]:
         raise ValueError(f"{len(groups)} slices for a step of {sizes['slices']}")
     groups += [[]] * (sizes["slices"] - len(groups))
-    return [assemble(g, config, n_rows=rows_per_slice, length=row_len,
+    return [assemble(g, config, n_rows=rows_per_slice, length=sizes["length"],
                      n_targets=sizes["targets"], n_patches=sizes["patches"],
                      min_window=sizes["window"], min_prefix_window=sizes["prefix_window"])
             for g in groups]

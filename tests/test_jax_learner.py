@@ -16,7 +16,8 @@ import pytest
 
 from common.grpo import LossConfig, policy_loss
 from common.schedule import lr_table
-from geo3k_jax.buckets import bucket
+from geo3k_jax.batch import host_row
+from geo3k_jax.buckets import ROW_UNIT, bucket, step_sizes, step_slices
 from geo3k_jax.learner import grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
 from tests.jax_learner_setup import model_and_batch, train_config
@@ -161,6 +162,19 @@ def test_a_run_compiles_once_per_bucket(setup):
     learner.row_len *= 2
     setup.step(learner)
     assert learner.compiles == 3
+
+
+def test_rows_are_as_long_as_the_step_needs(setup):
+    """A step's rows are its longest micro-batch rounded up to a bucket of ROW_UNIT tokens, at
+    most the row length: short micro-batches never pay for the whole budget."""
+    rows = [host_row(b, setup.processor, setup.config, agg="token-mean", n_tokens=1.0,
+                     n_seqs=1.0) for b in setup.batches]
+    longest = max(b.num_tokens for b in setup.batches)
+    sizes = step_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
+    assert sizes["length"] == bucket(longest, ROW_UNIT) < 8 * ROW_UNIT
+    slices = step_slices(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
+    assert {sl["input_ids"].shape for sl in slices} == {(1, sizes["length"])}
+    assert step_sizes(rows, setup.config, rows_per_slice=1, row_len=longest)["length"] == longest
 
 
 def test_bucket_ladder():
