@@ -1,15 +1,17 @@
-"""The GRPO learner in JAX: `common.learner.Learner` as one compiled, sharded step.
+"""The GRPO learner in JAX: `common.learner.Learner` as two compiled, sharded functions.
 
-    for each slice of micro-batches (a loop inside the compiled step):
+    for each slice of micro-batches (one compiled gradient per slice shape):
         log-probs of the trained tokens (fp32, from logits / temperature, in chunks)
-        -> per-token loss (common.grpo, xp=jax.numpy) -> sum(weight_t * loss_t) -> grad, summed
-    clip the global norm -> AdamW (optax) with the schedule of common.schedule, unless the
-    gradient norm is not finite (then nothing changes: a `lax.cond`, no second copy of state)
+        -> per-token loss (common.grpo, xp=jax.numpy) -> sum(weight_t * loss_t) -> grad
+    the slices' gradients summed on device, then (one compiled update) clip the global norm ->
+    AdamW (optax) with the schedule of common.schedule, unless the gradient norm is not finite
+    (then nothing changes: a `lax.cond`, no second copy of state)
 
 It mirrors `geo3k_torch.learner`: the same loss function, weights, schedule, clipping and skip
 rule, one optimizer step per rollout, "old" log-probs = the current ones without gradient.
-Inputs have fixed, bucketed shapes (`geo3k_jax.buckets`), so a run compiles a handful of times
-(counted in `compiles`). Parameters are a flat {checkpoint key: array} dict
+A slice has bucketed shapes (`geo3k_jax.buckets`) and a step any number of slices, so a run
+compiles a handful of times (counted in `compiles`). Parameters are a flat {checkpoint key:
+array} dict
 (`geo3k_jax.model.split_params`), the optimizer state mirrors it, both placed by the mesh's
 partition rules; a slice's rows are split over the data-parallel axes.
 
