@@ -17,11 +17,14 @@ with the same tokens and images and no cache (a GRPO group's samples on their fi
 prefilled once: their row's cache and last logits are copied to each of them inside the compiled
 prefill before the first token is sampled (`share_prefill`).
 
-Both compiled functions (prefill + first sample, decode step + sample) take the parameters as an
-argument, so new weights never recompile, and see bucketed shapes (rows and new tokens: powers of
-two; patches per row: `geo3k_jax.buckets.bucket`; the cache: the longest a request has needed so
-far, in units of 128 slots), so a run compiles a handful of times; `compiles` counts the traces. The decode step donates the cache it replaces. The sampling key is
-a raw uint32[2] PRNG key (`rng_state`).
+Two compiled functions: the prefill with the first sample, and the decode loop, a
+`lax.while_loop` that runs on device until every row has met one of its stop tokens or its budget
+(no host round trip per token; `common.engine.Decoding` then applies the same rules to what it
+sampled). Both take the parameters as an argument, so new weights never recompile, and see
+bucketed shapes (rows and new tokens: powers of two; patches per row: `geo3k_jax.buckets.bucket`;
+the cache: the longest a request has needed so far, in units of 128 slots), so a run compiles a
+handful of times; `compiles` counts the traces. The decode loop donates the cache it replaces.
+The sampling key is a raw uint32[2] PRNG key (`rng_state`).
 """
 
 from __future__ import annotations
@@ -92,8 +95,9 @@ class JaxEngine:
         placeholders = {config.image_token_id, getattr(config, "video_token_id", None)} - {None}
         self.banned = jnp.asarray(sorted(placeholders), jnp.int32)
         self.compiles = 0  # traces of the prefill and decode functions
+        self.decode_steps = 0  # tokens the decode loop sampled per row, summed over calls
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("cache_len", "nucleus"))
-        self._step = jax.jit(self._step_fn, donate_argnums=1, static_argnames="nucleus")
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="nucleus")
         self._kept: dict[str, _Kept] = {}  # session -> its row of `_kept_cache`
         self._kept_cache = None
         self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing
@@ -137,14 +141,37 @@ class JaxEngine:
         tokens, logp = sample(logits[index], *sampling, sub, self.banned, nucleus)
         return tokens, logp, cache, key
 
-    def _step_fn(self, params, cache, tokens, positions, lengths, sampling, key, nucleus):
-        self.compiles += 1
-        batch = {"input_ids": tokens[:, None], "positions": positions[:, :, None],
-                 "count": jnp.ones_like(lengths)}
-        logits, cache = extend(self._model(params), cache, lengths, batch)
-        key, sub = jax.random.split(key)
-        tokens, logp = sample(logits, *sampling, sub, self.banned, nucleus)
-        return tokens, logp, cache, key
+    def _decode_fn(self, params, cache, tok, logp, first_pos, lengths, sampling, key, stops,
+                   budgets, limit, nucleus):
+        """Decode on device until every row has finished (a stop token among its `stops` (B, S),
+        -1 padded, or its `budgets` (B,) tokens), at most `limit` tokens a row. tok, logp: the
+        prefill's first tokens (B,). Token i (>= 1) is sampled after feeding token i - 1 at
+        M-RoPE position first_pos + i - 1, cache slot lengths + i - 1. Returns (tokens,
+        log-probs (B, L) with the first at 0, tokens sampled per row, the cache, the key)."""
+        self.compiles += 1  # runs while tracing only
+        model = self._model(params)
+        rows, slots = tok.shape[0], cache[0][0].shape[1]
+        ended = lambda t, count: (t[:, None] == stops).any(axis=1) | (count >= budgets)  # noqa
+        ones = jnp.ones(rows, jnp.int32)
+        tokens = jnp.zeros((rows, slots), jnp.int32).at[:, 0].set(tok)
+        logps = jnp.zeros((rows, slots), jnp.float32).at[:, 0].set(logp)
+
+        def body(state):
+            i, cache, tok, tokens, logps, done, count, key = state
+            batch = {"input_ids": tok[:, None], "count": ones,
+                     "positions": jnp.broadcast_to((first_pos + i - 1)[:, None, None],
+                                                   (rows, 3, 1))}
+            logits, cache = extend(model, cache, lengths + i - 1, batch)
+            key, sub = jax.random.split(key)
+            tok, lp = sample(logits, *sampling, sub, self.banned, nucleus)
+            count = count + (~done).astype(jnp.int32)
+            return (i + 1, cache, tok, tokens.at[:, i].set(tok), logps.at[:, i].set(lp),
+                    done | ended(tok, count), count, key)
+
+        state = (jnp.int32(1), cache, tok, tokens, logps, ended(tok, ones), ones, key)
+        i, cache, _, tokens, logps, _, _, key = jax.lax.while_loop(
+            lambda s: (s[0] < limit) & ~s[5].all(), body, state)
+        return tokens, logps, i, cache, key
 
     # ---- generate ----------------------------------------------------------------------
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
@@ -170,15 +197,20 @@ class JaxEngine:
             params, kept_cache if (source >= 0).any() else None, source, lengths, batch, index,
             sampling, self.key, cache_len=cache_len, nucleus=nucleus)
         first_pos = first_pos[index]
-        next_pos, lengths = first_pos.copy(), (lengths + batch["count"])[index]
-        decoding = Decoding(requests)
-        while True:
-            if decoding.add(np.asarray(tok).tolist(), np.asarray(lp).tolist()):
-                break
-            positions = np.repeat(next_pos[:, None], 3, axis=1)  # (B, 3): text after the prompt
-            tok, lp, cache, self.key = self._step(params, cache, tok, positions, lengths,
-                                                  sampling, self.key, nucleus=nucleus)
-            next_pos, lengths = next_pos + 1, lengths + 1
+        stops = np.full((rows, power_of_two(max(len(r.sampling.stop_token_ids)
+                                                for r in requests), 1)), -1, np.int32)
+        for b, r in enumerate(requests):
+            stops[b, :len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
+        budgets = np.ones(rows, np.int32)  # padding rows: done after their first token
+        budgets[:n] = [r.sampling.max_new_tokens for r in requests]
+        tokens, logps, steps, cache, self.key = self._decode(
+            params, cache, tok, lp, first_pos, (lengths + batch["count"])[index], sampling,
+            self.key, stops, budgets, np.int32(budgets.max()), nucleus=nucleus)
+        tokens, logps = np.asarray(tokens), np.asarray(logps)
+        decoding = Decoding(requests)  # the rules, applied to what the device loop sampled
+        self.decode_steps += int(steps) - 1
+        for i in range(int(steps)):
+            decoding.add(tokens[:, i], logps[:, i])
         done = decoding.completions()
         if self.keep_cache and epoch == self._epoch:
             self._keep(requests, done, first_pos, cache)

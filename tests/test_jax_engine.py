@@ -138,6 +138,9 @@ def test_stop_tokens_and_budgets(tiny):
             one_request(tiny.processor, 1, SamplingParams(1.0, 1.0, 3))]
     a, b, c = engine.generate(reqs)
     first = probe.token_ids.index(stop)
+    steps = engine.decode_steps
+    assert engine.generate(reqs[:1]) == [a]
+    assert engine.decode_steps - steps == first < 5  # the device loop ends at the stop token
     assert a.token_ids == probe.token_ids[:first + 1] and a.finish_reason == "stop"
     assert b.token_ids == probe.token_ids and b.finish_reason == "length"
     np.testing.assert_allclose(b.logprobs, probe.logprobs, rtol=0, atol=1e-5)  # other shapes
