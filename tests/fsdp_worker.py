@@ -10,6 +10,7 @@ import json
 import sys
 
 import numpy as np
+import torch.distributed
 
 from common.batching import TrainSequence, pack
 from common.grpo import LossConfig
@@ -62,6 +63,8 @@ def main(out, arch, agg, layout="strided"):
     if rank == 0:
         checksum = float(sum(v.double().abs().sum() for v in sd.values()))
         json.dump({"checksum": checksum, "micro_batches": len(batches), **m}, open(out, "w"))
+    if world > 1:  # no rank tears gloo down while another still works (an abort at exit)
+        torch.distributed.barrier()
     distributed.shutdown()
 
 
