@@ -230,7 +230,7 @@ class JaxEngine:
         """The work rows and each request's row among them. A request whose session's kept
         cache holds a strict prefix of it, with no image token after it, continues that row;
         the others are prefilled whole, requests with equal tokens and images sharing one
-        (`share_prefill`). A work row: (kept row or -1, cached tokens, request)."""
+        (`share_prefill`). A work row: (the session's `_Kept` entry or None, request)."""
         work, expand, seen = [], [], {}
         for r in requests:
             entry = kept.get(r.session) if r.session else None
