@@ -48,8 +48,8 @@ from common.batching import PackedBatch
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
-from geo3k_jax.layers import NO_PREFIX
 from geo3k_jax.vision_grid import QWEN3, vision_aux
+from geo3k_jax.windowed import NO_PREFIX
 
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
 REPLICATED_KEYS = ("key_offsets", "prefix_offsets")  # every other array: the row axis first
@@ -201,7 +201,7 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
 def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,
                       block: int = BLOCK, min_window: int = 0, min_prefix_window: int = 0
                       ) -> dict[str, np.ndarray]:
-    """Key windows for `layers.windowed_attention` over rows of contiguous segments.
+    """Key windows for `geo3k_jax.windowed.windowed_attention` over rows of contiguous segments.
 
     segments: (B, T) int, -1 on padding; prefix: (B, T) the shared prefix segment each token's
     segment continues (`common.batching`), NO_PREFIX for none (None: no token continues one).

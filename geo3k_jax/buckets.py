@@ -10,6 +10,10 @@ size that follows the data is rounded up to a bucket (`bucket`: a unit times 1, 
     P  image patches per row
     W  own attention keys per query block     Wp prefix attention keys per query block
 
+A step reuses a shape compiled before when it holds the step's sizes and its rows are at most
+twice as long as needed (`reuse`), so the shorter buckets a run meets after a longer one cost
+padding, not a compile.
+
 Padding never changes a result (see `geo3k_jax.batch`): padded targets point at a row's first
 token (never trained, weight 0), padded patches form an image of their own whose tokens are
 dropped, padded rows and slices (a process with fewer micro-batches than another) are all
@@ -31,6 +35,8 @@ from geo3k_jax.batch import BLOCK, NO_PREFIX, HostRow, assemble, attention_windo
 TARGET_UNIT = 128  # trained tokens per row come in multiples of this times a power of two
 ROW_UNIT = 256  # tokens per row: multiples of this (up to the row length)
 PATCH_UNITS = 16  # image patches per row: multiples of 16 merge units times a power of two
+SHAPE_KEYS = ("length", "targets", "patches", "window", "prefix_window")  # a slice's shape
+REUSE_SLACK = 2  # a compiled shape serves steps whose rows are at least 1 / this as long
 
 
 def bucket(n: int, unit: int) -> int:
@@ -65,6 +71,21 @@ def step_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len:
             "patches": bucket(patches, PATCH_UNITS * unit) if patches else 0,
             "window": window("key_offsets"),
             "prefix_window": window("prefix_offsets") if len(windows["prefix_offsets"]) else 0}
+
+
+def reuse(sizes: dict[str, int], compiled: Sequence[dict[str, int]],
+          slack: float = REUSE_SLACK) -> dict[str, int]:
+    """`sizes` (`step_sizes`) grown to the smallest shape in `compiled` that holds them (every
+    size at least the needed one, rows at most `slack` times the needed length), or unchanged
+    when none does. A compile costs seconds on CPU and minutes for a large model on TPU, a
+    padded step only the padding: a run whose long steps come first then compiles once, not once
+    for each shorter bucket it meets later."""
+    fits = [c for c in compiled if all(c[k] >= sizes[k] for k in SHAPE_KEYS)
+            and c["length"] <= slack * sizes["length"]]
+    if not fits:
+        return dict(sizes)
+    best = min(fits, key=lambda c: tuple(c[k] for k in SHAPE_KEYS))
+    return dict(sizes, **{k: best[k] for k in SHAPE_KEYS})
 
 
 def step_slices(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int,

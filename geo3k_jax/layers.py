@@ -147,60 +147,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.reshape(t, h * d)
 
 
-WINDOW_AXES = {"attn_starts": 0, "prefix_starts": 0, "window_prefix": 0, "key_offsets": None,
-               "prefix_offsets": None}  # a batch's window arrays: per row, or shared
-NO_PREFIX = -2  # `prefix` of a segment that continues none (never a segment id, nor padding's)
-
-
-def window_mask(segments: jax.Array, windows: dict, prefix: jax.Array | None = None
-                ) -> jax.Array:
-    """Mask of each query block against its keys, the prefix window's then the own window's
-    (`geo3k_jax.batch.attention_windows`): causal inside a segment, and every key of the
-    query's shared prefix segment (`common.batching`), each key admitted once: the keys of
-    the block's window_prefix segment only from the prefix window.
-
-    segments: (T,) with T = nb * block; windows: attn_starts, prefix_starts, window_prefix
-    (nb,), key_offsets (W,), prefix_offsets (Wp,); prefix: (T,) the prefix segment of each
-    query's segment, NO_PREFIX (None: everywhere) for none. Returns (nb, block, Wp + W) bool."""
-    nb = windows["attn_starts"].shape[0]
-    block = segments.shape[0] // nb
-    queries = jnp.arange(segments.shape[0]).reshape(nb, block)[:, :, None]
-    q_seg = segments.reshape(nb, block)[:, :, None]
-    q_pre = (jnp.full_like(q_seg, NO_PREFIX) if prefix is None
-             else prefix.reshape(nb, block)[:, :, None])
-    shared = windows["window_prefix"][:, None, None]  # (nb, 1, 1)
-
-    def keys_of(starts, offsets):  # (nb, 1, W) positions and segments
-        keys = (starts[:, None] + offsets[None, :])[:, None, :]
-        return keys, segments[keys]
-
-    keys, k_seg = keys_of(windows["attn_starts"], windows["key_offsets"])
-    own = (((q_seg == k_seg) & (queries >= keys)) | (q_pre == k_seg)) & (k_seg != shared)
-    keys, k_seg = keys_of(windows["prefix_starts"], windows["prefix_offsets"])
-    pre = (k_seg == shared) & ((q_pre == shared) | ((q_seg == shared) & (queries >= keys)))
-    return jnp.concatenate([pre, own], axis=-1)
-
-
-def windowed_attention(q: jax.Array, k: jax.Array, v: jax.Array, windows: dict,
-                       mask: jax.Array, scale: float) -> jax.Array:
-    """Attention of each block of queries to its two windows of keys, Wp + W keys instead of
-    T (`geo3k_jax.batch` chooses the windows so every key a query may see is in them).
-    q: (T, H, D); k, v: (T, Hkv, D); windows: as `window_mask`'s, which gives mask
-    (nb, block, Wp + W). Returns (T, H * D)."""
-    t, h, d = q.shape
-    nb, block, _ = mask.shape
-    w, wp = windows["key_offsets"].shape[0], windows["prefix_offsets"].shape[0]
-
-    def one(q_block, start, prefix_start, m):
-        take = lambda a: jnp.concatenate([  # noqa: E731
-            jax.lax.dynamic_slice_in_dim(a, prefix_start, wp, axis=0),
-            jax.lax.dynamic_slice_in_dim(a, start, w, axis=0)])
-        return attention(q_block, take(k), take(v), m, scale)
-
-    return jax.vmap(one)(q.reshape(nb, block, h, d), windows["attn_starts"],
-                         windows["prefix_starts"], mask).reshape(t, h * d)
-
-
 def segment_mask(segments: jax.Array) -> jax.Array:
     """(T,) segment ids -> (T, T) bool: query and key in the same segment."""
     return segments[:, None] == segments[None, :]

@@ -39,7 +39,7 @@ from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import step_sizes, step_slices
+from geo3k_jax.buckets import SHAPE_KEYS, reuse, step_sizes, step_slices
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
@@ -136,6 +136,7 @@ class Learner:
                              f"mesh's data-parallel size {data}")
         self.row_len = row_len
         self.compiles = 0  # traces of the compiled functions: each one compilation
+        self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
         self.opt_sh = None
@@ -247,6 +248,10 @@ class Learner:
         sizes = step_sizes(rows, self.config, rows_per_slice=local, row_len=row_len)
         sizes = {k: int(v) for k, v in self.comm.sum_scalars(
             sizes, max_keys=tuple(sizes)).items()}  # every process pads to the same shapes
+        sizes = reuse(sizes, self._shapes)  # the same on every process: the same history
+        shape = {k: sizes[k] for k in SHAPE_KEYS}
+        if shape not in self._shapes:
+            self._shapes.append(shape)
         return step_slices(rows, self.config, rows_per_slice=local, row_len=row_len,
                            sizes=sizes)
 

@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import WINDOW_AXES, Linear, scatter_rows
+from geo3k_jax.layers import Linear, scatter_rows
 from geo3k_jax.text import ARCHS, TextModel
 from geo3k_jax.vision import build_vision_tower
+from geo3k_jax.windowed import WINDOW_AXES
 
 
 class VLModel(nnx.Module):

@@ -11,7 +11,7 @@ Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. Th
 Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
 by segment ids; attention is causal within a segment, which is what transformers does when it is
 given packed text positions. Each block of queries reads two windows of keys, its shared prefix
-and its own segments (`layers.windowed_attention`), so a row costs T x (Wp + W) scores, Wp about
+and its own segments (`geo3k_jax.windowed`), so a row costs T x (Wp + W) scores, Wp about
 the longest shared prompt and W the longest continuation, rather than T x T. Positions are the three M-RoPE rows
 (temporal, height, width) of `common.mrope`.
 """
@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (WINDOW_AXES, Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
-                              rope_inv_freq, scatter_rows, window_mask, windowed_attention)
+from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, rope_inv_freq,
+                              scatter_rows)
+from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -138,6 +139,7 @@ class TextModel(nnx.Module):
         segment each token's segment continues (`geo3k_jax.batch`; None: none). Returns normed
         hidden states (B, T, hidden)."""
         cos, sin = self.rope(positions)
+        windows = jax.tree.map(jnp.asarray, windows)  # numpy arrays: not as vmapped constants
         mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, None if prefix is None else 0))(
             segments, windows, prefix)
         x = embeds

@@ -1,4 +1,4 @@
-"""Windowed attention (geo3k_jax.layers + batch.attention_windows) equals dense causal
+"""Windowed attention (geo3k_jax.windowed + batch.attention_windows) equals dense causal
 same-segment attention on packed rows of every layout."""
 
 import jax
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from geo3k_jax.batch import NO_PREFIX, attention_windows
-from geo3k_jax.layers import WINDOW_AXES, attention, window_mask, windowed_attention
+from geo3k_jax.layers import attention
+from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -125,3 +126,82 @@ def test_a_prefix_outside_the_row_is_an_error():
     prefix[0, 10:15] = 7
     with pytest.raises(ValueError, match="prefix segment that is not in the row"):
         attention_windows(seg, prefix)
+
+
+GRAD_LAYOUTS = [
+    ([([300, 40, 90, 25], [-1, 0, 0, 0]), ([50, 200, 10, 10, 60], [-1, -1, 1, 1, -1])], 512),
+    ([LONG_GROUP, ([100, 20, 20, 150, 50, 50, 30], [-1, 0, 0, -1, 3, 3, -1])], 1152),
+    ([([130, 10, 500], [-1, 0, 0]), ([64, 64, 64, 64, 100], [-1, 0, -1, 2, 2])], 640),
+    ([([5, 9, 3], [-1, -1, -1]), ([17], [-1])], 21),
+]
+
+
+def _losses(layout, length, dtype=jnp.float32):
+    """(windowed loss, dense loss, q, k, v): sum(c * out) over the real queries, c random."""
+    b = len(layout)
+    seg, prefix, allowed = shared_rows(layout, length)
+    windows = attention_windows(seg, prefix)
+    rng = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, length, n, 8)), dtype) for n in (4, 2, 2))
+    c = jnp.asarray(rng.standard_normal((b, length, 32)) * (seg >= 0)[..., None], jnp.float32)
+    mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, 0))(jnp.asarray(seg), windows,
+                                                              jnp.asarray(prefix))
+
+    def windowed_loss(q, k, v):
+        out = jax.vmap(lambda q_, k_, v_, w, m: windowed_attention(q_, k_, v_, w, m, 0.3),
+                       in_axes=(0, 0, 0, WINDOW_AXES, 0))(q, k, v, windows, mask)
+        return jnp.sum(out.astype(jnp.float32) * c)
+
+    def dense_loss(q, k, v):
+        out = jax.vmap(lambda q_, k_, v_, a: attention(q_, k_, v_, a, 0.3))(
+            q, k, v, jnp.asarray(allowed))
+        return jnp.sum(out.astype(jnp.float32) * c)
+
+    return windowed_loss, dense_loss, (q, k, v), seg
+
+
+@pytest.mark.parametrize("layout,length", GRAD_LAYOUTS)
+def test_windowed_gradients_equal_dense(layout, length):
+    """The hand-written backward pass (per block, key and value gradients added into place
+    where windows overlap) gives autodiff's gradients of dense attention."""
+    windowed_loss, dense_loss, qkv, _ = _losses(layout, length)
+    got = jax.jit(jax.grad(windowed_loss, argnums=(0, 1, 2)))(*qkv)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2))(*qkv)
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4,
+                                   err_msg=f"d{name}")
+
+
+def test_windowed_bfloat16_follows_float32():
+    """bf16 inputs: scores and softmax in fp32, gradients in the inputs' dtype, close to the
+    fp32 ones (within bf16 rounding)."""
+    layout, length = GRAD_LAYOUTS[0]
+    windowed_loss, _, qkv, _ = _losses(layout, length)
+    half = tuple(a.astype(jnp.bfloat16) for a in qkv)
+    got = jax.jit(jax.grad(windowed_loss, argnums=(0, 1, 2)))(*half)
+    want = jax.grad(windowed_loss, argnums=(0, 1, 2))(*qkv)
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(g, np.float32) - np.asarray(w))
+        assert err.max() <= 0.05 * np.abs(np.asarray(w)).max()
+
+
+def test_a_query_that_sees_nothing_gives_zero_and_no_gradient():
+    """A query whose mask row is all False outputs 0 and its output's gradient reaches
+    nothing: not NaN, not a uniform average of its window."""
+    seg = rows_of([[5, 9]], 32)
+    windows = attention_windows(seg)
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 32, n, 8)), jnp.float32) for n in (2, 1, 1))
+    mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES))(jnp.asarray(seg), windows)
+    blind = np.zeros(32, bool)
+    blind[[3, 20]] = True
+    mask = mask & ~jnp.asarray(blind.reshape(mask.shape[:3]))[..., None]
+    run = lambda q, k, v: jax.vmap(  # noqa: E731
+        lambda q_, k_, v_, w, m: windowed_attention(q_, k_, v_, w, m, 0.3),
+        in_axes=(0, 0, 0, WINDOW_AXES, 0))(q, k, v, windows, mask)
+    out = np.asarray(run(q, k, v))
+    assert (out[0, blind] == 0).all() and (out[0, ~blind] != 0).all() and np.isfinite(out).all()
+    blind_only = lambda q, k, v: jnp.sum(run(q, k, v)[:, blind] ** 2 + 1.0)  # noqa: E731
+    for g in jax.grad(blind_only, argnums=(0, 1, 2))(q, k, v):
+        assert (np.asarray(g) == 0).all()

@@ -17,7 +17,7 @@ import pytest
 from common.grpo import LossConfig, policy_loss
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import ROW_UNIT, bucket, step_sizes, step_slices
+from geo3k_jax.buckets import ROW_UNIT, bucket, reuse, step_sizes, step_slices
 from geo3k_jax.learner import grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
 from tests.jax_learner_setup import model_and_batch, train_config
@@ -162,6 +162,9 @@ def test_a_run_compiles_once_per_bucket(setup):
     learner.row_len *= 2
     setup.step(learner)
     assert learner.compiles == 3
+    learner.row_len //= 2  # shorter rows again: the longer shape holds them (buckets.reuse)
+    setup.step(learner)
+    assert learner.compiles == 3
 
 
 def test_rows_are_as_long_as_the_step_needs(setup):
@@ -175,6 +178,18 @@ def test_rows_are_as_long_as_the_step_needs(setup):
     slices = step_slices(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
     assert {sl["input_ids"].shape for sl in slices} == {(1, sizes["length"])}
     assert step_sizes(rows, setup.config, rows_per_slice=1, row_len=longest)["length"] == longest
+
+
+def test_reuse_takes_the_smallest_compiled_shape_that_holds_the_step():
+    need = dict(slices=3, length=1024, targets=256, patches=64, window=256, prefix_window=512)
+    big = dict(length=2048, targets=768, patches=128, window=256, prefix_window=512)
+    mid = dict(length=1536, targets=384, patches=64, window=256, prefix_window=512)
+    assert reuse(need, [big, mid]) == dict(need, **mid)  # the slice count is no shape
+    assert reuse(need, [dict(mid, window=128)]) == need  # a narrower window does not hold it
+    assert reuse(need, [dict(mid, targets=128)]) == need
+    assert reuse(dict(need, length=512), [big]) == dict(need, length=512)  # 4x the rows: no
+    assert reuse(dict(need, patches=0), [mid]) == dict(need, **mid)  # padding patches only
+    assert reuse(need, []) == need
 
 
 def test_bucket_ladder():
