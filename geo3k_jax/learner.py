@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -44,6 +45,7 @@ from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
 STATE_DIR = "jax_state"  # the orbax learner state inside a checkpoint directory
+SHAPES_FILE = "jax_shapes.json"  # and the slice shapes the run has used (`buckets.reuse`)
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -175,10 +177,13 @@ class Learner:
         with _quiet(), ocp.StandardCheckpointer() as ckpt:
             ckpt.save(Path(directory).absolute() / STATE_DIR,
                       {"params": self.params, "opt_state": self.opt_state})
+        if jax.process_index() == 0:  # the shapes used so far: a resumed run pads the same
+            (Path(directory) / SHAPES_FILE).write_text(json.dumps(self._shapes))
 
     def restore(self, directory: Path) -> None:
-        """Parameters and optimizer state from `directory`, each array typed and sharded like
-        the live one (the saving mesh may differ): resuming continues bit for bit."""
+        """Parameters, optimizer state and the slice shapes used so far from `directory`, each
+        array typed and sharded like the live one (the saving mesh may differ): resuming
+        continues bit for bit, padding each step as the uninterrupted run would."""
         import orbax.checkpoint as ocp
 
         path = Path(directory).absolute() / STATE_DIR
@@ -190,6 +195,8 @@ class Learner:
         with _quiet(), ocp.StandardCheckpointer() as ckpt:
             out = ckpt.restore(path, target)
         self.params, self.opt_state = out["params"], out["opt_state"]
+        shapes = Path(directory) / SHAPES_FILE
+        self._shapes = json.loads(shapes.read_text()) if shapes.exists() else []
 
     # ---- the step ----------------------------------------------------------------------
     def train_step(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float

@@ -10,7 +10,8 @@ sampling from the learner's own parameters (no torch model is built); with `engi
 the in-process torch engine (`geo3k_torch.backend.LocalBackend`), loaded after every step with
 the weights this learner exports; with `engine.backend=sglang`, SGLang servers synced from the
 same export. Same workdir as `python -m geo3k_torch.main`; checkpoints
-hold the HF export and the orbax learner state (`jax_state/`).
+hold the HF export, the orbax learner state (`jax_state/`) and the slice shapes the run has
+used (`jax_shapes.json`: a resumed run pads its steps as the uninterrupted one).
 """
 
 from __future__ import annotations

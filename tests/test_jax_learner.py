@@ -254,6 +254,24 @@ def test_orbax_resume_is_exact(setup, tmp_path):
         resumed.restore(tmp_path / "elsewhere")
 
 
+def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
+    """A step after a restore pads as the uninterrupted run does: the shapes compiled before
+    the checkpoint (`buckets.reuse`) come back with it."""
+    tc, cfg = train_config(), LossConfig(tis_cap=2.0)
+    straight = setup.learner(cfg, tc)
+    straight.row_len *= 2
+    setup.step(straight)
+    straight.save(tmp_path)
+    straight.row_len //= 2
+    setup.step(straight)  # shorter rows: reuses the longer shape
+    resumed = setup.learner(cfg, tc)
+    resumed.restore(tmp_path)
+    setup.step(resumed)
+    assert resumed._shapes == straight._shapes and len(straight._shapes) == 1
+    for k, v in straight.params.items():
+        np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(v), err_msg=k)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
 def test_sharded_step_equals_single_device(arch):
