@@ -41,6 +41,7 @@ from common.learner import Collectives, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import SHAPE_KEYS, reuse, step_sizes, step_slices
+from geo3k_jax.compiler import compiler_options
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
@@ -138,6 +139,8 @@ class Learner:
                              f"mesh's data-parallel size {data}")
         self.row_len = row_len
         self.compiles = 0  # traces of the compiled functions: each one compilation
+        self.xla_options = compiler_options(
+            None if mesh is None else mesh.devices.flat[0].platform)
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
@@ -223,7 +226,8 @@ class Learner:
             kw = {} if self.mesh is None else dict(
                 in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
                 out_shardings=(self.param_sh, self.opt_sh, None))
-            self._steps["apply"] = jax.jit(self._apply, donate_argnums=(0, 1), **kw)
+            self._steps["apply"] = jax.jit(self._apply, donate_argnums=(0, 1),
+                                           compiler_options=self.xla_options, **kw)
         self.params, self.opt_state, metrics = self._steps["apply"](self.params, self.opt_state,
                                                                     *total)
         return {k: float(v) for k, v in metrics.items()} | {"compiles": float(self.compiles)}
@@ -280,7 +284,7 @@ class Learner:
                           out_shardings=(self.param_sh, None)) if kind == "grad" else dict(
                     in_shardings=(self.param_sh, sl_sh))
             fn = self._slice_grad if kind == "grad" else self._logprobs
-            self._steps[key] = (jax.jit(fn, **kw), sl_sh)
+            self._steps[key] = (jax.jit(fn, compiler_options=self.xla_options, **kw), sl_sh)
         return self._steps[key]
 
     def _logprobs(self, params, sl):

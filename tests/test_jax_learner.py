@@ -144,7 +144,9 @@ def test_chunked_logprobs_and_remat_change_nothing(setup):
         other = grad(**kw)
         worst = max(np.linalg.norm(np.asarray(other[k]) - g) / np.linalg.norm(g)
                     for k, g in plain.items() if np.linalg.norm(g) > 0)
-        assert worst <= 1e-6, (kw, worst)  # float32 summation order, nothing more
+        # float32 summation order, nothing more: 0.9e-6 with normalized probabilities times V,
+        # 1.1e-6 with V times the exponentials, then normalized (geo3k_jax.windowed)
+        assert worst <= 2e-6, (kw, worst)
 
 
 def test_a_run_compiles_once_per_bucket(setup):

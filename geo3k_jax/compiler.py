@@ -1,0 +1,37 @@
+"""XLA compiler options for the project's compiled functions, per platform.
+
+    jax.jit(fn, compiler_options=compiler_options())
+
+On CPU, XLA (jaxlib 0.10) hands dots, reductions and elementwise ops to YNNPACK library fusions.
+Its reductions are slow on the shapes the learner has: one RMSNorm weight gradient, a (2,048,
+128) -> (128,) sum, took 2.4 ms as a YNNPACK fusion. With only dots handed to YNNPACK (XLA's own
+loops do the rest) the learner's gradient of a CPU-default row took 62-71 ms instead of 83-89
+without the attention, the whole step 25% less in a CPU-default run (docs/benchmarks.md). Other
+platforms get XLA's defaults, as does an XLA that no longer knows the option.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+
+
+def compiler_options(platform: str | None = None) -> dict[str, str]:
+    """The options for `platform` (default: JAX's default backend): CPU_OPTIONS on a CPU whose
+    XLA takes them, none elsewhere."""
+    platform = platform or jax.default_backend()
+    return dict(CPU_OPTIONS) if platform == "cpu" and _cpu_takes_options() else {}
+
+
+@functools.cache
+def _cpu_takes_options() -> bool:
+    """Whether this XLA compiles with CPU_OPTIONS (one tiny compile, once)."""
+    try:
+        jax.jit(jnp.negative, compiler_options=CPU_OPTIONS).lower(jnp.zeros(1)).compile()
+    except jax.errors.JaxRuntimeError:  # INVALID_ARGUMENT: an option it does not know
+        return False
+    return True
