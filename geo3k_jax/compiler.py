@@ -1,13 +1,14 @@
-"""XLA compiler options for the project's compiled functions, per platform.
+"""XLA compiler options for the learner's compiled functions, per platform.
 
     jax.jit(fn, compiler_options=compiler_options())
 
-On CPU, XLA (jaxlib 0.10) hands dots, reductions and elementwise ops to YNNPACK library fusions.
-Its reductions are slow on the shapes the learner has: one RMSNorm weight gradient, a (2,048,
+On CPU, XLA (jaxlib 0.10) hands dots and also reductions to YNNPACK library fusions by default,
+and those reductions are slow on the learner's shapes: one RMSNorm weight gradient, a (2,048,
 128) -> (128,) sum, took 2.4 ms as a YNNPACK fusion. With only dots handed to YNNPACK (XLA's own
-loops do the rest) the learner's gradient of a CPU-default row took 62-71 ms instead of 83-89
-without the attention, the whole step 25% less in a CPU-default run (docs/benchmarks.md). Other
-platforms get XLA's defaults, as does an XLA that no longer knows the option.
+loops do the rest) the gradient of a CPU-default row took 62-71 ms instead of 83-89 without the
+attention, and a CPU-default run's learner steps a quarter less time (docs/benchmarks.md). The
+engine keeps the defaults (its rollouts were within noise either way). Other platforms get
+XLA's defaults, as does an XLA that no longer knows the option.
 """
 
 from __future__ import annotations

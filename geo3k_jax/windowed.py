@@ -16,9 +16,9 @@ in cache (on a CPU-default row of 2,048 tokens, forward 40 -> 10 ms and forward 
 Scores, exponentials and the log-sum-exp are in (at least) fp32; masked scores are -inf, so
 that their exponentials are 0 without a second mask. The forward multiplies V by the
 unnormalized exponentials (cast to v's dtype) and divides the D-wide output by their sum, one
-pass fewer over the (Wp + W)-wide block than normalizing first (a CPU-default row's gradient
-148 -> 130 ms with both layers, docs/benchmarks.md). A query that sees no key (padding) gets a
-zero output and passes no gradient.
+pass fewer over the (Wp + W)-wide block than normalizing first (the gradient of a CPU-default
+row, both layers: 131-147 -> 127-132 ms, docs/benchmarks.md). A query that sees no key
+(padding) gets a zero output and passes no gradient.
 """
 
 from __future__ import annotations
