@@ -42,7 +42,7 @@ from common.mrope import mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
 from geo3k_jax.buckets import PATCH_UNITS, bucket
-from geo3k_jax.decode import empty_cache, extend
+from geo3k_jax.decode import SLOT_AXIS, empty_cache, extend
 from geo3k_jax.vision_grid import vision_aux
 
 LENGTH_UNIT = 128  # cache lengths are buckets of this
@@ -132,9 +132,11 @@ class JaxEngine:
         cache = empty_cache(model, len(source), cache_len, dtype)
         if kept is not None:  # continuing rows start from their kept rows (slots < lengths)
             fresh = (source < 0)[:, None, None, None]
-            take = lambda old, new: jnp.where(fresh, new, _resize(  # noqa: E731
-                old[jnp.maximum(source, 0)], cache_len))
-            cache = tuple((take(ko, k), take(vo, v)) for (ko, vo), (k, v) in zip(kept, cache))
+            take = lambda old, new, axis: jnp.where(fresh, new, _resize(  # noqa: E731
+                old[jnp.maximum(source, 0)], cache_len, axis))
+            cache = tuple(tuple(take(old, new, axis) for old, new, axis in
+                                zip(kept_layer, layer, SLOT_AXIS))
+                          for kept_layer, layer in zip(kept, cache))
         logits, cache = extend(model, cache, lengths, batch)
         cache = tuple((k[index], v[index]) for k, v in cache)
         key, sub = jax.random.split(key)
@@ -150,7 +152,7 @@ class JaxEngine:
         log-probs (B, L) with the first at 0, tokens sampled per row, the cache, the key)."""
         self.compiles += 1  # runs while tracing only
         model = self._model(params)
-        rows, slots = tok.shape[0], cache[0][0].shape[1]
+        rows, slots = tok.shape[0], cache[0][1].shape[SLOT_AXIS[1]]
         ended = lambda t, count: (t[:, None] == stops).any(axis=1) | (count >= budgets)  # noqa
         ones = jnp.ones(rows, jnp.int32)
         tokens = jnp.zeros((rows, slots), jnp.int32).at[:, 0].set(tok)
@@ -333,8 +335,10 @@ def power_of_two(n: int, unit: int) -> int:
     return unit * 2 ** max(0, math.ceil(math.log2(max(n, 1) / unit)))
 
 
-def _resize(cache: jax.Array, length: int) -> jax.Array:
-    """(B, L', ...) cache rows cut or zero-padded to `length` slots."""
-    if cache.shape[1] >= length:
-        return cache[:, :length]
-    return jnp.pad(cache, [(0, 0), (0, length - cache.shape[1])] + [(0, 0)] * (cache.ndim - 2))
+def _resize(cache: jax.Array, length: int, axis: int) -> jax.Array:
+    """Cache rows cut or zero-padded to `length` slots along their slot `axis`."""
+    if cache.shape[axis] >= length:
+        return jax.lax.slice_in_dim(cache, 0, length, axis=axis)
+    pad = [(0, 0)] * cache.ndim
+    pad[axis] = (0, length - cache.shape[axis])
+    return jnp.pad(cache, pad)

@@ -7,7 +7,7 @@ exporting are a rename-free walk over the state (`geo3k_jax.weights`), and parti
 written against the names users see in checkpoints.
 
 Compute runs in the parameters' dtype; softmax, rotary and norm statistics in at least fp32
-(`_wide`), as transformers does.
+(`wide_dtype`), as transformers does.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from flax import nnx
 INIT_STD = 0.02
 
 
-def _wide(dtype):
+def wide_dtype(dtype):
     """fp32 for half-precision inputs, the input's own dtype when it is wider (float64)."""
     return jnp.promote_types(dtype, jnp.float32)
 
@@ -59,7 +59,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(_wide(x.dtype))
+        xf = x.astype(wide_dtype(x.dtype))
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * xf.astype(x.dtype)
 
@@ -73,7 +73,7 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(_wide(x.dtype))
+        xf = x.astype(wide_dtype(x.dtype))
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
@@ -124,7 +124,7 @@ def rotate_half(x: jax.Array) -> jax.Array:
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotary embedding in (at least) fp32. x: (T, H, D); cos/sin: (T, D). Returns x's dtype."""
-    xf = x.astype(_wide(x.dtype))
+    xf = x.astype(wide_dtype(x.dtype))
     cos, sin = cos[:, None, :].astype(xf.dtype), sin[:, None, :].astype(xf.dtype)
     return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)
 
@@ -139,7 +139,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     t, h, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, h // hkv, d)  # head i uses kv head i // (H / Hkv), as repeat_kv
-    wide = _wide(q.dtype)
+    wide = wide_dtype(q.dtype)
     scores = jnp.einsum("tgrd,sgd->grts", qg, k, preferred_element_type=wide) * scale
     scores = jnp.where(mask[None, None], scores, jnp.finfo(wide).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)

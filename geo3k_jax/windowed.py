@@ -28,13 +28,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from geo3k_jax.layers import wide_dtype
+
 WINDOW_AXES = {"attn_starts": 0, "prefix_starts": 0, "window_prefix": 0, "key_offsets": None,
                "prefix_offsets": None}  # a batch's window arrays: per row, or shared
 NO_PREFIX = -2  # `prefix` of a segment that continues none (never a segment id, nor padding's)
-
-
-def _wide(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def window_mask(segments: jax.Array, windows: dict, prefix: jax.Array | None = None
@@ -94,7 +92,7 @@ def _keys(x: jax.Array, prefix_start, start, sizes) -> jax.Array:
 
 def _scores(qb, kb, m, scale):
     """Scaled scores (G, R, blk, Wp + W) of a block in the wide dtype, -inf where masked."""
-    s = jnp.einsum("grtd,gsd->grts", qb, kb, preferred_element_type=_wide(qb.dtype))
+    s = jnp.einsum("grtd,gsd->grts", qb, kb, preferred_element_type=wide_dtype(qb.dtype))
     return jnp.where(m[None, None], s * scale, -jnp.inf)
 
 
@@ -136,7 +134,7 @@ def _attend_bwd(sizes, scale, res, d_out):
     dtype."""
     qh, kh, vh, prefix_starts, starts, mask, out, lse = res
     _, wp, _ = sizes
-    wide = _wide(qh.dtype)
+    wide = wide_dtype(qh.dtype)
     delta = jnp.sum(d_out.astype(wide) * out.astype(wide), axis=-1)  # (G, nb, R, blk)
 
     def add(acc, grad, prefix_start, start):
