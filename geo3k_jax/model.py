@@ -84,8 +84,9 @@ def token_logprobs(model: QwenVL, batch: dict, temperature: float = 1.0,
     """log p(input_ids[b, t] | tokens < t of its sequence), fp32, at the batch's `targets`.
 
     Only the B x K target rows of logits are computed (not B x T x vocab: the vocabulary is
-    152k for real checkpoints), `chunk` rows of a row at a time when chunk > 0 (each chunk's
-    (B, chunk, vocab) logits are recomputed in the backward pass, never all stored), the head's
+    152k for real checkpoints), `chunk` rows of a row at a time when a row has more than
+    chunk > 0 targets (each chunk's (B, chunk, vocab) logits are recomputed in the backward
+    pass, never all stored; fewer targets are one piece, nothing recomputed), the head's
     products accumulated in fp32. Returns (B, T) log-probs, 0 away from the targets; with
     `with_entropy`, also (B, T) entropies of the same next-token distributions (no gradient).
     """
@@ -104,7 +105,7 @@ def token_logprobs(model: QwenVL, batch: dict, temperature: float = 1.0,
         return logp, jax.lax.stop_gradient(entropy)
 
     b, k, d = prev.shape
-    size = k if chunk <= 0 else math.gcd(k, chunk)
+    size = k if chunk <= 0 or k <= chunk else math.gcd(k, chunk)
     if size == k:
         logp, entropy = head(prev, ids)
     else:  # (B, K) -> (K / size, B, size): one chunk of every row at a time

@@ -136,6 +136,11 @@ def test_chunked_logprobs_and_remat_change_nothing(setup):
     chunked = np.asarray(fn(chunk=32)(setup.params))
     assert batch["targets"].shape[1] > 32  # several chunks
     np.testing.assert_allclose(chunked, full, rtol=0, atol=1e-6)
+    # a row's targets within one chunk are one piece: no loop, nothing recomputed
+    jaxpr = lambda c: str(jax.make_jaxpr(  # noqa: E731
+        lambda p: token_logprobs(setup.merge(p), batch, chunk=c))(setup.params))
+    assert "remat" in jaxpr(32) and "remat" not in jaxpr(batch["targets"].shape[1] + 1)
+    assert jaxpr(batch["targets"].shape[1] + 1) == jaxpr(0)
     mask = jnp.asarray(batch["loss_mask"])
     grad = lambda **kw: jax.jit(jax.grad(lambda p: jnp.sum(  # noqa: E731
         token_logprobs(setup.merge(p), batch, **kw) * mask)))(setup.params)
