@@ -259,31 +259,34 @@ def test_kept_cache_equals_whole_prefills(tiny):
     assert all(entry is None for entry, _ in engine._plan(nxt, engine._kept)[0])
 
 
-def test_draws_follow_the_softmax_and_never_a_zero_probability_token():
-    """`draw` (inverse CDF at one uniform per row) samples softmax(scaled): the frequencies of
-    40,000 draws per row are within 5 standard errors of the probabilities, at several
-    temperatures' worth of sharpness; -inf tokens (banned, outside the nucleus) are never
-    drawn, wherever they sit among the allowed ones, nor is an out-of-range id returned."""
+@pytest.mark.parametrize("vocab,block", [(12, 128), (12, 5), (300, 128)])
+def test_draws_follow_the_softmax_and_never_a_zero_probability_token(vocab, block):
+    """`draw` (a block of ids, then an id in it, each by inverting a cumulative sum at one
+    uniform) samples softmax(scaled): one block, blocks with a padded last one, and a whole
+    block excluded. The frequencies of 40,000 draws per row are within 5 standard errors of
+    the probabilities, for flat to sharp rows; -inf ids (banned, outside the nucleus) are never
+    drawn, wherever they sit, nor is an out-of-range id returned."""
     from geo3k_jax.engine import draw
-    n, vocab = 40_000, 12
-    scaled = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (3, vocab))) * [[0.5], [2.0],
-                                                                              [6.0]]
-    scaled[:, [0, 5, vocab - 1]] = -np.inf  # first, middle and last ids excluded
+    n = 40_000
+    scale = np.asarray([[0.5], [2.0], [6.0]])
+    scaled = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (3, vocab))) * scale
+    excluded = [0, vocab // 2, vocab - 1] + (list(range(128, 256)) if vocab > 256 else [])
+    scaled[:, excluded] = -np.inf
     probs = np.exp(scaled - scaled.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
     keys = jax.random.split(jax.random.PRNGKey(4), 3)
     for row in range(3):
-        tokens = np.asarray(draw(keys[row], jax.numpy.asarray(np.repeat(scaled[row:row + 1], n,
-                                                                          axis=0))))
+        tokens = np.asarray(draw(keys[row], jax.numpy.asarray(np.repeat(
+            scaled[row:row + 1], n, axis=0)), block=block))
         assert tokens.dtype == np.int32 and tokens.min() >= 0 and tokens.max() < vocab
         freq = np.bincount(tokens, minlength=vocab) / n
-        assert freq[[0, 5, vocab - 1]].sum() == 0
+        assert freq[excluded].sum() == 0
         np.testing.assert_array_less(np.abs(freq - probs[row]),
                                      5 * np.sqrt(probs[row] * (1 - probs[row]) / n) + 1e-9)
     one = np.full((4, vocab), -np.inf, np.float32)
-    one[np.arange(4), [0, 3, 7, vocab - 1]] = 0.0  # a single allowed token per row
-    np.testing.assert_array_equal(draw(jax.random.PRNGKey(5), jax.numpy.asarray(one)),
-                                  [0, 3, 7, vocab - 1])
+    one[np.arange(4), [0, 3, 7, vocab - 1]] = 0.0  # a single allowed id per row
+    np.testing.assert_array_equal(draw(jax.random.PRNGKey(5), jax.numpy.asarray(one),
+                                       block=block), [0, 3, 7, vocab - 1])
 
 
 def test_sampling_without_top_p_skips_the_sort_and_draws_the_same():
