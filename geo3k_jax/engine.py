@@ -23,7 +23,9 @@ Two compiled functions: the prefill with the first sample, and the decode loop, 
 sampled). Both take the parameters as an argument, so new weights never recompile, and see
 bucketed shapes (rows and new tokens: powers of two; patches per row: `geo3k_jax.buckets.bucket`;
 the cache: the longest a request has needed so far, in units of 128 slots), so a run compiles a
-handful of times; `compiles` counts the traces. The decode loop donates the cache it replaces.
+handful of times; `compiles` counts the traces. A call with few rows (the last turns of a few
+episodes) pads them to a row count compiled before, up to `ROW_SLACK` times its own: the padded
+rows cost a little decoding, a new shape a compile (seconds on CPU, minutes for a large model). The decode loop donates the cache it replaces.
 The sampling key is a raw uint32[2] PRNG key (`rng_state`).
 """
 
@@ -48,6 +50,7 @@ from geo3k_jax.vision_grid import vision_aux
 LENGTH_UNIT = 128  # cache lengths are buckets of this
 NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a turn's feedback)
 DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in it
+ROW_SLACK = 8  # a call's rows: a count used before, at most this many times its own bucket
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
@@ -140,6 +143,7 @@ class JaxEngine:
         self._kept_cache = None
         self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing
         self._cache_len = 0  # the longest cache so far: it never shrinks (fewer shapes)
+        self._row_counts = {"requests": set(), "work": set()}  # rows of the calls so far
 
     def clear_cache(self) -> None:
         """Forget every session's KV cache (stale once the weights change)."""
@@ -223,7 +227,7 @@ class JaxEngine:
         n = len(requests)
         work, expand = self._plan(requests, kept)
         batch, source, lengths, first_pos = self._work_arrays(work)
-        rows = power_of_two(n, 1)
+        rows = self._rows(n, "requests")
         index = np.zeros(rows, np.int32)  # padding rows copy row 0
         index[:n] = expand
         need = max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
@@ -255,6 +259,16 @@ class JaxEngine:
         if self.keep_cache and epoch == self._epoch:
             self._keep(requests, done, first_pos, cache)
         return done
+
+    def _rows(self, n: int, role: str) -> int:
+        """Rows for `n` requests (role "requests": the decode loop's batch) or work rows ("work":
+        the prefill's): the smallest count of that role used before that holds them and is at
+        most `ROW_SLACK` times their power of two, else that power of two."""
+        need = power_of_two(n, 1)
+        seen = self._row_counts[role]
+        rows = min((r for r in seen if need <= r <= ROW_SLACK * need), default=need)
+        seen.add(rows)
+        return rows
 
     def _keep(self, requests, done, first_pos, cache) -> None:
         """Each session's row of the final cache: its request and every generated token but the
@@ -294,7 +308,7 @@ class JaxEngine:
         length bucketed; rows past the work hold one pad token."""
         fresh = [r for entry, r in work if entry is None]
         prompts = self._prompt_rows(fresh)
-        n_rows = power_of_two(len(work), 1)
+        n_rows = self._rows(len(work), "work")
         news = [np.asarray(r.input_ids[len(entry.ids):] if entry else r.input_ids, np.int64)
                 for entry, r in work]
         length = power_of_two(max(map(len, news)), NEW_TOKENS_UNIT)

@@ -189,6 +189,30 @@ def test_seeded_rng_state_and_top_p(tiny):
     assert tiny.engine(seed=3).generate([nucleus])[0].token_ids == g.token_ids
 
 
+def test_a_small_call_reuses_compiled_rows_and_samples_the_same(tiny):
+    """After a call of 8 requests, a call of 1 pads its rows to 8 (within ROW_SLACK) instead
+    of compiling new shapes, and samples, with the same key, what a fresh engine sampling it
+    alone in one row does; past the slack a call gets rows of its own."""
+    reqs = [one_request(tiny.processor, seed=s, session=f"r{s}") for s in range(8)]
+    make = lambda: JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor,  # noqa: E731
+                             tiny.hf.config)
+    engine, alone = make(), make()
+    engine.generate(reqs)
+    compiles = engine.compiles
+    key = np.asarray(jax.random.PRNGKey(11)).tolist()
+    for e in (engine, alone):
+        e.clear_cache()
+        e.set_rng_state(key)
+    padded, single = engine.generate(reqs[3:4])[0], alone.generate(reqs[3:4])[0]
+    assert engine.compiles == compiles and engine._row_counts["requests"] == {8}
+    assert alone._row_counts["requests"] == {1} and alone.compiles == 2
+    assert padded.token_ids == single.token_ids and padded.finish_reason == single.finish_reason
+    np.testing.assert_allclose(padded.logprobs, single.logprobs, rtol=0, atol=1e-5)
+    assert engine._rows(1, "work") == 8 and make()._rows(1, "work") == 1
+    engine._row_counts["requests"] = {64}
+    assert engine._rows(4, "requests") == 4 and engine._rows(8, "requests") == 64
+
+
 def test_backend_reads_the_learners_params(tiny):
     """Sync is free: the engine samples from the learner's own arrays; with `own_copy` (rollouts
     while the learner's step donates its buffers) from equal arrays of its own."""
