@@ -8,7 +8,10 @@
 
 A checkpoint is written into `step_<N>.tmp` and renamed into place when complete, so a crash
 mid-write never leaves a directory that looks complete; `latest` ignores `.tmp` leftovers and
-directories without `loop_state.json`.
+directories without `loop_state.json`. `start` returns once the learner has taken its state (a
+learner may write it in the background, as orbax does) and hands back the `finish` that waits
+for the writes and publishes the checkpoint: the training loop calls it after the next step's
+rollouts, so that the writing overlaps them; `save` is the two at once.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from common.learner import Collectives, Learner
 
@@ -38,6 +42,15 @@ def latest(root: str | os.PathLike) -> Path | None:
 def save(root: str | os.PathLike, step: int, learner: Learner, loop_state: dict,
          comm: Collectives) -> Path:
     """Write checkpoint `step` (every process calls this). Returns its final path."""
+    return start(root, step, learner, loop_state, comm)()
+
+
+def start(root: str | os.PathLike, step: int, learner: Learner, loop_state: dict,
+          comm: Collectives) -> Callable[[], Path]:
+    """Begin checkpoint `step` (every process calls this): the HF export, and the learner's
+    state as it is now, written into `step_<N>.tmp`. Returns `finish` (every process calls it,
+    once): it waits for the learner's writes, then moves the checkpoint into place and returns
+    its final path. Until then `latest` does not see it."""
     root = Path(root)
     final, tmp = root / f"step_{step}", root / f"step_{step}.tmp"
     if comm.rank == 0:
@@ -46,13 +59,18 @@ def save(root: str | os.PathLike, step: int, learner: Learner, loop_state: dict,
     comm.barrier()
     learner.export_hf(tmp)
     learner.save(tmp)
-    comm.barrier()
-    if comm.rank == 0:
-        (tmp / LOOP_STATE).write_text(json.dumps({"step": step, **loop_state}))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    comm.barrier()
-    return final
+
+    def finish() -> Path:
+        learner.wait_saved()
+        comm.barrier()
+        if comm.rank == 0:
+            (tmp / LOOP_STATE).write_text(json.dumps({"step": step, **loop_state}))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        comm.barrier()
+        return final
+
+    return finish
 
 
 def load_loop_state(path: str | os.PathLike) -> dict:

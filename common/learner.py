@@ -36,7 +36,11 @@ class Learner(Protocol):
 
     def save(self, directory: Path) -> None:
         """Write the learner's own state (weights, optimizer, schedule) into `directory`,
-        which already holds `export_hf`'s files."""
+        which already holds `export_hf`'s files: the state at the call, though the writing
+        may go on in the background after it returns (`wait_saved`)."""
+
+    def wait_saved(self) -> None:
+        """Return once everything `save` started is on disk."""
 
     def restore(self, directory: Path) -> None:
         """Continue from what `save` wrote into `directory`."""

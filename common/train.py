@@ -111,6 +111,13 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
 
     rollouts = rollout_source(cfg.train.max_staleness, draw, collect_rollouts, start + 1,
                               cfg.train.steps)
+    publish = None  # `finish` of the checkpoint still being written (`common.checkpoints`)
+
+    def published(finish) -> None:  # into place, and the older checkpoints pruned
+        finish()
+        if comm.rank == 0:
+            checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
+
     progress = _progress(comm.rank == 0)
     task = progress.add_task("train", total=cfg.train.steps, completed=start, info="")
     metrics: dict = {}
@@ -118,6 +125,9 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         for step in range(start + 1, cfg.train.steps + 1):
             # rollout (in line, or generated ahead while earlier steps trained) and update
             trajs, train_m, sampler_state = rollouts.next(step)
+            if publish:  # the last checkpoint was written while these rollouts ran
+                published(publish)
+                publish = None
             train_m |= comm.sum_scalars({k: train_m[k] for k in GRADER_KEYS})
             fresh, stale_m = staleness(trajs, step, cfg.train.max_staleness, comm)
             train_m |= stale_m | learn(fresh, learner, step_cfg, comm, backend.train_context,
@@ -149,10 +159,11 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                 with rollouts.engine_lock:
                     rng = backend.rng_state()
                 loop_state = {"sampler": sampler_state, "engine_rng": comm.gather(rng)}
-                checkpoints.save(workdir / "checkpoints", step, learner, loop_state, comm)
-                if comm.rank == 0:
-                    checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
+                publish = checkpoints.start(workdir / "checkpoints", step, learner, loop_state,
+                                            comm)
             progress.update(task, advance=1, info=summary(metrics))
+        if publish:
+            published(publish)
     if log:
         log.plot()
         log.close()

@@ -142,6 +142,7 @@ class Learner:
         self.xla_options = compiler_options(
             None if mesh is None else mesh.devices.flat[0].platform)
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
+        self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
         self.opt_sh = None
@@ -175,13 +176,24 @@ class Learner:
         save_hf(self.merge(self.params), self.config, out_dir, source_dir=self.model_dir)
 
     def save(self, directory: Path) -> None:
+        """Orbax copies the parameters and optimizer state, then writes them in the background
+        (`wait_saved`), while the next steps run (after the copy, the step may donate the
+        buffers); one save at a time."""
         import orbax.checkpoint as ocp
 
-        with _quiet(), ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(Path(directory).absolute() / STATE_DIR,
-                      {"params": self.params, "opt_state": self.opt_state})
+        self.wait_saved()
+        if self._saver is None:
+            self._saver = ocp.StandardCheckpointer()
+        with _quiet():
+            self._saver.save(Path(directory).absolute() / STATE_DIR,
+                             {"params": self.params, "opt_state": self.opt_state})
         if jax.process_index() == 0:  # the shapes used so far: a resumed run pads the same
             (Path(directory) / SHAPES_FILE).write_text(json.dumps(self._shapes))
+
+    def wait_saved(self) -> None:
+        if self._saver is not None:
+            with _quiet():
+                self._saver.wait_until_finished()
 
     def restore(self, directory: Path) -> None:
         """Parameters, optimizer state and the slice shapes used so far from `directory`, each

@@ -147,6 +147,9 @@ class Learner:
     def save(self, directory: Path) -> None:
         checkpoint.save_state(directory, self.model, self.optimizer, self.scheduler)
 
+    def wait_saved(self) -> None:
+        """Nothing to wait for: `save` writes before it returns."""
+
     def restore(self, directory: Path) -> None:
         checkpoint.load_state(directory, self.model, self.optimizer, self.scheduler)
 

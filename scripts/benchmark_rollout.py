@@ -162,6 +162,9 @@ class SleepingLearner:
     def save(self, directory):
         pass
 
+    def wait_saved(self):
+        pass
+
     def restore(self, directory):
         pass
 

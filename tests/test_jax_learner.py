@@ -251,6 +251,8 @@ def test_orbax_resume_is_exact(setup, tmp_path):
     for _ in range(2):
         setup.step(first)
     first.save(tmp_path)
+    setup.step(first)  # donates the buffers saved, while orbax may still be writing them
+    first.wait_saved()
     resumed = setup.learner(cfg, tc)  # fresh state, then restored
     resumed.restore(tmp_path)
     for _ in range(2):

@@ -1,6 +1,6 @@
 """Both learners through the `common.learner.Learner` protocol, as the shared loop uses them:
 the first step's loss is the numpy reference, and a step after save/restore equals the step of
-an uninterrupted learner."""
+an uninterrupted learner (saved while the saving learner went on to its next step)."""
 
 import numpy as np
 import pytest
@@ -93,7 +93,10 @@ def test_resumed_step_equals_uninterrupted(make_learner, tiny, tmp_path):
 
     first = make_learner(tiny)
     step(first, tiny)
-    saved = checkpoints.save(tmp_path / "ckpt", 1, first, {"note": "x"}, comm)
+    finish = checkpoints.start(tmp_path / "ckpt", 1, first, {"note": "x"}, comm)
+    assert checkpoints.latest(tmp_path / "ckpt") is None  # not in place before `finish`
+    step(first, tiny)  # while the state may still be written (the JAX step donates its buffers)
+    saved = finish()
     assert checkpoints.latest(tmp_path / "ckpt") == saved
     assert checkpoints.load_loop_state(saved) == {"step": 1, "note": "x"}
     resumed = make_learner(tiny)  # fresh weights and optimizer, then restored

@@ -57,20 +57,25 @@ def assert_same_metrics(rows: list[dict], workdir: Path) -> None:
 
 @contextlib.contextmanager
 def crash_after_checkpoint(step: int, monkeypatch):
-    """Inside the block, a run raises KeyboardInterrupt right after its step-`step` checkpoint."""
-    real_save = checkpoints.save
+    """Inside the block, a run raises KeyboardInterrupt right after its step-`step` checkpoint
+    is in place."""
+    real_start = checkpoints.start
 
-    def save_then_crash(root, at, *args, **kw):
-        out = real_save(root, at, *args, **kw)
-        if at == step:
-            raise KeyboardInterrupt("simulated crash")
-        return out
+    def start_then_crash(root, at, *args, **kw):
+        finish = real_start(root, at, *args, **kw)
 
-    monkeypatch.setattr(checkpoints, "save", save_then_crash)
+        def finish_then_crash():
+            out = finish()
+            if at == step:
+                raise KeyboardInterrupt("simulated crash")
+            return out
+        return finish_then_crash
+
+    monkeypatch.setattr(checkpoints, "start", start_then_crash)
     try:
         yield
     finally:
-        monkeypatch.setattr(checkpoints, "save", real_save)
+        monkeypatch.setattr(checkpoints, "start", real_start)
 
 
 @pytest.mark.slow
