@@ -130,7 +130,9 @@ class JaxEngine:
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
         self.keep_cache = keep_cache
-        self.key = jax.random.PRNGKey(seed)
+        # the key lives on the host between calls: a device array coming back from a call is
+        # placed differently from a fresh one, and the prefill would be traced again for it
+        self.key = np.asarray(jax.random.PRNGKey(seed))
         self.image_token_id = int(config.image_token_id)
         self.merge_size = config.vision_config.spatial_merge_size
         placeholders = {config.image_token_id, getattr(config, "video_token_id", None)} - {None}
@@ -152,10 +154,10 @@ class JaxEngine:
 
     # ---- RNG ---------------------------------------------------------------------------
     def rng_state(self) -> list[int]:
-        return [int(x) for x in np.asarray(jax.random.key_data(self.key)).reshape(-1)]
+        return [int(x) for x in self.key.reshape(-1)]
 
     def set_rng_state(self, state: Sequence[int]) -> None:
-        self.key = jnp.asarray(np.asarray(state, np.uint32))
+        self.key = np.asarray(state, np.uint32)
 
     # ---- compiled pieces ---------------------------------------------------------------
     def _model(self, params):
@@ -237,7 +239,7 @@ class JaxEngine:
                     .astype(np.float32),
                     np.r_[[r.sampling.top_p for r in requests], np.ones(pad)].astype(np.float32))
         params, nucleus = self.params(), bool((sampling[1] < 1).any())
-        tok, lp, cache, self.key = self._prefill(
+        tok, lp, cache, key = self._prefill(
             params, kept_cache if (source >= 0).any() else None, source, lengths, batch, index,
             sampling, self.key, cache_len=cache_len, nucleus=nucleus)
         first_pos = first_pos[index]
@@ -247,9 +249,10 @@ class JaxEngine:
             stops[b, :len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
         budgets = np.ones(rows, np.int32)  # padding rows: done after their first token
         budgets[:n] = [r.sampling.max_new_tokens for r in requests]
-        tokens, logps, steps, cache, self.key = self._decode(
+        tokens, logps, steps, cache, key = self._decode(
             params, cache, tok, lp, first_pos, (lengths + batch["count"])[index], sampling,
-            self.key, stops, budgets, np.int32(budgets.max()), nucleus=nucleus)
+            key, stops, budgets, np.int32(budgets.max()), nucleus=nucleus)
+        self.key = np.asarray(key)
         tokens, logps = np.asarray(tokens), np.asarray(logps)
         decoding = Decoding(requests)  # the rules, applied to what the device loop sampled
         self.decode_steps += int(steps) - 1

@@ -22,9 +22,9 @@ log-probs and the loss in fp32 — the JAX counterpart of torch autocast.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
+import logging
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from absl import logging as absl_logging
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common.batching import PackedBatch
@@ -182,18 +181,16 @@ class Learner:
         import orbax.checkpoint as ocp
 
         self.wait_saved()
-        if self._saver is None:
-            self._saver = ocp.StandardCheckpointer()
-        with _quiet():
-            self._saver.save(Path(directory).absolute() / STATE_DIR,
-                             {"params": self.params, "opt_state": self.opt_state})
+        _quiet_orbax()
+        self._saver = self._saver or ocp.StandardCheckpointer()
+        self._saver.save(Path(directory).absolute() / STATE_DIR,
+                         {"params": self.params, "opt_state": self.opt_state})
         if jax.process_index() == 0:  # the shapes used so far: a resumed run pads the same
             (Path(directory) / SHAPES_FILE).write_text(json.dumps(self._shapes))
 
     def wait_saved(self) -> None:
         if self._saver is not None:
-            with _quiet():
-                self._saver.wait_until_finished()
+            self._saver.wait_until_finished()
 
     def restore(self, directory: Path) -> None:
         """Parameters, optimizer state and the slice shapes used so far from `directory`, each
@@ -207,7 +204,8 @@ class Learner:
                                     "checkpoint")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                               {"params": self.params, "opt_state": self.opt_state})
-        with _quiet(), ocp.StandardCheckpointer() as ckpt:
+        _quiet_orbax()
+        with ocp.StandardCheckpointer() as ckpt:
             out = ckpt.restore(path, target)
         self.params, self.opt_state = out["params"], out["opt_state"]
         shapes = Path(directory) / SHAPES_FILE
@@ -342,15 +340,19 @@ def _accumulate(total, new):
     return grads, sums
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Orbax logs every file it writes at INFO: keep the run's log readable."""
-    level = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    try:
-        yield
-    finally:
-        absl_logging.set_verbosity(level)
+class _OrbaxInfo(logging.Filter):
+    """Drops orbax's INFO records: it logs every file it writes, from its background threads
+    too, so that a run's log would be mostly orbax."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or "orbax" not in record.pathname
+
+
+def _quiet_orbax() -> None:
+    """Install `_OrbaxInfo` on absl's logger (which orbax logs through), once."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxInfo) for f in absl.filters):
+        absl.addFilter(_OrbaxInfo())
 
 
 def _global_array(local: np.ndarray, sharding: NamedSharding) -> jax.Array:

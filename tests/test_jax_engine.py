@@ -213,6 +213,23 @@ def test_a_small_call_reuses_compiled_rows_and_samples_the_same(tiny):
     assert engine._rows(4, "requests") == 4 and engine._rows(8, "requests") == 64
 
 
+def test_the_same_call_again_is_not_traced_again(tiny):
+    """With the parameters on a mesh, as the learner holds them, a second call of the same
+    shapes reuses the compiled prefill and decode: the key that came back from the first is
+    placed as a fresh one (a device key would be traced again as another input)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from geo3k_jax.sharding import make_mesh
+    placed = jax.device_put(tiny.params, NamedSharding(
+        make_mesh({"data": 1, "fsdp": -1, "tensor": 1}), P()))
+    engine = JaxEngine(tiny.merge, lambda: placed, tiny.processor, tiny.hf.config)
+    reqs = [one_request(tiny.processor, seed=s, session=f"k{s}") for s in range(2)]
+    engine.generate(reqs)
+    assert engine.compiles == 2
+    engine.clear_cache()
+    engine.generate(reqs)
+    assert engine.compiles == 2
+
+
 def test_backend_reads_the_learners_params(tiny):
     """Sync is free: the engine samples from the learner's own arrays; with `own_copy` (rollouts
     while the learner's step donates its buffers) from equal arrays of its own."""
