@@ -111,9 +111,9 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
 
     rollouts = rollout_source(cfg.train.max_staleness, draw, collect_rollouts, start + 1,
                               cfg.train.steps)
-    publish = None  # `finish` of the checkpoint still being written (`common.checkpoints`)
+    pending = None  # `finish` of the checkpoint still being written (`common.checkpoints`)
 
-    def published(finish) -> None:  # into place, and the older checkpoints pruned
+    def publish(finish) -> None:  # into place, and the older checkpoints pruned
         finish()
         if comm.rank == 0:
             checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
@@ -125,9 +125,9 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         for step in range(start + 1, cfg.train.steps + 1):
             # rollout (in line, or generated ahead while earlier steps trained) and update
             trajs, train_m, sampler_state = rollouts.next(step)
-            if publish:  # the last checkpoint was written while these rollouts ran
-                published(publish)
-                publish = None
+            if pending:  # the last checkpoint was written while these rollouts ran
+                publish(pending)
+                pending = None
             train_m |= comm.sum_scalars({k: train_m[k] for k in GRADER_KEYS})
             fresh, stale_m = staleness(trajs, step, cfg.train.max_staleness, comm)
             train_m |= stale_m | learn(fresh, learner, step_cfg, comm, backend.train_context,
@@ -159,11 +159,11 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                 with rollouts.engine_lock:
                     rng = backend.rng_state()
                 loop_state = {"sampler": sampler_state, "engine_rng": comm.gather(rng)}
-                publish = checkpoints.start(workdir / "checkpoints", step, learner, loop_state,
+                pending = checkpoints.start(workdir / "checkpoints", step, learner, loop_state,
                                             comm)
             progress.update(task, advance=1, info=summary(metrics))
-        if publish:
-            published(publish)
+        if pending:
+            publish(pending)
     if log:
         log.plot()
         log.close()

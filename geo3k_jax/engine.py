@@ -25,7 +25,8 @@ bucketed shapes (rows and new tokens: powers of two; patches per row: `geo3k_jax
 the cache: the longest a request has needed so far, in units of 128 slots), so a run compiles a
 handful of times; `compiles` counts the traces. A call with few rows (the last turns of a few
 episodes) pads them to a row count compiled before, up to `ROW_SLACK` times its own: the padded
-rows cost a little decoding, a new shape a compile (seconds on CPU, minutes for a large model). The decode loop donates the cache it replaces.
+rows cost a little decoding, a new shape a compile (seconds on CPU, minutes for a large model).
+The decode loop donates the cache it replaces.
 The sampling key is a raw uint32[2] PRNG key (`rng_state`).
 """
 
