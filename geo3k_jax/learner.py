@@ -39,7 +39,7 @@ from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import SHAPE_KEYS, reuse, step_sizes, step_slices
+from geo3k_jax.buckets import agree, reuse, slice_sizes, step_slices
 from geo3k_jax.compiler import compiler_options
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
@@ -266,15 +266,15 @@ class Learner:
                          n_tokens=n_tokens, n_seqs=n_seqs) for b in batches]
         row_len = self.row_len or self.cfg.micro_batch_tokens
         local = self.rows_per_slice // max(self.comm.world, 1) or 1
-        sizes = step_sizes(rows, self.config, rows_per_slice=local, row_len=row_len)
-        sizes = {k: int(v) for k, v in self.comm.sum_scalars(
-            sizes, max_keys=tuple(sizes)).items()}  # every process pads to the same shapes
-        sizes = reuse(sizes, self._shapes)  # the same on every process: the same history
-        shape = {k: sizes[k] for k in SHAPE_KEYS}
-        if shape not in self._shapes:
-            self._shapes.append(shape)
-        return step_slices(rows, self.config, rows_per_slice=local, row_len=row_len,
-                           sizes=sizes)
+        sizes = agree(slice_sizes(rows, self.config, rows_per_slice=local, row_len=row_len),
+                      self.comm)  # every process pads its slice i to the same shape
+        shapes = []
+        for need in sizes:  # the same on every process: the same history
+            shape = reuse(need, self._shapes)
+            if shape not in self._shapes:
+                self._shapes.append(shape)
+            shapes.append(shape)
+        return step_slices(rows, self.config, rows_per_slice=local, sizes=shapes)
 
     def _global(self, sl: dict, shardings) -> dict:
         """A slice as the compiled functions take it: with a mesh, this process's rows become

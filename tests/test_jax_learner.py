@@ -17,7 +17,8 @@ import pytest
 from common.grpo import LossConfig, policy_loss
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import ROW_UNIT, bucket, reuse, step_sizes, step_slices
+from geo3k_jax.buckets import (ROW_RUNGS, ROW_UNIT, SHAPE_KEYS, agree, bucket, reuse,
+                               slice_sizes, step_slices)
 from geo3k_jax.learner import grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
 from tests.jax_learner_setup import model_and_batch, train_config
@@ -174,17 +175,48 @@ def test_a_run_compiles_once_per_bucket(setup):
     assert learner.compiles == 3
 
 
-def test_rows_are_as_long_as_the_step_needs(setup):
-    """A step's rows are its longest micro-batch rounded up to a bucket of ROW_UNIT tokens, at
-    most the row length: short micro-batches never pay for the whole budget."""
+def test_each_slice_is_as_long_as_its_own_rows_need(setup):
+    """A slice's rows are its longest micro-batch rounded up to a bucket of ROW_UNIT tokens, at
+    most the row length: a short micro-batch never pays for the whole budget, nor for a longer
+    neighbour in its step."""
     rows = [host_row(b, setup.processor, setup.config, agg="token-mean", n_tokens=1.0,
                      n_seqs=1.0) for b in setup.batches]
-    longest = max(b.num_tokens for b in setup.batches)
-    sizes = step_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
-    assert sizes["length"] == bucket(longest, ROW_UNIT) < 8 * ROW_UNIT
-    slices = step_slices(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
-    assert {sl["input_ids"].shape for sl in slices} == {(1, sizes["length"])}
-    assert step_sizes(rows, setup.config, rows_per_slice=1, row_len=longest)["length"] == longest
+    lengths = [b.num_tokens for b in setup.batches]
+    sizes = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
+    assert [s["length"] for s in sizes] == [bucket(n, ROW_UNIT, ROW_RUNGS) for n in lengths]
+    assert max(lengths) < 8 * ROW_UNIT
+    slices = step_slices(rows, setup.config, rows_per_slice=1, sizes=sizes)
+    assert [sl["input_ids"].shape for sl in slices] == [(1, s["length"]) for s in sizes]
+    pairs = slice_sizes(rows, setup.config, rows_per_slice=2, row_len=8 * ROW_UNIT)
+    assert [s["length"] for s in pairs] == [max(a["length"], b["length"])
+                                            for a, b in zip(sizes[::2], sizes[1::2])]
+    capped = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=max(lengths))
+    assert max(s["length"] for s in capped) == max(lengths)
+
+
+class MaxOver:
+    """`Collectives.sum_scalars` of several processes whose values are given, for `agree`."""
+
+    def __init__(self, others):
+        self.others = others  # the other processes' values, one dict each, in call order
+        self.calls = 0
+
+    def sum_scalars(self, values, max_keys=()):
+        other = self.others[self.calls]
+        self.calls += 1
+        keys = set(values) | set(other)
+        assert set(max_keys) == keys
+        return {k: max(values.get(k, 0), other.get(k, 0)) for k in keys}
+
+
+def test_processes_agree_on_each_slices_shape():
+    a = dict(length=512, targets=128, patches=64, window=128, prefix_window=0)
+    b = dict(length=1024, targets=256, patches=0, window=256, prefix_window=512)
+    comm = MaxOver([{"slices": 3}, {f"{i}/{k}": v for i, s in enumerate([a, a, b])
+                                    for k, v in s.items()}])
+    mine = [b, a]
+    agreed = agree(mine, comm)
+    assert agreed == [{k: max(a[k], b[k]) for k in SHAPE_KEYS}, a, b]  # the third: theirs
 
 
 def test_reuse_takes_the_smallest_compiled_shape_that_holds_the_step():
@@ -203,6 +235,18 @@ def test_bucket_ladder():
     assert [bucket(n, 1) for n in (0, 1, 2, 3, 4, 5, 7, 9, 13, 17, 25)] == \
         [1, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
     assert bucket(300, 128) == 384 and bucket(129, 16) == 192
+    assert [bucket(n, 1, 4) for n in (1, 3, 5, 8, 9, 11, 15, 17, 33, 57)] == \
+        [1, 3, 5, 8, 10, 12, 16, 20, 40, 64]
+    assert [bucket(n, 1, 1) for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    assert bucket(1100, 256, 4) == 1280 and bucket(2047, 256, 4) == 2048
+    for per_octave in (1, 2, 4, 8):  # the smallest rung: no rung lies between n and it
+        rungs = sorted({bucket(n, 1, per_octave) for n in range(1, 600)})
+        assert all(bucket(n, 1, per_octave) == min(r for r in rungs if r >= n)
+                   for n in range(1, 600))
+        assert all(b <= a * (1 + 1 / per_octave) for a, b in zip(rungs[per_octave:],
+                                                                rungs[per_octave + 1:]))
+    with pytest.raises(ValueError, match="power of two"):
+        bucket(10, 1, 3)
 
 
 def test_schedule_and_skip(setup):
@@ -268,11 +312,12 @@ def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     the checkpoint (`buckets.reuse`) come back with it."""
     tc, cfg = train_config(), LossConfig(tis_cap=2.0)
     straight = setup.learner(cfg, tc)
-    straight.row_len *= 2
+    row_len = straight.row_len
+    straight.row_len = row_len * 3 // 2
     setup.step(straight)
     straight.save(tmp_path)
-    straight.row_len //= 2
-    setup.step(straight)  # shorter rows: reuses the longer shape
+    straight.row_len = row_len
+    setup.step(straight)  # shorter rows, by less than REUSE_SLACK: reuses the longer shape
     resumed = setup.learner(cfg, tc)
     resumed.restore(tmp_path)
     setup.step(resumed)
