@@ -111,17 +111,22 @@ def capture_gradients():
 
 
 def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
-    """One micro-batch per slice (a loop of 3+ gradients inside the compiled step) against every
-    micro-batch in one slice: the same gradient."""
+    """One micro-batch per slice (a loop of 3+ gradients inside the compiled step, each slice
+    padded to its own length) against every micro-batch in one slice: the same gradient."""
+    import geo3k_jax.buckets as jb
     import geo3k_jax.learner as jl
     monkeypatch.setattr(jl, "make_optimizer", lambda c: capture_gradients())
     monkeypatch.setattr(jl, "current_lr", lambda s, c: jnp.float32(0.0))
+    monkeypatch.setattr(jb, "ROW_UNIT", 32)  # the setup's short micro-batches, several lengths
     cfg = LossConfig(tis_cap=2.0)
     grads = {}
     for name, rows in (("one", len(setup.batches)), ("acc", 1)):
         learner = setup.learner(cfg, train_config(), rows_per_slice=rows)
         setup.step(learner)
         grads[name] = {k: np.asarray(v, np.float64) for k, v in learner.opt_state.items()}
+        lengths = sorted(s["length"] for s in learner._shapes)
+        # 128 | 128 and 32 (the rows that need 96 reuse 128: within REUSE_SLACK)
+        assert lengths == ([128] if name == "one" else [32, 128]), lengths
     assert len(setup.batches) >= 3
     one, acc = grads["one"], grads["acc"]
     worst = max(np.linalg.norm(acc[k] - g) / np.linalg.norm(g)
