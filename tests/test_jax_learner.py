@@ -17,8 +17,8 @@ import pytest
 from common.grpo import LossConfig, policy_loss
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import (ROW_RUNGS, ROW_UNIT, SHAPE_KEYS, agree, bucket, reuse,
-                               slice_sizes, step_slices)
+from geo3k_jax.buckets import (ROW_RUNGS, SHAPE_KEYS, agree, bucket, reuse, slice_sizes,
+                               step_slices)
 from geo3k_jax.learner import grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
 from tests.jax_learner_setup import model_and_batch, train_config
@@ -180,19 +180,21 @@ def test_a_run_compiles_once_per_bucket(setup):
     assert learner.compiles == 3
 
 
-def test_each_slice_is_as_long_as_its_own_rows_need(setup):
+def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
     """A slice's rows are its longest micro-batch rounded up to a bucket of ROW_UNIT tokens, at
     most the row length: a short micro-batch never pays for the whole budget, nor for a longer
     neighbour in its step."""
+    import geo3k_jax.buckets as jb
+    monkeypatch.setattr(jb, "ROW_UNIT", 32)  # the setup's micro-batches: 101, 88, 93, 22 tokens
     rows = [host_row(b, setup.processor, setup.config, agg="token-mean", n_tokens=1.0,
                      n_seqs=1.0) for b in setup.batches]
     lengths = [b.num_tokens for b in setup.batches]
-    sizes = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * ROW_UNIT)
-    assert [s["length"] for s in sizes] == [bucket(n, ROW_UNIT, ROW_RUNGS) for n in lengths]
-    assert max(lengths) < 8 * ROW_UNIT
+    sizes = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * 32)
+    assert [s["length"] for s in sizes] == [bucket(n, 32, ROW_RUNGS) for n in lengths]
+    assert len({s["length"] for s in sizes}) >= 3 and max(lengths) < 8 * 32
     slices = step_slices(rows, setup.config, rows_per_slice=1, sizes=sizes)
     assert [sl["input_ids"].shape for sl in slices] == [(1, s["length"]) for s in sizes]
-    pairs = slice_sizes(rows, setup.config, rows_per_slice=2, row_len=8 * ROW_UNIT)
+    pairs = slice_sizes(rows, setup.config, rows_per_slice=2, row_len=8 * 32)
     assert [s["length"] for s in pairs] == [max(a["length"], b["length"])
                                             for a, b in zip(sizes[::2], sizes[1::2])]
     capped = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=max(lengths))
