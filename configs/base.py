@@ -171,6 +171,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
     c.jax.remat = False  # recompute each decoder layer in the backward pass (less memory)
+    # Learner row lengths (geo3k_jax.buckets.Ladder): lengths an octave (a power of two) and how
+    # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
+    c.jax.row_rungs = 4
+    c.jax.reuse_slack = 1.5
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any

@@ -27,4 +27,5 @@ def get_config():
     c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
     c.jax.compute_dtype = "bfloat16"
     c.jax.remat = True
+    c.jax.row_rungs, c.jax.reuse_slack = 2, 2.0  # a compile takes minutes here: fewer shapes
     return c

@@ -28,6 +28,7 @@ padding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -36,11 +37,27 @@ import numpy as np
 from geo3k_jax.batch import BLOCK, NO_PREFIX, HostRow, assemble, attention_windows
 
 TARGET_UNIT = 128  # trained tokens per row come in multiples of this times a power of two
-ROW_UNIT = 256  # tokens per row: multiples of this (up to the row length), 4 rungs an octave
-ROW_RUNGS = 4
+ROW_UNIT = 256  # tokens per row: multiples of this (up to the row length)
 PATCH_UNITS = 16  # image patches per row: multiples of 16 merge units times a power of two
 SHAPE_KEYS = ("length", "targets", "patches", "window", "prefix_window")  # a slice's shape
-REUSE_SLACK = 1.5  # a compiled shape serves slices whose rows are at least 1 / this as long
+
+
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """How finely row lengths follow the data: `row_rungs` lengths an octave (`bucket`'s
+    per_octave, a power of two), and a compiled shape serves slices whose rows need at least
+    1 / `reuse_slack` of its length. Finer and tighter pad less and compile more: the CPU
+    default's 4 and 1.5 left 0.92 of the learner's tokens real with 4 gradient shapes, 2 and 2
+    left 0.73 with 2 (docs/benchmarks.md); where a compile takes minutes (a large model on TPU),
+    2 and 2 compile least."""
+
+    row_rungs: int = 4
+    reuse_slack: float = 1.5
+
+    def __post_init__(self):
+        bucket(1, 1, self.row_rungs)  # a power of two, or a clear error
+        if not self.reuse_slack >= 1:
+            raise ValueError(f"reuse_slack must be >= 1, got {self.reuse_slack}")
 
 
 def bucket(n: int, unit: int, per_octave: int = 2) -> int:
@@ -58,13 +75,14 @@ def bucket(n: int, unit: int, per_octave: int = 2) -> int:
     return unit * step * -(-m // step)
 
 
-def row_sizes(rows: Sequence[HostRow], config, *, row_len: int) -> dict[str, int]:
-    """The sizes one slice of `rows` needs, bucketed: length (at most `row_len`), targets,
-    patches, window, prefix_window."""
+def row_sizes(rows: Sequence[HostRow], config, *, row_len: int,
+              row_rungs: int = Ladder.row_rungs) -> dict[str, int]:
+    """The sizes one slice of `rows` needs, bucketed: length (at most `row_len`, `row_rungs`
+    lengths an octave), targets, patches, window, prefix_window."""
     unit = config.vision_config.spatial_merge_size ** 2
     patches = max((len(r.pixel_values) for r in rows if r.pixel_values is not None), default=0)
     length = min(row_len, bucket(max((r.batch.num_tokens for r in rows), default=1), ROW_UNIT,
-                                 ROW_RUNGS))
+                                 row_rungs))
     segments = np.full((max(len(rows), 1), length), -1, np.int32)
     prefix = np.full_like(segments, NO_PREFIX)
     for i, r in enumerate(rows):
@@ -80,12 +98,12 @@ def row_sizes(rows: Sequence[HostRow], config, *, row_len: int) -> dict[str, int
             "prefix_window": window("prefix_offsets") if len(windows["prefix_offsets"]) else 0}
 
 
-def slice_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int
-                ) -> list[dict[str, int]]:
+def slice_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int,
+                row_rungs: int = Ladder.row_rungs) -> list[dict[str, int]]:
     """The sizes (`row_sizes`) of each slice of this process's rows, `rows_per_slice` rows a
     slice in order. Several processes take the maximum of each slice's sizes (the learner
     does, `agree`) before `step_slices`: each then runs as many slices of the same shapes."""
-    return [row_sizes(rows[i:i + rows_per_slice], config, row_len=row_len)
+    return [row_sizes(rows[i:i + rows_per_slice], config, row_len=row_len, row_rungs=row_rungs)
             for i in range(0, len(rows), rows_per_slice)]
 
 
@@ -101,7 +119,7 @@ def agree(sizes: list[dict[str, int]], comm) -> list[dict[str, int]]:
 
 
 def reuse(sizes: dict[str, int], compiled: Sequence[dict[str, int]],
-          slack: float = REUSE_SLACK) -> dict[str, int]:
+          slack: float = Ladder.reuse_slack) -> dict[str, int]:
     """A slice's `sizes` grown to the smallest shape in `compiled` that holds them (every size
     at least the needed one, rows at most `slack` times the needed length), or unchanged when
     none does. A compile costs seconds on CPU and minutes for a large model on TPU, a padded

@@ -39,7 +39,7 @@ from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import agree, reuse, slice_sizes, step_slices
+from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
 from geo3k_jax.compiler import compiler_options
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
@@ -116,15 +116,16 @@ class Learner:
     data-parallel size, and the step donates the parameter and optimizer buffers it replaces
     (its own copies: the caller's `params` stay valid). `chunk`: log-probs computed that many
     trained tokens of a row at a time (0: all at once); `remat`: decoder layers recomputed in
-    the backward pass; `rows_per_slice` overrides the slice size (a multiple of the data axes).
+    the backward pass; `rows_per_slice` overrides the slice size (a multiple of the data axes);
+    `ladder`: how finely slice lengths follow the data (`geo3k_jax.buckets.Ladder`).
     """
 
     def __init__(self, merge: Callable, params: dict, loss_cfg: LossConfig, train_cfg,
                  temperature: float, *, processor=None, config=None, mesh=None, rules=(),
                  compute_dtype=None, ref_params: dict | None = None, chunk: int = 0,
                  remat: bool = False, rows_per_slice: int | None = None,
-                 row_len: int | None = None, comm: Collectives = SingleProcess(),
-                 model_dir: str | None = None):
+                 row_len: int | None = None, ladder: Ladder = Ladder(),
+                 comm: Collectives = SingleProcess(), model_dir: str | None = None):
         if loss_cfg.kl_coef and ref_params is None:
             raise ValueError("kl_coef > 0 needs reference parameters")
         self.merge, self.loss_cfg, self.cfg = merge, loss_cfg, train_cfg
@@ -136,7 +137,7 @@ class Learner:
         if self.rows_per_slice % data:
             raise ValueError(f"rows_per_slice={self.rows_per_slice} must be a multiple of the "
                              f"mesh's data-parallel size {data}")
-        self.row_len = row_len
+        self.row_len, self.ladder = row_len, ladder
         self.compiles = 0  # traces of the compiled functions: each one compilation
         self.xla_options = compiler_options(
             None if mesh is None else mesh.devices.flat[0].platform)
@@ -266,11 +267,12 @@ class Learner:
                          n_tokens=n_tokens, n_seqs=n_seqs) for b in batches]
         row_len = self.row_len or self.cfg.micro_batch_tokens
         local = self.rows_per_slice // max(self.comm.world, 1) or 1
-        sizes = agree(slice_sizes(rows, self.config, rows_per_slice=local, row_len=row_len),
+        sizes = agree(slice_sizes(rows, self.config, rows_per_slice=local, row_len=row_len,
+                                  row_rungs=self.ladder.row_rungs),
                       self.comm)  # every process pads its slice i to the same shape
         shapes = []
         for need in sizes:  # the same on every process: the same history
-            shape = reuse(need, self._shapes)
+            shape = reuse(need, self._shapes, self.ladder.reuse_slack)
             if shape not in self._shapes:
                 self._shapes.append(shape)
             shapes.append(shape)

@@ -27,6 +27,7 @@ from common.processor import load_processor
 from common.setup import check_config, prepare_data
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
+from geo3k_jax.buckets import Ladder
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
@@ -81,7 +82,7 @@ def build(cfg, workdir: str) -> loop.Run:
                       compute_dtype=DTYPES[cfg.jax.compute_dtype],
                       ref_params=params if loss_cfg.kl_coef else None,
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
-                      model_dir=model_dir)
+                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir)
     counters = dict
     if cfg.engine.backend == "local":
         from geo3k_jax.backend import JaxBackend

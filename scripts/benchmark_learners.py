@@ -65,6 +65,7 @@ def record(cfg, path: Path) -> None:
 
 def learners(cfg, model_dir: str) -> dict:
     """A fresh torch and a fresh JAX learner on `model_dir`, in the config's settings."""
+    from geo3k_jax.buckets import Ladder
     from geo3k_jax.learner import Learner as JaxLearner
     from geo3k_jax.model import split_params
     from geo3k_jax.weights import load_model as load_jax
@@ -80,7 +81,8 @@ def learners(cfg, model_dir: str) -> dict:
                               cfg.rollout.temperature, "cpu", model_dir=model_dir,
                               chunk=cfg.train.logprob_chunk),
         "jax": JaxLearner(merge, params, loss_cfg, cfg.train, cfg.rollout.temperature,
-                          processor=processor, config=config, chunk=cfg.train.logprob_chunk),
+                          processor=processor, config=config, chunk=cfg.train.logprob_chunk,
+                          ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack)),
     }
 
 

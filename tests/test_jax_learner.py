@@ -17,7 +17,7 @@ import pytest
 from common.grpo import LossConfig, policy_loss
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import (ROW_RUNGS, SHAPE_KEYS, agree, bucket, reuse, slice_sizes,
+from geo3k_jax.buckets import (SHAPE_KEYS, Ladder, agree, bucket, reuse, slice_sizes,
                                step_slices)
 from geo3k_jax.learner import grpo_loss, loss_from_logprobs
 from geo3k_jax.model import token_logprobs
@@ -125,7 +125,7 @@ def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
         setup.step(learner)
         grads[name] = {k: np.asarray(v, np.float64) for k, v in learner.opt_state.items()}
         lengths = sorted(s["length"] for s in learner._shapes)
-        # 128 | 128 and 32 (the rows that need 96 reuse 128: within REUSE_SLACK)
+        # 128 | 128 and 32 (the rows that need 96 reuse 128: within the ladder's reuse_slack)
         assert lengths == ([128] if name == "one" else [32, 128]), lengths
     assert len(setup.batches) >= 3
     one, acc = grads["one"], grads["acc"]
@@ -190,7 +190,7 @@ def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
                      n_seqs=1.0) for b in setup.batches]
     lengths = [b.num_tokens for b in setup.batches]
     sizes = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * 32)
-    assert [s["length"] for s in sizes] == [bucket(n, 32, ROW_RUNGS) for n in lengths]
+    assert [s["length"] for s in sizes] == [bucket(n, 32, Ladder().row_rungs) for n in lengths]
     assert len({s["length"] for s in sizes}) >= 3 and max(lengths) < 8 * 32
     slices = step_slices(rows, setup.config, rows_per_slice=1, sizes=sizes)
     assert [sl["input_ids"].shape for sl in slices] == [(1, s["length"]) for s in sizes]
@@ -199,6 +199,25 @@ def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
                                             for a, b in zip(sizes[::2], sizes[1::2])]
     capped = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=max(lengths))
     assert max(s["length"] for s in capped) == max(lengths)
+    coarse = slice_sizes(rows, setup.config, rows_per_slice=1, row_len=8 * 32, row_rungs=1)
+    assert [s["length"] for s in coarse] == [128, 128, 128, 32]  # powers of two
+
+
+def test_a_coarse_ladder_compiles_less(setup, monkeypatch):
+    """`Ladder(row_rungs, reuse_slack)`: lengths on a coarser ladder and a looser reuse meet
+    fewer shapes; a ladder that cannot be built says why."""
+    import geo3k_jax.buckets as jb
+    monkeypatch.setattr(jb, "ROW_UNIT", 32)
+    lengths = {}
+    for ladder in (Ladder(), Ladder(row_rungs=1, reuse_slack=4.0)):
+        learner = setup.learner(LossConfig(), train_config(), ladder=ladder)
+        setup.step(learner)
+        lengths[ladder] = sorted(s["length"] for s in learner._shapes)
+    assert lengths == {Ladder(): [32, 128], Ladder(1, 4.0): [128]}
+    with pytest.raises(ValueError, match="power of two"):
+        Ladder(row_rungs=3)
+    with pytest.raises(ValueError, match="reuse_slack"):
+        Ladder(reuse_slack=0.5)
 
 
 class MaxOver:
@@ -324,7 +343,7 @@ def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     setup.step(straight)
     straight.save(tmp_path)
     straight.row_len = row_len
-    setup.step(straight)  # shorter rows, by less than REUSE_SLACK: reuses the longer shape
+    setup.step(straight)  # shorter rows, within the reuse slack: reuses the longer shape
     resumed = setup.learner(cfg, tc)
     resumed.restore(tmp_path)
     setup.step(resumed)
