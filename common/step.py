@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from common.batching import PackedBatch, TrainSequence, pack, training_sequences
 from common.env import EnvConfig
 from common.grpo import episode_advantages
-from common.learner import Collectives, Learner, SingleProcess
+from common.learner import Collectives, Deferred, Learner, SingleProcess
 from common.reward import STATS as reward_stats
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.scoring import RewardConfig
@@ -66,9 +66,10 @@ def collect(prompts: Sequence, engine, renderer, cfg: StepConfig, group_offset: 
 
 def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
           comm: Collectives = SingleProcess(), train_context=contextlib.nullcontext,
-          rollout_s: float = 0.0) -> dict[str, float]:
+          rollout_s: float = 0.0) -> Deferred:
     """Advantages, the dynamic-sampling filter, packing and the update on this process's
-    trajectories. Returns the learner's metrics and batch counts over processes."""
+    trajectories. Returns the learner's metrics and batch counts over processes, as a
+    `Deferred`: the update may still be running (reading a value waits for it)."""
     times: dict[str, float] = {}
     with timed(times, "batching"):
         rewards = np.array([t.reward for t in trajs])
@@ -85,24 +86,29 @@ def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
              "generated": float(sum(t.num_generated for t in trajs))}, max_keys=("micro",))
         if comm.world > 1:  # every process runs as many forward/backward passes
             batches = even_out(batches, int(counts["micro"]), spare_sequence(trajs))
-    metrics: dict[str, float] = {"time_train": 0.0}
+    learned: Mapping[str, float] = {}
+    times["time_train"] = 0.0  # (stays 0.0 when nothing trained)
     if counts["seqs"] > 0:  # no group with a reward spread on any process: nothing to learn
         with timed(times, "train"), train_context():
-            metrics |= update(learner, batches, counts["tokens"], counts["seqs"],
-                              cfg.updates_per_rollout, comm)
+            learned = update(learner, batches, counts["tokens"], counts["seqs"],
+                             cfg.updates_per_rollout, comm)
     world, budget = comm.world, cfg.micro_batch_tokens
-    metrics.update(times)  # (time_train stays 0.0 when nothing trained)
-    metrics.update({
+
+    def finish(metrics: dict[str, float], waited: float) -> None:
+        metrics["time_train"] += waited  # waiting for a learner's background step is training
+        metrics["train_tokens_per_s"] = (counts["packed"] / max(metrics["time_train"], 1e-9)
+                                         / world)
+
+    return Deferred(learned, times, {
         "filtered_groups": counts["filtered"], "sequences": counts["seqs"],
         "micro_batches": counts["micro"],
         "packing_efficiency": counts["packed"] / max(counts["micro"] * world * budget, 1.0),
-        "rollout_tokens_per_s": counts["generated"] / max(rollout_s, 1e-9) / world,
-        "train_tokens_per_s": counts["packed"] / max(metrics["time_train"], 1e-9) / world})
-    return metrics
+        "rollout_tokens_per_s": counts["generated"] / max(rollout_s, 1e-9) / world},
+        then=finish)
 
 
 def update(learner: Learner, batches: list[PackedBatch], n_tokens: float, n_seqs: float,
-           updates: int = 1, comm: Collectives = SingleProcess()) -> dict[str, float]:
+           updates: int = 1, comm: Collectives = SingleProcess()) -> Mapping[str, float]:
     """Train on one rollout's micro-batches: one optimizer step (updates = 1, the anchor
     recipe), or `updates` steps on consecutive mini-batches of them (PPO-style), all against
     the behaviour policy's log-probs, computed once before the first step, so that the ratio,

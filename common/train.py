@@ -130,17 +130,25 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                 pending = None
             train_m |= comm.sum_scalars({k: train_m[k] for k in GRADER_KEYS})
             fresh, stale_m = staleness(trajs, step, cfg.train.max_staleness, comm)
-            train_m |= stale_m | learn(fresh, learner, step_cfg, comm, backend.train_context,
-                                       train_m["time_rollout"])
+            train_m |= stale_m
+            learned = learn(fresh, learner, step_cfg, comm, backend.train_context,
+                            train_m["time_rollout"])  # the update may still be running
             with timed(train_m, "weight_sync"), rollouts.engine_lock:
                 backend.sync(learner, step)  # the next rollouts sample from the new weights
             rollouts.landed(step)
-            train_m |= run.counters()
 
-            # metrics, dump, curve (process 0 sees every process's trajectories)
+            # dump and curve while a background update runs (process 0 sees every process's
+            # trajectories; the curve shows the steps logged so far), then the step's metrics
             all_trajs = [t for part in comm.gather(trajs) for t in part]
             metrics = {f"train/{k}": v for k, v in
                        rollout_metrics(all_trajs, step_cfg.env.max_turns).items()}
+            if log:
+                if cfg.log.dump_rollouts:
+                    dump_rollouts(workdir / "rollouts" / f"step_{step}.jsonl", all_trajs,
+                                  renderer.decode)
+                if cfg.log.plot_every and step % cfg.log.plot_every == 0 and step > 1:
+                    log.plot()
+            train_m |= learned.settle() | run.counters()  # waits for the update
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 with rollouts.engine_lock:
@@ -148,11 +156,6 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                         cfg, run.test_set, backend.engine, renderer, comm).items()})
             if log:
                 log.log(step, metrics)
-                if cfg.log.dump_rollouts:
-                    dump_rollouts(workdir / "rollouts" / f"step_{step}.jsonl", all_trajs,
-                                  renderer.decode)
-                if cfg.log.plot_every and step % cfg.log.plot_every == 0:
-                    log.plot()
 
             # checkpoint
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:

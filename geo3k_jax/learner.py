@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms
-from common.learner import Collectives, SingleProcess
+from common.learner import Collectives, Deferred, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
@@ -214,17 +214,18 @@ class Learner:
 
     # ---- the step ----------------------------------------------------------------------
     def train_step(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
-                   ) -> dict[str, float]:
+                   ) -> Deferred:
         """Accumulate over `batches` (this process's share), then one optimizer step.
         n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns loss,
         grad_norm, lr, skipped, and token means of entropy, clip_frac, approx_kl, kl,
         tis_mean, logp_diff_mean, plus logp_diff_max and compiles (of this learner, so far)."""
         return self.train_slices(self._slices(batches, n_tokens, n_seqs))
 
-    def train_slices(self, slices: Sequence[dict]) -> dict[str, float]:
+    def train_slices(self, slices: Sequence[dict]) -> Deferred:
         """One optimizer step on a step's slices (`geo3k_jax.buckets.step_slices`, this
         process's rows): each slice's gradient (compiled once per shape), their sum, then the
-        update (compiled once). Returns float metrics (see `train_step`)."""
+        update (compiled once). Returns at once, the step dispatched: the metrics (see
+        `train_step`) are device scalars that reading waits for."""
         if not slices:
             raise ValueError("a step needs at least one slice (a process with no micro-batch "
                              "runs a filler: common.step.even_out)")
@@ -241,7 +242,7 @@ class Learner:
                                            compiler_options=self.xla_options, **kw)
         self.params, self.opt_state, metrics = self._steps["apply"](self.params, self.opt_state,
                                                                     *total)
-        return {k: float(v) for k, v in metrics.items()} | {"compiles": float(self.compiles)}
+        return Deferred(metrics, {"compiles": float(self.compiles)})
 
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
         """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from common.grpo import LossConfig, policy_loss
+from common.learner import Deferred
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import (SHAPE_KEYS, Ladder, agree, bucket, reuse, slice_sizes,
@@ -98,6 +99,8 @@ def test_first_step_loss_through_the_protocol_is_the_numpy_reference(setup):
         setup.params))
     want, metrics = numpy_reference(setup.batch, setup.batches, cfg, logp, logp, None)
     m = setup.step(setup.learner(cfg, train_config()))
+    # the step returned while still running: device scalars, read (waited for) only below
+    assert isinstance(m, Deferred) and isinstance(m.pending()["loss"], jax.Array)
     assert m["loss"] == pytest.approx(want, rel=1e-5, abs=1e-7)
     assert m["tis_mean"] == pytest.approx(metrics["tis_mean"], rel=1e-5)
 
