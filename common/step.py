@@ -88,14 +88,16 @@ def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
             batches = even_out(batches, int(counts["micro"]), spare_sequence(trajs))
     learned: Mapping[str, float] = {}
     times["time_train"] = 0.0  # (stays 0.0 when nothing trained)
-    if counts["seqs"] > 0:  # no group with a reward spread on any process: nothing to learn
+    trained = counts["seqs"] > 0  # no group with a reward spread on any process: nothing to learn
+    if trained:
         with timed(times, "train"), train_context():
             learned = update(learner, batches, counts["tokens"], counts["seqs"],
                              cfg.updates_per_rollout, comm)
     world, budget = comm.world, cfg.micro_batch_tokens
 
     def finish(metrics: dict[str, float], waited: float) -> None:
-        metrics["time_train"] += waited  # waiting for a learner's background step is training
+        if trained:  # waiting for a learner's background step is training time too
+            metrics["time_train"] += waited
         metrics["train_tokens_per_s"] = (counts["packed"] / max(metrics["time_train"], 1e-9)
                                          / world)
 
