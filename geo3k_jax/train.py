@@ -28,6 +28,7 @@ from common.setup import check_config, prepare_data
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
 from geo3k_jax.buckets import Ladder
+from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
@@ -63,8 +64,7 @@ def build(cfg, workdir: str) -> loop.Run:
                          f"(jax.platform={cfg.jax.platform!r}) and JAX sees {platform}; use "
                          "--config=configs/cpu.py on a CPU machine")
     if cfg.jax.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.abspath(
-            cfg.jax.compilation_cache_dir))
+        use_compilation_cache(cfg.jax.compilation_cache_dir)
     if cfg.jax.compute_dtype not in DTYPES:
         raise ValueError(f"jax.compute_dtype must be one of {sorted(DTYPES)}, got "
                          f"{cfg.jax.compute_dtype!r}")

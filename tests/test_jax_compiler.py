@@ -1,6 +1,8 @@
 """The XLA compiler options (geo3k_jax.compiler): taken on CPU, absent elsewhere, dropped when
 the XLA refuses them, and results unchanged."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,3 +48,21 @@ def test_the_options_change_no_result(fresh_check):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         b = np.asarray(b)
         np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_the_cache_keeps_even_a_fast_compile(tmp_path):
+    """A one-add function compiles in milliseconds, far under JAX's default 1 s threshold:
+    it is written to the cache all the same, and a second process loads it from there."""
+    import subprocess
+    import sys
+    code = ("import jax, jax.numpy as jnp; from geo3k_jax.compiler import use_compilation_cache; "
+            f"use_compilation_cache({str(tmp_path / 'cache')!r}); "
+            "print(float(jax.jit(lambda x: x + 1)(jnp.float32(1))))")
+    run = lambda: subprocess.run([sys.executable, "-c", code], capture_output=True,  # noqa
+                                 text=True, timeout=120, cwd=Path(__file__).parents[1])
+    first = run()
+    assert first.returncode == 0 and first.stdout.split()[-1] == "2.0", first.stderr
+    entries = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert entries  # (with JAX's default threshold the folder stays empty)
+    assert run().returncode == 0
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == entries  # loaded, not new
