@@ -25,8 +25,8 @@ backends' inputs identical, which is what the cross-backend check compares.
     targets      (B, K) int32     positions of the row's trained tokens (loss mask 1), padded
                                   with 0 (a sequence start, never trained)
     key_offsets  (W,) int32       arange(W) and arange(Wp): the own and prefix windows' lengths
-    prefix_offsets (Wp,) int32    (multiples of the block, at most T) cover every block's
-                                  keys (`attention_windows`)
+    prefix_offsets (Wp,) int32    (W a multiple of the block, Wp of PREFIX_UNIT, at most T)
+                                  cover every block's keys (`attention_windows`)
   only when some row has an image:
     pixel_values (B, P, C*t*p*p)  the row's image patches, padded with zero patches
     vision       dict             per-row grid index arrays (`vision_aux`), each (B, P, ...)
@@ -52,6 +52,7 @@ from geo3k_jax.vision_grid import QWEN3, vision_aux
 from geo3k_jax.windowed import NO_PREFIX
 
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
+PREFIX_UNIT = 32  # the prefix window's length: a multiple of this (a prompt, not a block)
 REPLICATED_KEYS = ("key_offsets", "prefix_offsets")  # every other array: the row axis first
 
 
@@ -214,8 +215,10 @@ def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,
                      to the block's end (its segments, any other prefix)
 
     so a row of shared groups costs T x (prompt + longest continuation) scores, not T x group.
-    One W and one Wp for the batch, multiples of the block, at least `min_window` /
-    `min_prefix_window` (buckets: fewer shapes), at most T (Wp = 0 when no block needs one).
+    One W and one Wp for the batch, at least `min_window` / `min_prefix_window` (buckets:
+    fewer shapes), at most T (Wp = 0 when no block needs one): W a multiple of the block, Wp
+    of PREFIX_UNIT (a prompt is no multiple of the block: rounding its 401 keys up to 512
+    would cost a sixth more scores than 416 or 448 on the CPU default).
     Returns {attn_starts, prefix_starts, window_prefix: (B, T / block), key_offsets: (W,),
     prefix_offsets: (Wp,)} int32, the offsets arange(W) and arange(Wp)."""
     rows, length = segments.shape
@@ -249,7 +252,8 @@ def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,
         p_need[r] = np.where(has, np.minimum(ends, block_start + block) - p_start[r], 0)
     up = lambda n: min(length, -(-n // block) * block)  # noqa: E731
     window = up(max(int((block_start + block - need).max()), min_window))
-    prefix_window = up(max(int(p_need.max()), min_prefix_window))
+    prefix_window = min(length, -(-max(int(p_need.max()), min_prefix_window) // PREFIX_UNIT)
+                        * PREFIX_UNIT)
     return {"attn_starts": np.minimum(need, length - window).astype(np.int32),
             "key_offsets": np.arange(window, dtype=np.int32),
             "prefix_starts": np.minimum(p_start, length - prefix_window).astype(np.int32),

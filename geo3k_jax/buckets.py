@@ -4,9 +4,10 @@ The step accumulates gradients over S "slices"; a slice is R rows (R = the mesh'
 size), one packed micro-batch per row (`geo3k_jax.batch`), every row of a slice T tokens. A
 slice's arrays are the compiled gradient's input, so that a whole run compiles a handful of times
 every size that follows the data is rounded up to a bucket (`bucket`: a unit times 1, 2, 3, 4, 6,
-8, 12, ...; row lengths on a finer ladder, 1, 2, ..., 8, 10, 12, 14, 16, 20, ...), each slice to
-its own: a step's half-empty micro-batch (one group of samples where the next did not fit) does
-not pay for its full neighbour's length. How many slices a step has is no shape at all:
+8, 12, ...; row lengths and the prefix window, a prompt, on a finer ladder, 1, 2, ..., 8, 10,
+12, 14, 16, 20, ...), each slice to its own: a step's half-empty micro-batch (one group of
+samples where the next did not fit) does not pay for its full neighbour's length. How many
+slices a step has is no shape at all:
 
     T  tokens per row (at most `row_len`)     K  trained tokens per row
     P  image patches per row
@@ -34,11 +35,13 @@ from typing import Sequence
 
 import numpy as np
 
-from geo3k_jax.batch import BLOCK, NO_PREFIX, HostRow, assemble, attention_windows
+from geo3k_jax.batch import (BLOCK, NO_PREFIX, PREFIX_UNIT, HostRow, assemble,
+                             attention_windows)
 
 TARGET_UNIT = 128  # trained tokens per row come in multiples of this times a power of two
 ROW_UNIT = 256  # tokens per row: multiples of this (up to the row length)
 PATCH_UNITS = 16  # image patches per row: multiples of 16 merge units times a power of two
+PREFIX_RUNGS = 4  # prefix windows (prompts): 4 lengths an octave of PREFIX_UNIT's ladder
 SHAPE_KEYS = ("length", "targets", "patches", "window", "prefix_window")  # a slice's shape
 
 
@@ -89,13 +92,14 @@ def row_sizes(rows: Sequence[HostRow], config, *, row_len: int,
         segments[i, :r.batch.num_tokens] = r.batch.seq_ids
         prefix[i, :r.batch.num_tokens] = r.prefix
     windows = attention_windows(segments, prefix)
-    block = math.gcd(length, BLOCK)
-    window = lambda key: min(length, bucket(len(windows[key]), block))  # noqa: E731
+    window = min(length, bucket(len(windows["key_offsets"]), math.gcd(length, BLOCK)))
+    prefix_window = len(windows["prefix_offsets"])
     return {"length": length,
             "targets": bucket(max((len(r.targets) for r in rows), default=1), TARGET_UNIT),
             "patches": bucket(patches, PATCH_UNITS * unit) if patches else 0,
-            "window": window("key_offsets"),
-            "prefix_window": window("prefix_offsets") if len(windows["prefix_offsets"]) else 0}
+            "window": window,
+            "prefix_window": min(length, bucket(prefix_window, PREFIX_UNIT, PREFIX_RUNGS))
+            if prefix_window else 0}
 
 
 def slice_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int,

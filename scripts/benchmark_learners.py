@@ -107,7 +107,8 @@ def main(argv):
         start = time.perf_counter()
         for batches, n_tokens, n_seqs in steps:
             t = time.perf_counter()
-            metrics = learner.train_step(batches, n_tokens, n_seqs)
+            # dict() reads every value: a JAX step's metrics wait for the step to finish
+            metrics = dict(learner.train_step(batches, n_tokens, n_seqs))
             times.append(time.perf_counter() - t)
             norms.append(metrics["grad_norm"])
         total = time.perf_counter() - start

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geo3k_jax.batch import NO_PREFIX, attention_windows
+from geo3k_jax.batch import NO_PREFIX, PREFIX_UNIT, attention_windows
 from geo3k_jax.layers import attention
 from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
 
@@ -94,12 +94,15 @@ LONG_GROUP = ([400] + [60] * 10 + [30, 100], [-1] + [0] * 10 + [-1, 11])  # 1,13
     # the last block's own window is pulled left over its prefix (kept once, not twice)
     ([([130, 10, 500], [-1, 0, 0]), ([64, 64, 64, 64, 100], [-1, 0, -1, 2, 2])], 640),
 ])
-def test_windows_reach_shared_prefixes(layout, length):
+@pytest.mark.parametrize("min_prefix_window", [0, 448])  # 448: a bucket, no block multiple
+def test_windows_reach_shared_prefixes(layout, length, min_prefix_window):
     """Segments that continue a shared prefix see all of it (and themselves causally): the
-    windowed attention with prefix-aware masks and windows equals the dense reference."""
+    windowed attention with prefix-aware masks and windows equals the dense reference, also
+    with a prefix window grown to a bucket (`geo3k_jax.buckets.row_sizes`)."""
     b = len(layout)
     seg, prefix, allowed = shared_rows(layout, length)
-    windows = attention_windows(seg, prefix)
+    windows = attention_windows(seg, prefix, min_prefix_window=min_prefix_window)
+    assert len(windows["prefix_offsets"]) % PREFIX_UNIT == 0 or length % PREFIX_UNIT
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((b, length, n, 8)), jnp.float32) for n in (4, 2, 2))
     got = windowed(q, k, v, seg, windows, prefix)
@@ -115,7 +118,7 @@ def test_a_long_group_costs_its_prompt_plus_a_continuation():
     blocks that start inside the prompt."""
     seg, prefix, _ = shared_rows([LONG_GROUP], 1152)
     w = attention_windows(seg, prefix)
-    assert len(w["prefix_offsets"]) == 512  # the 400-token prompt, in blocks of 128
+    assert len(w["prefix_offsets"]) == 416  # the 400-token prompt, in units of 32 (not 512)
     assert len(w["key_offsets"]) <= 100 + 2 * 128
     assert list(w["window_prefix"][0, :4]) == [0, 0, 0, 0]  # the prompt's blocks, then ...
     assert (w["window_prefix"][0, 4:8] == 0).all()  # ... its continuations' blocks
