@@ -28,7 +28,8 @@ class JaxBackend:
         self.own_copy = own_copy
         self.params = None
         self.engine = JaxEngine(learner.merge, lambda: self.params, processor, config,
-                                seed=seed, compute_dtype=learner.compute_dtype)
+                                seed=seed, compute_dtype=learner.compute_dtype,
+                                programs=learner.programs)
         self.sync(learner, 0)
 
     def sync(self, learner, step: int) -> None:

@@ -41,6 +41,7 @@ from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
 from geo3k_jax.compiler import compiler_options
+from geo3k_jax.programs import ProgramStore, describe
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
@@ -125,7 +126,8 @@ class Learner:
                  compute_dtype=None, ref_params: dict | None = None, chunk: int = 0,
                  remat: bool = False, rows_per_slice: int | None = None,
                  row_len: int | None = None, ladder: Ladder = Ladder(),
-                 comm: Collectives = SingleProcess(), model_dir: str | None = None):
+                 comm: Collectives = SingleProcess(), model_dir: str | None = None,
+                 programs: ProgramStore | None = None):
         if loss_cfg.kl_coef and ref_params is None:
             raise ValueError("kl_coef > 0 needs reference parameters")
         self.merge, self.loss_cfg, self.cfg = merge, loss_cfg, train_cfg
@@ -141,6 +143,7 @@ class Learner:
         self.compiles = 0  # traces of the compiled functions: each one compilation
         self.xla_options = compiler_options(
             None if mesh is None else mesh.devices.flat[0].platform)
+        self.programs = programs
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
         self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
         self.tx = make_optimizer(train_cfg)
@@ -297,8 +300,20 @@ class Learner:
                           out_shardings=(self.param_sh, None)) if kind == "grad" else dict(
                     in_shardings=(self.param_sh, sl_sh))
             fn = self._slice_grad if kind == "grad" else self._logprobs
-            self._steps[key] = (jax.jit(fn, compiler_options=self.xla_options, **kw), sl_sh)
+            self._steps[key] = (self._jit(fn, kind, **kw), sl_sh)
         return self._steps[key]
+
+    def _jit(self, fn: Callable, name: str, **kw):
+        """jax.jit(fn) with the learner's compiler options; through the program store when
+        there is one, its context every setting of this learner that `fn` reads. (Not the
+        update: optax's state types have no export serialization, and its trace is short.)"""
+        kw["compiler_options"] = self.xla_options
+        if self.programs is None:
+            return jax.jit(fn, **kw)
+        context = describe((self.loss_cfg, self.cfg, self.temperature, self.chunk,
+                            self.remat, self.compute_dtype, self.config, self.merge, self.mesh,
+                            self.param_sh, self.opt_sh))
+        return self.programs.jit(fn, f"learner-{name}", context, **kw)
 
     def _logprobs(self, params, sl):
         self.compiles += 1  # runs while tracing only

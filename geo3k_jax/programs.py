@@ -1,0 +1,164 @@
+"""Traced programs kept on disk between runs: a warm run does not trace its big functions again.
+
+JAX's persistent compilation cache (`geo3k_jax.compiler.use_compilation_cache`) saves XLA's
+compile, but a run still traces each function in Python and lowers it, only to find the cache
+entry: on the CPU default the gradient's and the prefill's traces and lowerings took 3.3 s of
+a 55 s run (docs/benchmarks.md). `ProgramStore.jit` is `jax.jit` whose lowered program, per
+call signature, is exported (`jax.export`: StableHLO with its shardings, a format made to be
+stored) into a directory; a later run deserializes it, and lowering the call of an exported
+program is cheap. The compile itself still comes from the compilation cache.
+
+An exported program holds everything the traced function read, the values it closed over
+included, so its key is everything that decides it:
+
+  - the code: the bytes of every module of `geo3k_jax` and `common`;
+  - the libraries (jax, jaxlib, flax, optax, numpy versions), JAX's configuration, XLA_FLAGS,
+    the devices;
+  - its owner's settings (`context`: for the learner its loss, optimizer and model config and
+    model structure, for the engine its model config and structure, ...);
+  - the call: the function's name, its arguments' tree, shapes, dtypes and shardings, its
+    static arguments.
+
+Any change is a new key: a miss traces and exports (then keeps the file) as jit would trace.
+A file that cannot be read (truncated, written by another version) is exported anew and
+replaced; files are written whole (a temporary file, then renamed). One process only:
+`geo3k_jax.train` gives a multi-host run no store.
+
+    store = ProgramStore("data/jax_cache/programs")
+    grad = store.jit(f, "grad", context=describe(settings), donate_argnums=0)
+    grad(params, batch, nucleus=True)   # as jax.jit(f): static arguments by keyword
+    store.loaded, store.exported        # programs read from disk / traced in this process
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+PACKAGES = ("geo3k_jax", "common")  # the code whose bytes are part of every key
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """`fingerprint` of this checkout's PACKAGES (read once a process)."""
+    return fingerprint(Path(__file__).resolve().parent.parent, PACKAGES)
+
+
+def fingerprint(root: Path, packages) -> str:
+    """sha256 over the path and bytes of every .py file of `packages` under `root`."""
+    h = hashlib.sha256()
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def environment() -> str:
+    """Everything outside the code that changes a traced program: library versions, JAX's
+    configuration, XLA_FLAGS, the devices."""
+    versions = {name: _version(name) for name in LIBRARIES}
+    config = sorted((k, repr(v)) for k, v in jax.config.values.items())
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    return repr((sys.version, versions, config, os.environ.get("XLA_FLAGS", ""), devices))
+
+
+def describe(obj) -> str:
+    """repr(obj) without memory addresses (`<function silu at 0x7f..>` -> `<function silu>`):
+    a model's structure (an nnx GraphDef) names its functions, whose addresses change from
+    run to run."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(obj))
+
+
+def call_key(args: tuple, static: dict) -> tuple:
+    """A hashable signature of a call: the arguments' tree, each leaf's abstract value (shape,
+    dtype, weak type), its sharding when it is a placed jax.Array, and the static arguments."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return (tree, tuple((jax.typeof(x), x.sharding if isinstance(x, jax.Array) else None)
+                        for x in leaves), tuple(sorted(static.items())))
+
+
+class ProgramStore:
+    """A directory of exported programs (module docstring). loaded: programs this process read
+    from it; exported: programs it traced and wrote."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.loaded = 0
+        self.exported = 0
+        self._base = None  # code_fingerprint() + environment(), at the first miss in memory
+
+    def jit(self, fn: Callable, name: str, context: str = "", *, static_argnames=(),
+            donate_argnums=(), compiler_options=None, **shardings) -> Callable:
+        """`jax.jit(fn, ...)` whose programs come from the store: call it as the jitted
+        function, with the static arguments by keyword. name: the file name's prefix;
+        context: what `fn` reads besides its arguments (`describe` of the owner's settings)."""
+        return _Stored(self, fn, name, context, static_argnames, donate_argnums,
+                       compiler_options, shardings)
+
+    def file(self, name: str, context: str, key: tuple) -> Path:
+        """Where the program of this call lives (the call_key in its printable form)."""
+        if self._base is None:
+            self._base = code_fingerprint() + environment()
+        tree, leaves, static = key
+        text = repr((self._base, name, context, str(tree),
+                     [f"{aval}@{sharding!r}" for aval, sharding in leaves], repr(static)))
+        return self.dir / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.exported"
+
+    def program(self, jitted, name: str, context: str, args: tuple, static: dict):
+        """The `jax.export.Exported` of jitted(*args, **static): read when stored, else
+        traced and stored."""
+        path = self.file(name, context, call_key(args, static))
+        if path.exists():
+            try:
+                exported = jax.export.deserialize(bytearray(path.read_bytes()))
+                self.loaded += 1
+                return exported
+            except Exception as e:  # noqa: BLE001  a damaged or foreign file: export it anew
+                logging.warning("program store: %s unreadable (%s: %s); tracing it anew",
+                                path.name, type(e).__name__, e)
+        exported = jax.export.export(jitted)(*args, **static)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(exported.serialize())  # ValueError: a tree export cannot store
+        os.replace(tmp, path)
+        self.exported += 1
+        return exported
+
+
+class _Stored:
+    """`ProgramStore.jit`'s function: per call signature, the stored program's call, jitted
+    with the function's donations and compiler options (the program holds its shardings)."""
+
+    def __init__(self, store, fn, name, context, static_argnames, donate_argnums,
+                 compiler_options, shardings):
+        self.store, self.name, self.context = store, name, context
+        self.donate, self.options = donate_argnums, compiler_options
+        self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnums=donate_argnums,
+                              compiler_options=compiler_options, **shardings)
+        self._calls = {}
+
+    def __call__(self, *args, **static):
+        key = call_key(args, static)
+        call = self._calls.get(key)
+        if call is None:
+            exported = self.store.program(self.jitted, self.name, self.context, args, static)
+            call = self._calls[key] = jax.jit(exported.call, donate_argnums=self.donate,
+                                              compiler_options=self.options)
+        return call(*args)
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"

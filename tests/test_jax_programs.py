@@ -1,0 +1,119 @@
+"""geo3k_jax.programs: a stored program computes what jax.jit computes, a later store on the same
+directory loads it without tracing, and whatever decides a program is part of its key."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from geo3k_jax.programs import ProgramStore, describe, environment, fingerprint
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+Y = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+
+
+def counting():
+    """(f, traces): f(x, y, *, scale) appends to traces each time it is traced."""
+    traces = []
+
+    def f(x, y, *, scale):
+        traces.append(1)
+        return {"sum": (x * scale + jnp.sin(y)).sum(), "gram": x @ y.T}
+
+    return f, traces
+
+
+def same(a, b) -> bool:
+    return all(np.array_equal(np.asarray(p), np.asarray(q))
+               for p, q in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_stored_program_is_loaded_not_traced_and_computes_the_same(tmp_path):
+    want = jax.jit(counting()[0], static_argnames="scale")(X, Y, scale=2.0)
+    f, traces = counting()
+    first = ProgramStore(tmp_path)
+    got = first.jit(f, "f", static_argnames="scale")(X, Y, scale=2.0)
+    assert same(got, want) and len(traces) == 1 and (first.exported, first.loaded) == (1, 0)
+
+    f, traces = counting()  # another run: a new store, a new function
+    later = ProgramStore(tmp_path)
+    fn = later.jit(f, "f", static_argnames="scale")
+    assert same(fn(X, Y, scale=2.0), want) and same(fn(X, Y, scale=2.0), want)
+    assert not traces and (later.exported, later.loaded) == (0, 1)
+
+
+@pytest.mark.parametrize("change", ["static", "shape", "dtype", "weak type", "context", "name"])
+def test_anything_that_decides_the_program_is_another_program(tmp_path, change):
+    f, traces = counting()
+    ProgramStore(tmp_path).jit(f, "f", "settings", static_argnames="scale")(X, Y, scale=2.0)
+    args, static, name, context = (X, Y), {"scale": 2.0}, "f", "settings"
+    if change == "static":
+        static = {"scale": 3.0}
+    elif change == "shape":
+        args = (X[:1], Y[:1])
+    elif change == "dtype":
+        args = (X.astype(np.float16), Y)
+    elif change == "weak type":
+        args = (X, jnp.asarray(Y))  # a placed array is another input, as for jax.jit
+        static = {"scale": 2.0}
+    elif change == "context":
+        context = "other settings"
+    else:
+        name = "g"
+    store = ProgramStore(tmp_path)
+    got = store.jit(f, name, context, static_argnames="scale")(*args, **static)
+    want = jax.jit(f, static_argnames="scale")(*args, **static)
+    assert same(got, want)
+    assert (store.exported, store.loaded) == (1, 0)
+    assert len(list(tmp_path.glob("*.exported"))) == 2
+
+
+def test_a_damaged_file_is_traced_again_and_replaced(tmp_path, caplog):
+    f, traces = counting()
+    ProgramStore(tmp_path).jit(f, "f", static_argnames="scale")(X, Y, scale=2.0)
+    (path,) = tmp_path.glob("*.exported")
+    path.write_bytes(path.read_bytes()[:50])  # cut short (a full disk, a partial copy)
+    store = ProgramStore(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        got = store.jit(f, "f", static_argnames="scale")(X, Y, scale=2.0)
+    assert "unreadable" in caplog.text and store.exported == 1
+    assert same(got, jax.jit(f, static_argnames="scale")(X, Y, scale=2.0))
+    store = ProgramStore(tmp_path)
+    store.jit(f, "f", static_argnames="scale")(X, Y, scale=2.0)
+    assert store.loaded == 1
+    assert not list(tmp_path.glob(".*tmp"))  # written whole, then renamed
+
+
+def test_a_loaded_program_donates_as_the_function_does(tmp_path):
+    f = lambda x, y: (x + y, y * 2)  # noqa: E731
+    ProgramStore(tmp_path).jit(f, "f", donate_argnums=0)(jnp.asarray(X), jnp.asarray(Y))
+    store = ProgramStore(tmp_path)
+    x, y = jnp.asarray(X), jnp.asarray(Y)
+    out = store.jit(f, "f", donate_argnums=0)(x, y)
+    assert store.loaded == 1 and x.is_deleted() and not y.is_deleted()
+    assert np.array_equal(np.asarray(out[0]), X + Y)
+
+
+def test_code_environment_and_structure_are_keyed(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    before = fingerprint(tmp_path, ("pkg",))
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    edited = fingerprint(tmp_path, ("pkg",))
+    (tmp_path / "pkg" / "b.py").write_text("")
+    assert len({before, edited, fingerprint(tmp_path, ("pkg",))}) == 3
+
+    env = environment()
+    precision = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "bfloat16" if precision != "bfloat16"
+                      else "highest")
+    try:
+        assert environment() != env
+    finally:
+        jax.config.update("jax_default_matmul_precision", precision)
+    assert environment() == env
+
+    text = describe({"act": jax.nn.silu, "f": lambda: 0})  # a model names its functions:
+    assert "0x" not in text and "silu" in text            # by name, never by address
