@@ -21,7 +21,7 @@ Two compiled functions: the prefill with the first sample, and the decode loop, 
 `lax.while_loop` that runs on device until every row has met one of its stop tokens or its budget
 (no host round trip per token; `common.engine.Decoding` then applies the same rules to what it
 sampled). Both take the parameters as an argument, so new weights never recompile, and see
-bucketed shapes (rows and new tokens: powers of two; patches per row: `geo3k_jax.buckets.bucket`;
+bucketed shapes (rows: powers of two; new tokens and patches per row: `geo3k_jax.buckets.bucket`;
 the cache: the longest a request has needed so far, in units of 128 slots), so a run compiles a
 handful of times; `compiles` counts the traces. A call with few rows (the last turns of a few
 episodes) pads them to a row count compiled before, up to `ROW_SLACK` times its own: the padded
@@ -50,7 +50,8 @@ from geo3k_jax.programs import ProgramStore, describe
 from geo3k_jax.vision_grid import vision_aux
 
 LENGTH_UNIT = 128  # cache lengths are buckets of this
-NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a turn's feedback)
+NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a turn's feedback),
+NEW_TOKENS_RUNGS = 4  # 4 lengths an octave (`bucket`): a 410-token prompt runs 448, not 512
 DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in it
 ROW_SLACK = 8  # a call's rows: a count used before, at most this many times its own bucket
 
@@ -323,7 +324,7 @@ class JaxEngine:
         n_rows = self._rows(len(work), "work")
         news = [np.asarray(r.input_ids[len(entry.ids):] if entry else r.input_ids, np.int64)
                 for entry, r in work]
-        length = power_of_two(max(map(len, news)), NEW_TOKENS_UNIT)
+        length = bucket(max(map(len, news)), NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
         batch = {"input_ids": np.zeros((n_rows, length), np.int32),
                  "positions": np.zeros((n_rows, 3, length), np.int32),
                  "count": np.ones(n_rows, np.int32)}
@@ -394,8 +395,8 @@ class _Kept:
 
 
 def power_of_two(n: int, unit: int) -> int:
-    """The smallest unit x 2^k >= n: the engine's rows and new tokens (coarser than
-    `geo3k_jax.buckets.bucket`: every shape here compiles the prefill and the decode step)."""
+    """The smallest unit x 2^k >= n: the engine's rows (coarser than
+    `geo3k_jax.buckets.bucket`: every row count compiles the prefill and the decode step)."""
     return unit * 2 ** max(0, math.ceil(math.log2(max(n, 1) / unit)))
 
 
