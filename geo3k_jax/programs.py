@@ -21,7 +21,9 @@ included, so its key is everything that decides it:
 
 Any change is a new key: a miss traces and exports (then keeps the file) as jit would trace.
 A file that cannot be read (truncated, written by another version) is exported anew and
-replaced; files are written whole (a temporary file, then renamed). One process only:
+replaced; files are written whole (a temporary file, then renamed); a folder that cannot be
+written is warned about once per program, and the run goes on as without a store. One process
+only:
 `geo3k_jax.train` gives a multi-host run no store.
 
     store = ProgramStore("data/jax_cache/programs")
@@ -93,7 +95,11 @@ class ProgramStore:
 
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # the run goes on, tracing as without a store
+            logging.warning("program store: cannot use %s (%s); programs are not kept",
+                            self.dir, e)
         self.loaded = 0
         self.exported = 0
         self._base = None  # code_fingerprint() + environment(), at the first miss in memory
@@ -128,10 +134,14 @@ class ProgramStore:
                 logging.warning("program store: %s unreadable (%s: %s); tracing it anew",
                                 path.name, type(e).__name__, e)
         exported = jax.export.export(jitted)(*args, **static)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(exported.serialize())  # ValueError: a tree export cannot store
-        os.replace(tmp, path)
         self.exported += 1
+        blob = exported.serialize()  # ValueError: a tree export cannot store
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(blob)
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk, a read-only folder: this run is not slowed
+            logging.warning("program store: cannot write %s (%s)", path.name, e)
         return exported
 
 

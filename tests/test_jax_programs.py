@@ -117,3 +117,15 @@ def test_code_environment_and_structure_are_keyed(tmp_path):
 
     text = describe({"act": jax.nn.silu, "f": lambda: 0})  # a model names its functions:
     assert "0x" not in text and "silu" in text            # by name, never by address
+
+
+def test_a_store_that_cannot_write_warns_and_computes(tmp_path, caplog):
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file where the folder should be")
+    f, traces = counting()
+    with caplog.at_level(logging.WARNING):
+        store = ProgramStore(blocker)
+        got = store.jit(f, "f", static_argnames="scale")(X, Y, scale=2.0)
+    assert "cannot use" in caplog.text and "cannot write" in caplog.text
+    assert same(got, jax.jit(counting()[0], static_argnames="scale")(X, Y, scale=2.0))
+    assert blocker.read_text().startswith("a file")
