@@ -41,7 +41,7 @@ from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
 from geo3k_jax.compiler import compiler_options
-from geo3k_jax.programs import ProgramStore, describe
+from geo3k_jax.programs import ProgramStore, describe, register_namedtuples
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
@@ -241,8 +241,7 @@ class Learner:
             kw = {} if self.mesh is None else dict(
                 in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
                 out_shardings=(self.param_sh, self.opt_sh, None))
-            self._steps["apply"] = jax.jit(self._apply, donate_argnums=(0, 1),
-                                           compiler_options=self.xla_options, **kw)
+            self._steps["apply"] = self._jit(self._apply, "apply", donate_argnums=(0, 1), **kw)
         self.params, self.opt_state, metrics = self._steps["apply"](self.params, self.opt_state,
                                                                     *total)
         return Deferred(metrics, {"compiles": float(self.compiles)})
@@ -305,11 +304,11 @@ class Learner:
 
     def _jit(self, fn: Callable, name: str, **kw):
         """jax.jit(fn) with the learner's compiler options; through the program store when
-        there is one, its context every setting of this learner that `fn` reads. (Not the
-        update: optax's state types have no export serialization, and its trace is short.)"""
+        there is one, its context every setting of this learner that `fn` reads."""
         kw["compiler_options"] = self.xla_options
         if self.programs is None:
             return jax.jit(fn, **kw)
+        register_namedtuples(self.opt_state)  # the update takes and returns optax's state
         context = describe((self.loss_cfg, self.cfg, self.temperature, self.chunk,
                             self.remat, self.compute_dtype, self.config, self.merge, self.mesh,
                             self.param_sh, self.opt_sh))

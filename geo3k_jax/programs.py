@@ -89,6 +89,25 @@ def call_key(args: tuple, static: dict) -> tuple:
                         for x in leaves), tuple(sorted(static.items())))
 
 
+_STORABLE: set[type] = set()  # NamedTuple types registered with jax.export by this process
+
+
+def register_namedtuples(tree) -> None:
+    """Make the NamedTuple nodes of `tree` storable (`jax.export` serializes only the tree
+    nodes registered with it; an optimizer state is optax's NamedTuples), once a type, under
+    its module and name. Call it before the first program that takes or returns such a tree,
+    in every run: loading needs the registration as much as storing."""
+    if isinstance(tree, tuple) and hasattr(type(tree), "_fields") and type(tree) not in _STORABLE:
+        kind = type(tree)
+        jax.export.register_namedtuple_serialization(
+            kind, serialized_name=f"{kind.__module__}.{kind.__qualname__}")
+        _STORABLE.add(kind)
+    children = tree.values() if isinstance(tree, dict) else \
+        tree if isinstance(tree, (tuple, list)) else ()
+    for child in children:
+        register_namedtuples(child)
+
+
 class ProgramStore:
     """A directory of exported programs (module docstring). loaded: programs this process read
     from it; exported: programs it traced and wrote."""

@@ -183,11 +183,10 @@ def test_a_run_compiles_once_per_bucket(setup):
     assert learner.compiles == 3
 
 
-def test_stored_programs_train_the_same_and_a_later_run_traces_only_the_update(setup,
-                                                                              tmp_path):
+def test_stored_programs_train_the_same_and_a_later_run_traces_nothing(setup, tmp_path):
     """With a program store (`geo3k_jax.programs`), two steps give the metrics and parameters of
     a learner without one; a later learner on the same directory (another run) loads the
-    gradient and the log-probs instead of tracing them: only the update is traced."""
+    gradient, the update and the log-probs instead of tracing them."""
     from geo3k_jax.programs import ProgramStore
     plain = setup.learner(LossConfig(), train_config())
     want = [dict(setup.step(plain)) for _ in range(2)]
@@ -201,9 +200,9 @@ def test_stored_programs_train_the_same_and_a_later_run_traces_only_the_update(s
         assert all(np.array_equal(a, b) for a, b in zip(learner.logprobs(setup.batches),
                                                         want_logp))
         assert all(np.array_equal(learner.params[k], plain.params[k]) for k in plain.params)
-    assert (runs[0].programs.exported, runs[0].programs.loaded) == (2, 0)
-    assert (runs[1].programs.exported, runs[1].programs.loaded) == (0, 2)
-    assert runs[1].compiles == 1  # the update
+    assert (runs[0].programs.exported, runs[0].programs.loaded) == (3, 0)
+    assert (runs[1].programs.exported, runs[1].programs.loaded) == (0, 3)
+    assert runs[1].compiles == 0
 
 
 def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
