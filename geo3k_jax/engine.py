@@ -142,6 +142,7 @@ class JaxEngine:
         self.banned = jnp.asarray(sorted(placeholders), jnp.int32)
         self.compiles = 0  # traces of the prefill and decode functions
         self.decode_steps = 0  # tokens the decode loop sampled per row, summed over calls
+
         def jit(fn, name, **kw):  # through the program store, when there is one
             if programs is None:
                 return jax.jit(fn, **kw)

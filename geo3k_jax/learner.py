@@ -41,8 +41,8 @@ from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
 from geo3k_jax.compiler import compiler_options
-from geo3k_jax.programs import ProgramStore, describe, register_namedtuples
 from geo3k_jax.model import token_logprobs
+from geo3k_jax.programs import ProgramStore, describe, register_namedtuples
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
 STATE_DIR = "jax_state"  # the orbax learner state inside a checkpoint directory
