@@ -82,11 +82,22 @@ def describe(obj) -> str:
 
 
 def call_key(args: tuple, static: dict) -> tuple:
-    """A hashable signature of a call: the arguments' tree, each leaf's abstract value (shape,
-    dtype, weak type), its sharding when it is a placed jax.Array, and the static arguments."""
+    """A hashable signature of a call, quick to take: the arguments' tree, each leaf's abstract
+    value (shape, dtype, weak type), its sharding when it is a placed jax.Array, and the static
+    arguments."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     return (tree, tuple((jax.typeof(x), x.sharding if isinstance(x, jax.Array) else None)
                         for x in leaves), tuple(sorted(static.items())))
+
+
+def placement(x) -> str:
+    """Where the pieces of a placed jax.Array live: each device's index into it (`NamedSharding`s
+    that differ in spelling only, as P() and P(None) or an axis of one device, are one
+    placement); "-" for host values."""
+    if not isinstance(x, jax.Array):
+        return "-"
+    pieces = x.sharding.devices_indices_map(x.shape)
+    return repr(sorted((device.id, str(index)) for device, index in pieces.items()))
 
 
 _STORABLE: set[type] = set()  # NamedTuple types registered with jax.export by this process
@@ -131,19 +142,20 @@ class ProgramStore:
         return _Stored(self, fn, name, context, static_argnames, donate_argnums,
                        compiler_options, shardings)
 
-    def file(self, name: str, context: str, key: tuple) -> Path:
-        """Where the program of this call lives (the call_key in its printable form)."""
+    def file(self, name: str, context: str, args: tuple, static: dict) -> Path:
+        """Where the program of this call lives: its tree, abstract values and placements
+        (`placement`), static arguments, name and context, with the code and environment."""
         if self._base is None:
             self._base = code_fingerprint() + environment()
-        tree, leaves, static = key
+        leaves, tree = jax.tree_util.tree_flatten(args)
         text = repr((self._base, name, context, str(tree),
-                     [f"{aval}@{sharding!r}" for aval, sharding in leaves], repr(static)))
+                     [f"{jax.typeof(x)}@{placement(x)}" for x in leaves],
+                     repr(sorted(static.items()))))
         return self.dir / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.exported"
 
-    def program(self, jitted, name: str, context: str, args: tuple, static: dict):
-        """The `jax.export.Exported` of jitted(*args, **static): read when stored, else
-        traced and stored."""
-        path = self.file(name, context, call_key(args, static))
+    def program(self, jitted, path: Path, args: tuple, static: dict):
+        """The `jax.export.Exported` of jitted(*args, **static) kept at `path` (`file`): read
+        when stored, else traced and stored."""
         if path.exists():
             try:
                 exported = jax.export.deserialize(bytearray(path.read_bytes()))
@@ -174,15 +186,20 @@ class _Stored:
         self.donate, self.options = donate_argnums, compiler_options
         self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnums=donate_argnums,
                               compiler_options=compiler_options, **shardings)
-        self._calls = {}
+        self._calls = {}  # call_key -> the jitted call of its program
+        self._programs = {}  # file -> that call: signatures that differ in spelling share it
 
     def __call__(self, *args, **static):
         key = call_key(args, static)
         call = self._calls.get(key)
         if call is None:
-            exported = self.store.program(self.jitted, self.name, self.context, args, static)
-            call = self._calls[key] = jax.jit(exported.call, donate_argnums=self.donate,
-                                              compiler_options=self.options)
+            path = self.store.file(self.name, self.context, args, static)
+            call = self._programs.get(path)
+            if call is None:
+                exported = self.store.program(self.jitted, path, args, static)
+                call = self._programs[path] = jax.jit(
+                    exported.call, donate_argnums=self.donate, compiler_options=self.options)
+            self._calls[key] = call
         return call(*args)
 
 

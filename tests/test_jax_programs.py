@@ -129,3 +129,18 @@ def test_a_store_that_cannot_write_warns_and_computes(tmp_path, caplog):
     assert "cannot use" in caplog.text and "cannot write" in caplog.text
     assert same(got, jax.jit(counting()[0], static_argnames="scale")(X, Y, scale=2.0))
     assert blocker.read_text().startswith("a file")
+
+
+def test_shardings_spelled_differently_share_one_program(tmp_path):
+    """P() and P(None, None) place an array the same way (as the learner's first parameters
+    and its update's outputs may): one program, traced once."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    f, traces = counting()
+    store = ProgramStore(tmp_path)
+    fn = store.jit(f, "f", static_argnames="scale")
+    for spec in (P(), P(None, None), P("data")):
+        x = jax.device_put(X, NamedSharding(mesh, spec))
+        assert same(fn(x, Y, scale=2.0), jax.jit(counting()[0], static_argnames="scale")(
+            X, Y, scale=2.0))
+    assert store.exported == 1 and len(list(tmp_path.glob("*.exported"))) == 1
