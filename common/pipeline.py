@@ -1,15 +1,18 @@
 """Where each step's rollouts come from: generated in line, or ahead of time with bounded
 staleness while the learner trains.
 
-    source = rollout_source(max_staleness, draw, collect, first_step, last_step)
+    source = rollout_source(max_staleness, draw, collect, first_step, last_step, render)
     trajs, metrics, sampler_state = source.next(step)      # step's rollouts
     ... train on them ...
     with source.engine_lock:                                 # never during a rollout
         backend.sync(learner, step)
     source.landed(step)                                      # update `step` is in the engine
+    source.prepare(step + 1)                                 # while the update still runs
 
 `max_staleness` = k = 0: the rollout of step s is generated when step s asks for it, from the
-weights of update s - 1 (the synchronous loop, unchanged). k >= 1: a background thread generates
+weights of update s - 1 (the synchronous loop); `prepare(s)` draws and renders its prompts
+earlier, while update s - 1 runs in the background (a learner whose step returns before it is
+done), so that `next(s)` starts generating at once. k >= 1: a background thread generates
 the rollouts of later steps in order; the rollout of step s starts as soon as update s - 1 - k has
 reached the engine, so generation overlaps training. Every trajectory carries the policy version
 it was sampled from (`Trajectory.policy_version`: the number of updates its weights had; all its
@@ -28,21 +31,45 @@ from typing import Callable
 
 # draw(step) -> (prompts, group_offset, sampler state after the draw)
 Draw = Callable[[int], tuple[list, int, dict]]
-# collect(prompts, group_offset) -> (trajectories, metrics)
-Collect = Callable[[list, int], tuple[list, dict]]
+# render(prompts) -> the prompts as the rollout starts from them (their token ids)
+Render = Callable[[list], object]
+# collect(prompts, group_offset, render's output or None: rendered in the rollout)
+#   -> (trajectories, metrics)
+Collect = Callable[[list, int, object], tuple[list, dict]]
 
 
 class InlineRollouts:
-    """k = 0: each step's rollout generated when it is asked for."""
+    """k = 0: each step's rollout generated when it is asked for, its prompts drawn and rendered
+    ahead by `prepare` when there is a `render`."""
 
-    def __init__(self, draw: Draw, collect: Collect, first_step: int):
-        self.draw, self.collect = draw, collect
+    def __init__(self, draw: Draw, collect: Collect, first_step: int,
+                 render: Render | None = None):
+        self.draw, self.collect, self.render = draw, collect, render
         self.engine_lock = contextlib.nullcontext()
         self.version = first_step - 1
+        self.ahead: tuple | None = None  # (step, draw's output, rendered or the exception)
+
+    def prepare(self, step: int) -> None:
+        """Draw and render the prompts of `step` now; a failure to render is raised by
+        `next(step)`, after the current step's metrics and checkpoint."""
+        if self.render is None:
+            return
+        drawn = self.draw(step)
+        try:
+            rendered = self.render(drawn[0])
+        except Exception as e:  # noqa: BLE001 - raised where the step asks for its rollouts
+            rendered = e
+        self.ahead = (step, drawn, rendered)
 
     def next(self, step: int) -> tuple[list, dict, dict]:
-        prompts, offset, sampler_state = self.draw(step)
-        trajs, metrics = self.collect(prompts, offset)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead[0] != step:
+            raise RuntimeError(f"prompts of step {ahead[0]} were prepared for step {step}")
+        (prompts, offset, sampler_state), rendered = (ahead[1], ahead[2]) if ahead else (
+            self.draw(step), None)
+        if isinstance(rendered, Exception):
+            raise rendered
+        trajs, metrics = self.collect(prompts, offset, rendered)
         for t in trajs:
             t.policy_version = self.version
         return trajs, metrics, sampler_state
@@ -80,7 +107,7 @@ class AheadRollouts:
                     version = self.version
                 prompts, offset, sampler_state = self.draw(step)
                 with self.engine_lock:
-                    trajs, metrics = self.collect(prompts, offset)
+                    trajs, metrics = self.collect(prompts, offset, None)
                 for t in trajs:
                     t.policy_version = version
                 self.ready.put((step, trajs, metrics, sampler_state))
@@ -96,6 +123,9 @@ class AheadRollouts:
             raise RuntimeError(f"rollouts of step {got} arrived for step {step}")
         return trajs, metrics, sampler_state
 
+    def prepare(self, step: int) -> None:
+        """Nothing: the background thread draws and renders each step's prompts itself."""
+
     def landed(self, step: int) -> None:
         with self.cond:
             self.version = step
@@ -109,10 +139,11 @@ class AheadRollouts:
 
 
 def rollout_source(max_staleness: int, draw: Draw, collect: Collect, first_step: int,
-                   last_step: int) -> InlineRollouts | AheadRollouts:
-    """The source for `train.max_staleness`."""
+                   last_step: int, render: Render | None = None
+                   ) -> InlineRollouts | AheadRollouts:
+    """The source for `train.max_staleness` (`render`: for k = 0's `prepare`)."""
     if max_staleness < 0:
         raise ValueError(f"train.max_staleness must be >= 0, got {max_staleness}")
     if max_staleness == 0:
-        return InlineRollouts(draw, collect, first_step)
+        return InlineRollouts(draw, collect, first_step, render)
     return AheadRollouts(draw, collect, first_step, last_step, max_staleness)

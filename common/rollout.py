@@ -216,19 +216,25 @@ def _advance(ep: _Episode, out: Completion, renderer: Renderer, cfg: RolloutConf
 
 def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: RolloutConfig,
             env_config: EnvConfig = EnvConfig(), reward_config: RewardConfig = RewardConfig(),
-            group_offset: int = 0) -> list[Trajectory]:
+            group_offset: int = 0, prompt_ids: Sequence[Sequence[int]] | None = None
+            ) -> list[Trajectory]:
     """Run `cfg.n_samples` episodes for each prompt; returns them grouped, prompt by prompt.
 
     `prompts` are `common.data.Prompt`-like objects (`uid`, `messages`, `images`, `answer`).
+    `prompt_ids`: each prompt's `renderer.prompt_ids(messages, images)` when the caller rendered
+    them ahead (`common.pipeline`), else None.
     Group ids are `group_offset + prompt index`. Rewards are scored here (`common.scoring`).
     With an `AsyncEngine` and `cfg.schedule == "episode"` each episode moves to its next turn
     as soon as its own generation is back; otherwise all active episodes take a turn together
     (lock-step). For an engine whose answers depend only on the request, both give the same
     trajectories.
     """
+    if prompt_ids is None:
+        prompt_ids = render_prompts(prompts, renderer)
+    elif len(prompt_ids) != len(prompts):
+        raise ValueError(f"{len(prompt_ids)} rendered prompts for {len(prompts)} prompts")
     episodes = []
-    for g, prompt in enumerate(prompts):
-        ids = renderer.prompt_ids(prompt.messages, prompt.images)
+    for g, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
         for k in range(cfg.n_samples):
             env = Geo3kEnv(prompt.answer, env_config, choices=getattr(prompt, "choices", None))
             episodes.append(_Episode(prompt, group_offset + g, k, len(ids), list(ids),
@@ -239,6 +245,11 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
     else:
         _lock_step(episodes, engine, step, cfg.max_retries)
     return [_trajectory(ep, reward_config, env_config) for ep in episodes]
+
+
+def render_prompts(prompts: Sequence[Any], renderer: Renderer) -> list[list[int]]:
+    """Each prompt's token ids, as `rollout` starts its episodes from."""
+    return [list(renderer.prompt_ids(p.messages, p.images)) for p in prompts]
 
 
 class _Stepper:

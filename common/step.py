@@ -51,14 +51,16 @@ def grpo_step(prompts: Sequence, engine, renderer, learner: Learner, cfg: StepCo
                                   metrics["time_rollout"])
 
 
-def collect(prompts: Sequence, engine, renderer, cfg: StepConfig, group_offset: int
+def collect(prompts: Sequence, engine, renderer, cfg: StepConfig, group_offset: int,
+            prompt_ids: Sequence[Sequence[int]] | None = None
             ) -> tuple[list[Trajectory], dict[str, float]]:
-    """This process's rollouts of `prompts`, with time_rollout and the grader's counts."""
+    """This process's rollouts of `prompts`, with time_rollout and the grader's counts;
+    `prompt_ids`: the prompts rendered ahead (`common.rollout.rollout`), or None."""
     times: dict[str, float] = {}
     graded = reward_stats.snapshot()
     with timed(times, "rollout"):
         trajs = rollout(prompts, engine, renderer, cfg.rollout, cfg.env, cfg.reward,
-                        group_offset)
+                        group_offset, prompt_ids)
     times.update({f"grader_{k}": float(v - graded[k])
                   for k, v in reward_stats.snapshot().items() if k in ("calls", "timeouts")})
     return trajs, times

@@ -1,5 +1,7 @@
-"""The training loop, for any learner: sample prompts -> GRPO step -> weight sync -> metrics,
-curve, rollout dump -> checkpoint -> periodic evaluation.
+"""The training loop, for any learner: sample prompts -> GRPO step -> weight sync -> the next
+step's prompts drawn and rendered -> metrics, curve, rollout dump -> checkpoint -> periodic
+evaluation. A learner whose update runs in the background (JAX's) overlaps it with everything
+after the weight sync.
 
     metrics = train(cfg, workdir, Run(learner, backend, comm, processor, train_set, test_set))
 
@@ -25,7 +27,7 @@ from common.grpo import LossConfig
 from common.learner import Collectives, Learner, SingleProcess
 from common.metrics import rollout_metrics
 from common.report import RunLog, dump_rollouts
-from common.rollout import RolloutConfig
+from common.rollout import RolloutConfig, render_prompts
 from common.sampler import PromptSampler
 from common.scoring import RewardConfig
 from common.setup import make_renderer
@@ -106,11 +108,11 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         offset = (step - 1) * cfg.train.prompts_per_step + comm.rank * len(ids)
         return [run.train_set[i] for i in ids], offset, sampler.state()
 
-    def collect_rollouts(prompts, offset):
-        return collect(prompts, backend.engine, renderer, step_cfg, offset)
+    def collect_rollouts(prompts, offset, prompt_ids):
+        return collect(prompts, backend.engine, renderer, step_cfg, offset, prompt_ids)
 
     rollouts = rollout_source(cfg.train.max_staleness, draw, collect_rollouts, start + 1,
-                              cfg.train.steps)
+                              cfg.train.steps, lambda prompts: render_prompts(prompts, renderer))
     pending = None  # `finish` of the checkpoint still being written (`common.checkpoints`)
 
     def publish(finish) -> None:  # into place, and the older checkpoints pruned
@@ -136,6 +138,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
             with timed(train_m, "weight_sync"), rollouts.engine_lock:
                 backend.sync(learner, step)  # the next rollouts sample from the new weights
             rollouts.landed(step)
+            if step < cfg.train.steps:  # the next prompts, rendered while the update runs
+                rollouts.prepare(step + 1)
 
             # dump and curve while a background update runs (process 0 sees every process's
             # trajectories; the curve shows the steps logged so far), then the step's metrics
