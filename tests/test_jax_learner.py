@@ -369,6 +369,7 @@ def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     straight.save(tmp_path)
     straight.row_len = row_len
     setup.step(straight)  # shorter rows, within the reuse slack: reuses the longer shape
+    straight.wait_saved()  # orbax writes in the background: a checkpoint is read once written
     resumed = setup.learner(cfg, tc)
     resumed.restore(tmp_path)
     setup.step(resumed)
