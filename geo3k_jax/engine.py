@@ -17,6 +17,12 @@ with the same tokens and images and no cache (a GRPO group's samples on their fi
 prefilled once: their row's cache and last logits are copied to each of them inside the compiled
 prefill before the first token is sampled (`share_prefill`).
 
+The cache of the latest call that prefilled whole requests is kept as well, until the next such
+call or `clear_cache`: a later request with the same tokens and images as one of them (an
+evaluation's sampled episodes after its greedy ones, on the same prompts) continues that row,
+prefilling only its last token again (the decode loop writes past a request's tokens, never over
+them). This holds a second cache while the later turns run; `keep_cache=False` keeps neither.
+
 Two compiled functions: the prefill with the first sample, and the decode loop, a
 `lax.while_loop` that runs on device until every row has met one of its stop tokens or its budget
 (no host round trip per token; `common.engine.Decoding` then applies the same rules to what it
@@ -54,6 +60,7 @@ NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a tu
 NEW_TOKENS_RUNGS = 4  # 4 lengths an octave (`bucket`): a 410-token prompt runs 448, not 512
 DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in it
 ROW_SLACK = 8  # a call's rows: a count used before, at most this many times its own bucket
+LENGTH_SLACK = 4  # a prefill's new tokens: a length used before, at most this many times its own
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
@@ -152,15 +159,16 @@ class JaxEngine:
                             static_argnames=("cache_len", "nucleus"))
         self._decode = jit(self._decode_fn, "engine-decode", donate_argnums=1,
                            static_argnames="nucleus")
-        self._kept: dict[str, _Kept] = {}  # session -> its row of `_kept_cache`
-        self._kept_cache = None
+        self._kept: dict[str, _Kept] = {}  # session -> its row of the latest call's cache
+        self._prompts: dict[tuple, _Kept] = {}  # (tokens, images) -> a whole request's row
         self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing
         self._cache_len = 0  # the longest cache so far: it never shrinks (fewer shapes)
         self._row_counts = {"requests": set(), "work": set()}  # rows of the calls so far
+        self._lengths: set[int] = set()  # new tokens per row of the prefills so far
 
     def clear_cache(self) -> None:
         """Forget every session's KV cache (stale once the weights change)."""
-        self._kept, self._kept_cache = {}, None
+        self._kept, self._prompts = {}, {}
         self._epoch += 1
 
     # ---- RNG ---------------------------------------------------------------------------
@@ -235,10 +243,11 @@ class JaxEngine:
         if not requests:
             return []
         requests, epoch = list(requests), self._epoch
-        kept, kept_cache = self._kept, self._kept_cache
-        self._kept, self._kept_cache = {}, None  # a failed call leaves no stale rows behind
+        kept = self._kept
+        self._kept = {}  # a failed call leaves no stale rows behind
         n = len(requests)
-        work, expand = self._plan(requests, kept)
+        work, expand = self._plan(requests, kept, self._prompts)
+        kept_cache = next((entry.cache for entry, _, _ in work if entry is not None), None)
         batch, source, lengths, first_pos = self._work_arrays(work)
         rows = self._rows(n, "requests")
         index = np.zeros(rows, np.int32)  # padding rows copy row 0
@@ -251,7 +260,7 @@ class JaxEngine:
                     np.r_[[r.sampling.top_p for r in requests], np.ones(pad)].astype(np.float32))
         params, nucleus = self.params(), bool((sampling[1] < 1).any())
         tok, lp, cache, key = self._prefill(
-            params, kept_cache if (source >= 0).any() else None, source, lengths, batch, index,
+            params, kept_cache, source, lengths, batch, index,
             sampling, self.key, cache_len=cache_len, nucleus=nucleus)
         first_pos = first_pos[index]
         stops = np.full((rows, power_of_two(max(len(r.sampling.stop_token_ids)
@@ -271,7 +280,7 @@ class JaxEngine:
             decoding.add(tokens[:, i], logps[:, i])
         done = decoding.completions()
         if self.keep_cache and epoch == self._epoch:
-            self._keep(requests, done, first_pos, cache)
+            self._keep(requests, done, first_pos, cache, [work[w] for w in expand])
         return done
 
     def _rows(self, n: int, role: str) -> int:
@@ -284,35 +293,65 @@ class JaxEngine:
         seen.add(rows)
         return rows
 
-    def _keep(self, requests, done, first_pos, cache) -> None:
+    def _length(self, n: int) -> int:
+        """New tokens per row for a prefill of at most `n`: the shortest length used before
+        that holds them and is at most `LENGTH_SLACK` times their bucket, else that bucket."""
+        need = bucket(n, NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
+        length = min((t for t in self._lengths if need <= t <= LENGTH_SLACK * need),
+                     default=need)
+        self._lengths.add(length)
+        return length
+
+    def _keep(self, requests, done, first_pos, cache, rows) -> None:
         """Each session's row of the final cache: its request and every generated token but the
-        last (the one never fed back), the next position after them."""
-        self._kept_cache = cache
+        last (the one never fed back), the next position after them; and, when some request
+        was prefilled whole (`rows`: each request's work row), each such request's row."""
         for b, (r, c) in enumerate(zip(requests, done)):
             if r.session and c.token_ids:
                 self._kept[r.session] = _Kept(
                     b, tuple(r.input_ids) + tuple(c.token_ids[:-1]),
-                    int(first_pos[b]) + len(c.token_ids) - 1, len(r.images))
+                    int(first_pos[b]) + len(c.token_ids) - 1, len(r.images), cache)
+        whole = {key: b for b, (entry, _, key) in enumerate(rows) if entry is None}
+        if whole:
+            self._prompts = {key: _Kept(b, tuple(requests[b].input_ids), int(first_pos[b]),
+                                        len(requests[b].images), cache)
+                             for key, b in whole.items()}
 
-    def _plan(self, requests: list[Request], kept: dict) -> tuple[list, list[int]]:
+    def _plan(self, requests: list[Request], kept: dict, prompts: dict | None = None
+              ) -> tuple[list, list[int]]:
         """The work rows and each request's row among them. A request whose session's kept
         cache holds a strict prefix of it, with no image token after it, continues that row;
-        the others are prefilled whole, requests with equal tokens and images sharing one
-        (`share_prefill`). A work row: (the session's `_Kept` entry or None, request)."""
-        work, expand, seen = [], [], {}
-        for r in requests:
+        one equal to a request prefilled whole before (`prompts`: (tokens, images) -> its
+        `_Kept` row) continues that one, when no session continues another cache; the others
+        are prefilled whole. Requests with equal tokens and images and no session to continue
+        share one row (`share_prefill`). A work row: (the `_Kept` entry it continues or None,
+        request, (tokens, images) key or None)."""
+        def session_of(r):
             entry = kept.get(r.session) if r.session else None
             ids = tuple(r.input_ids)
             if (entry is not None and len(entry.ids) < len(ids)
                     and ids[:len(entry.ids)] == entry.ids and len(r.images) == entry.images
                     and self.image_token_id not in ids[len(entry.ids):]):
+                return entry
+            return None
+        sessions = [session_of(r) for r in requests]
+        source = next((entry.cache for entry in sessions if entry is not None), None)
+        work, expand, seen = [], [], {}
+        for r, entry in zip(requests, sessions):
+            if entry is not None:
                 expand.append(len(work))
-                work.append((entry, r))
+                work.append((entry, r, None))
                 continue
-            key = (np.asarray(ids, np.int64).tobytes(), tuple(image_key(im) for im in r.images))
+            key = (np.asarray(r.input_ids, np.int64).tobytes(),
+                   tuple(image_key(im) for im in r.images))
             if not self.share_prefill or key not in seen:
+                entry = (prompts or {}).get(key)
+                if entry is not None and (source is None or entry.cache is source):
+                    source = entry.cache
+                else:
+                    entry = None
                 seen[key] = len(work)
-                work.append((None, r))
+                work.append((entry, r, key))
             expand.append(seen[key])
         return work, expand
 
@@ -320,25 +359,29 @@ class JaxEngine:
         """(batch of new tokens for `extend`, kept row per work row (-1: none), cached tokens
         per row, the first generated token's M-RoPE position per row), rows and new-token
         length bucketed; rows past the work hold one pad token."""
-        fresh = [r for entry, r in work if entry is None]
+        fresh = [r for entry, r, _ in work if entry is None]
         prompts = self._prompt_rows(fresh)
         n_rows = self._rows(len(work), "work")
-        news = [np.asarray(r.input_ids[len(entry.ids):] if entry else r.input_ids, np.int64)
-                for entry, r in work]
-        length = bucket(max(map(len, news)), NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
+        # a continued row's cached tokens: all of its entry's, or all but the last when the
+        # request is no longer (the last is prefilled again, to give its logits)
+        cached = [min(len(entry.ids), len(r.input_ids) - 1) if entry else 0
+                  for entry, r, _ in work]
+        news = [np.asarray(r.input_ids[c:], np.int64) for (_, r, _), c in zip(work, cached)]
+        length = self._length(max(map(len, news)))
         batch = {"input_ids": np.zeros((n_rows, length), np.int32),
                  "positions": np.zeros((n_rows, 3, length), np.int32),
                  "count": np.ones(n_rows, np.int32)}
         source, lengths = np.full(n_rows, -1, np.int32), np.zeros(n_rows, np.int32)
         first_pos = np.zeros(n_rows, np.int32)
         image_rows, f = [None] * n_rows, 0
-        for b, ((entry, r), ids) in enumerate(zip(work, news)):
+        for b, ((entry, r, _), ids, c) in enumerate(zip(work, news, cached)):
             if entry is None:
                 pos, image_rows[b] = prompts[f]
                 f += 1
-            else:
-                pos = np.broadcast_to(entry.next_pos + np.arange(len(ids)), (3, len(ids)))
-                source[b], lengths[b] = entry.row, len(entry.ids)
+            else:  # text after the cached tokens: M-RoPE positions count on from theirs
+                first = entry.next_pos - (len(entry.ids) - c)
+                pos = np.broadcast_to(first + np.arange(len(ids)), (3, len(ids)))
+                source[b], lengths[b] = entry.row, c
             batch["input_ids"][b, :len(ids)] = ids
             batch["positions"][b, :, :len(ids)] = pos
             batch["count"][b] = len(ids)
@@ -387,12 +430,14 @@ class JaxEngine:
 
 @dataclasses.dataclass(frozen=True)
 class _Kept:
-    """A session's row of the kept cache: the tokens in it, the next token's position."""
+    """A row of a kept cache: the tokens in it, the next token's position, the request's image
+    count, the cache (a tuple over layers, as `_decode` returns it)."""
 
     row: int
     ids: tuple
     next_pos: int
     images: int
+    cache: tuple = dataclasses.field(repr=False, compare=False)
 
 
 def power_of_two(n: int, unit: int) -> int:

@@ -284,7 +284,7 @@ def test_shared_group_prefill_equals_separate_prefills(tiny):
                                 SamplingParams(1.0, 0.9, 10), "o")] + group[2:]
     shared_engine = tiny.engine(seed=4)
     work, expand = shared_engine._plan(reqs, {})
-    assert [r for _, r in work] == [reqs[0], reqs[2]] and expand == [0, 0, 1, 0, 0]
+    assert [r for _, r, _ in work] == [reqs[0], reqs[2]] and expand == [0, 0, 1, 0, 0]
     shared = shared_engine.generate(reqs)
     separate = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
                          seed=4, share_prefill=False).generate(reqs)
@@ -315,12 +315,51 @@ def test_kept_cache_equals_whole_prefills(tiny):
     engine = tiny.engine()
     engine.generate(reqs)
     work, _ = engine._plan(nxt, engine._kept)
-    assert all(entry is not None for entry, _ in work)  # every session continues
+    assert all(entry is not None for entry, _, _ in work)  # every session continues
     assert len(work[0][1].input_ids) - len(work[0][0].ids) == 1 + 2  # last token + feedback
     with_image = dataclasses.replace(nxt[0], input_ids=nxt[0].input_ids + (IMG,))
     assert engine._plan([with_image], engine._kept)[0][0][0] is None
     engine.clear_cache()
-    assert all(entry is None for entry, _ in engine._plan(nxt, engine._kept)[0])
+    assert all(entry is None for entry, _, _ in engine._plan(nxt, engine._kept)[0])
+
+
+def test_a_request_prefilled_before_continues_its_row(tiny):
+    """Requests equal to ones an earlier call prefilled whole (new sessions: an evaluation's
+    sampled episodes after its greedy ones) continue those rows, prefilling their last token
+    only, and sample what whole prefills sample: the same tokens, log-probs within 1e-5.
+    Sessions that continue take precedence; `clear_cache` forgets the rows."""
+    rng = np.random.default_rng(12)
+    imgs = [[image(70, 50, 20 + i)] + [image(40, 90, 30)] * (i % 2) for i in range(3)]
+    first = [Request(tuple(prompt_ids(tiny.processor, im, rng)), im,
+                     SamplingParams(0.0, 1.0, 8), f"greedy{i}") for i, im in enumerate(imgs)]
+    again = [dataclasses.replace(r, images=[x.copy() for x in r.images],
+                                 sampling=SamplingParams(1.0, 0.9, 8), session=f"sampled{i}")
+             for i, r in enumerate(first)]
+    engine = tiny.engine(seed=5)
+    engine.generate(first)
+    work, _ = engine._plan(again, engine._kept, engine._prompts)
+    assert all(entry is not None and entry.ids == r.input_ids for entry, r, _ in work)
+    batch, source, lengths, _ = engine._work_arrays(work)
+    assert batch["count"][:3].tolist() == [1, 1, 1] and "pixel_values" not in batch
+    assert (lengths[:3] == [len(r.input_ids) - 1 for r in first]).all()
+    reused = engine.generate(again)
+    engine.clear_cache()
+    assert engine._plan(again, engine._kept, engine._prompts)[0][0][0] is None
+    whole = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                      seed=5, keep_cache=False)
+    whole.generate(first)
+    for a, b in zip(reused, whole.generate(again)):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    # a later turn of the first sessions continues its session, not the whole prefill
+    engine = tiny.engine(seed=5)
+    done = engine.generate(first)
+    turn2 = [dataclasses.replace(r, input_ids=r.input_ids + tuple(o.token_ids) + (5,))
+             for r, o in zip(first, done)]
+    work, _ = engine._plan(turn2 + again[:1], engine._kept, engine._prompts)
+    assert [len(entry.ids) for entry, _, _ in work[:3]] == [
+        len(r.input_ids) + len(o.token_ids) - 1 for r, o in zip(first, done)]
+    assert work[3][0] is not None  # the same cache: both continue
 
 
 @pytest.mark.parametrize("vocab,block", [(12, 128), (12, 5), (300, 128)])
