@@ -211,6 +211,12 @@ def test_a_small_call_reuses_compiled_rows_and_samples_the_same(tiny):
     assert engine._rows(1, "work") == 8 and make()._rows(1, "work") == 1
     engine._row_counts["requests"] = {64}
     assert engine._rows(4, "requests") == 4 and engine._rows(8, "requests") == 64
+    # new tokens per row likewise: a length used before, within LENGTH_SLACK of the bucket
+    fresh = make()
+    assert fresh._length(1) == 32 and fresh._length(40) == 64 and fresh._length(1) == 32
+    fresh._lengths = {64}
+    assert fresh._length(1) == 64 and fresh._length(100) == 128 and fresh._length(70) == 128
+    assert fresh._length(500) == 512 and fresh._length(120) == 128
 
 
 def test_the_same_call_again_is_not_traced_again(tiny):
