@@ -123,9 +123,10 @@ def rotate_half(x: jax.Array) -> jax.Array:
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotary embedding in (at least) fp32. x: (T, H, D); cos/sin: (T, D). Returns x's dtype."""
+    """Rotary embedding in (at least) fp32. x: (..., T, H, D); cos/sin: (..., T, D). Returns
+    x's dtype."""
     xf = x.astype(wide_dtype(x.dtype))
-    cos, sin = cos[:, None, :].astype(xf.dtype), sin[:, None, :].astype(xf.dtype)
+    cos, sin = cos[..., None, :].astype(xf.dtype), sin[..., None, :].astype(xf.dtype)
     return (xf * cos + rotate_half(xf) * sin).astype(x.dtype)
 
 

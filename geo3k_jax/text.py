@@ -61,7 +61,7 @@ class MRoPE:
 
 
 class TextAttention(nnx.Module):
-    """Grouped-query self-attention. x: (T, hidden) -> (T, hidden)."""
+    """Grouped-query self-attention over packed rows. x: (B, T, hidden) -> (B, T, hidden)."""
 
     def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, head_dim_of(cfg, arch)
@@ -78,10 +78,10 @@ class TextAttention(nnx.Module):
         self.qk_norm = arch == "qwen3_vl"
 
     def __call__(self, x, cos, sin, windows, mask):
-        t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.kv_heads, self.head_dim)
+        rows = x.shape[:-1]
+        q = self.q_proj(x).reshape(rows + (self.heads, self.head_dim))
+        k = self.k_proj(x).reshape(rows + (self.kv_heads, self.head_dim))
+        v = self.v_proj(x).reshape(rows + (self.kv_heads, self.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -89,7 +89,7 @@ class TextAttention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + MLP block. x: (T, hidden) -> (T, hidden)."""
+    """Pre-norm attention + MLP block. x: (B, T, hidden) -> (B, T, hidden)."""
 
     def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
         self.self_attn = TextAttention(cfg, arch, dtype=dtype, rngs=rngs)
@@ -144,8 +144,7 @@ class TextModel(nnx.Module):
             segments, windows, prefix)
         x = embeds
         for i, layer in enumerate(self.layers):
-            run = lambda h, layer=layer: jax.vmap(  # noqa: E731
-                layer, in_axes=(0, 0, 0, WINDOW_AXES, 0))(h, cos, sin, windows, mask)
+            run = lambda h, layer=layer: layer(h, cos, sin, windows, mask)  # noqa: E731
             x = jax.checkpoint(run)(x) if remat else run(x)
             if i < len(deepstack):
                 x = scatter_rows(x, visual_index, deepstack[i].astype(x.dtype), "add")

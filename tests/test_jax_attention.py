@@ -8,7 +8,8 @@ import pytest
 
 from geo3k_jax.batch import NO_PREFIX, PREFIX_UNIT, attention_windows
 from geo3k_jax.layers import attention
-from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
+from geo3k_jax.windowed import (WINDOW_AXES, block_classes, window_classes, window_mask,
+                                windowed_attention)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -25,8 +26,7 @@ def windowed(q, k, v, seg, windows, prefix=None):
     """The windowed attention of rows (B, T, ...) as the text model runs it (scale 0.3)."""
     mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, None if prefix is None else 0))(
         jnp.asarray(seg), windows, None if prefix is None else jnp.asarray(prefix))
-    return jax.jit(jax.vmap(lambda q_, k_, v_, w, m: windowed_attention(q_, k_, v_, w, m, 0.3),
-                            in_axes=(0, 0, 0, WINDOW_AXES, 0)))(q, k, v, windows, mask)
+    return jax.jit(lambda *a: windowed_attention(*a, 0.3))(q, k, v, windows, mask)
 
 
 def dense(q, k, v, seg):
@@ -151,8 +151,7 @@ def _losses(layout, length, dtype=jnp.float32):
                                                               jnp.asarray(prefix))
 
     def windowed_loss(q, k, v):
-        out = jax.vmap(lambda q_, k_, v_, w, m: windowed_attention(q_, k_, v_, w, m, 0.3),
-                       in_axes=(0, 0, 0, WINDOW_AXES, 0))(q, k, v, windows, mask)
+        out = windowed_attention(q, k, v, windows, mask, 0.3)
         return jnp.sum(out.astype(jnp.float32) * c)
 
     def dense_loss(q, k, v):
@@ -175,6 +174,32 @@ def test_windowed_gradients_equal_dense(layout, length):
                                    err_msg=f"d{name}")
 
 
+def test_blocks_run_with_the_windows_they_need():
+    """On one row (a CPU-default slice), a prompt's blocks run without the own window and a
+    block of padding with no keys at all; with two rows a block takes the larger of their
+    needs. Outputs and gradients stay dense attention's."""
+    seg, prefix, _ = shared_rows([LONG_GROUP], 1280)  # 10 blocks: 1,130 tokens, then padding
+    windows = attention_windows(seg, prefix)
+    wp, w = len(windows["prefix_offsets"]), len(windows["key_offsets"])
+    mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, 0))(jnp.asarray(seg), windows,
+                                                              jnp.asarray(prefix))
+    classes = window_classes(wp, w)
+    assert classes == ((0, 0), (wp, 0), (wp, w))
+    assert [classes[c] for c in block_classes(mask, wp, classes)] == (
+        [(wp, 0)] * 3 + [(wp, w)] * 6 + [(0, 0)])  # 400 prompt tokens: blocks 0-2
+    both = jnp.concatenate([mask, jnp.roll(mask, 1, axis=1)])  # the other row one block later
+    assert [classes[c] for c in block_classes(both, wp, classes)] == (
+        [(wp, 0)] * 3 + [(wp, w)] * 7)
+    windowed_loss, dense_loss, qkv, _ = _losses([LONG_GROUP], 1280)
+    np.testing.assert_allclose(float(jax.jit(windowed_loss)(*qkv)), float(dense_loss(*qkv)),
+                               rtol=1e-5)
+    got = jax.jit(jax.grad(windowed_loss, argnums=(0, 1, 2)))(*qkv)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2))(*qkv)
+    for name, g, w in zip("qkv", got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4,
+                                   err_msg=f"d{name}")
+
+
 def test_windowed_bfloat16_follows_float32():
     """bf16 inputs: scores and softmax in fp32, gradients in the inputs' dtype, close to the
     fp32 ones (within bf16 rounding)."""
@@ -190,21 +215,21 @@ def test_windowed_bfloat16_follows_float32():
 
 
 def test_a_query_that_sees_nothing_gives_zero_and_no_gradient():
-    """A query whose mask row is all False outputs 0 and its output's gradient reaches
-    nothing: not NaN, not a uniform average of its window."""
+    """A query whose mask row is all False (padding's, or made so) outputs 0 and its output's
+    gradient reaches nothing: not NaN, not a uniform average of its window."""
     seg = rows_of([[5, 9]], 32)
     windows = attention_windows(seg)
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 32, n, 8)), jnp.float32) for n in (2, 1, 1))
     mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES))(jnp.asarray(seg), windows)
     blind = np.zeros(32, bool)
-    blind[[3, 20]] = True
+    blind[[3, 10]] = True
     mask = mask & ~jnp.asarray(blind.reshape(mask.shape[:3]))[..., None]
-    run = lambda q, k, v: jax.vmap(  # noqa: E731
-        lambda q_, k_, v_, w, m: windowed_attention(q_, k_, v_, w, m, 0.3),
-        in_axes=(0, 0, 0, WINDOW_AXES, 0))(q, k, v, windows, mask)
+    run = lambda q, k, v: windowed_attention(q, k, v, windows, mask, 0.3)  # noqa: E731
     out = np.asarray(run(q, k, v))
-    assert (out[0, blind] == 0).all() and (out[0, ~blind] != 0).all() and np.isfinite(out).all()
+    assert (out[0, blind] == 0).all() and (out[0, seg[0] < 0] == 0).all()
+    assert (out[0, ~blind & (seg[0] >= 0)] != 0).all() and np.isfinite(out).all()
+    blind |= seg[0] < 0
     blind_only = lambda q, k, v: jnp.sum(run(q, k, v)[:, blind] ** 2 + 1.0)  # noqa: E731
     for g in jax.grad(blind_only, argnums=(0, 1, 2))(q, k, v):
         assert (np.asarray(g) == 0).all()
