@@ -20,7 +20,8 @@ def free_port() -> int:
 
 def run(tmp_path, nproc, arch, agg, layout="strided"):
     out = tmp_path / f"{arch}-{agg}-{nproc}-{layout}.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               PYTHONFAULTHANDLER="1")  # an abort prints every thread's Python stack
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            str(ROOT / "tests" / "fsdp_worker.py"), str(out), arch, agg, layout]
