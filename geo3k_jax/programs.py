@@ -26,9 +26,18 @@ written is warned about once per program, and the run goes on as without a store
 only:
 `geo3k_jax.train` gives a multi-host run no store.
 
+Loading a stored program still costs its first call a read of the compilation cache (XLA's
+executable: 0.2-0.3 s for the CPU default's gradient). The store also keeps notes (`note`,
+`notes`: small JSON records under the code's and environment's key, such as the slice shapes a
+learner has met) from which a later run knows what it will call, and `prepare` does a call's
+loading without running it, in any thread: the learner loads its gradients in the background
+while the first rollouts run (`geo3k_jax.learner.Learner.warm_up`). `prepare` only loads what
+is stored: it never traces.
+
     store = ProgramStore("data/jax_cache/programs")
     grad = store.jit(f, "grad", context=describe(settings), donate_argnums=0)
     grad(params, batch, nucleus=True)   # as jax.jit(f): static arguments by keyword
+    grad.prepare(abstract_params, batch, nucleus=True)  # load and compile, do not run
     store.loaded, store.exported        # programs read from disk / traced in this process
 """
 
@@ -37,10 +46,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import logging
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -83,20 +94,27 @@ def describe(obj) -> str:
 
 def call_key(args: tuple, static: dict) -> tuple:
     """A hashable signature of a call, quick to take: the arguments' tree, each leaf's abstract
-    value (shape, dtype, weak type), its sharding when it is a placed jax.Array, and the static
-    arguments."""
+    value (shape, dtype, weak type), its sharding when it is placed (`sharding`), and the
+    static arguments."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return (tree, tuple((jax.typeof(x), x.sharding if isinstance(x, jax.Array) else None)
-                        for x in leaves), tuple(sorted(static.items())))
+    return (tree, tuple((jax.typeof(x), sharding(x)) for x in leaves),
+            tuple(sorted(static.items())))
+
+
+def sharding(x):
+    """The sharding of a placed jax.Array, or of a `jax.ShapeDtypeStruct` that stands for one
+    (`_Stored.prepare`); None for host values."""
+    return x.sharding if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
 
 
 def placement(x) -> str:
-    """Where the pieces of a placed jax.Array live: each device's index into it (`NamedSharding`s
-    that differ in spelling only, as P() and P(None) or an axis of one device, are one
-    placement); "-" for host values."""
-    if not isinstance(x, jax.Array):
+    """Where the pieces of a placed jax.Array (or its `jax.ShapeDtypeStruct`) live: each
+    device's index into it (`NamedSharding`s that differ in spelling only, as P() and P(None)
+    or an axis of one device, are one placement); "-" for host values."""
+    placed = sharding(x)
+    if placed is None:
         return "-"
-    pieces = x.sharding.devices_indices_map(x.shape)
+    pieces = placed.devices_indices_map(x.shape)
     return repr(sorted((device.id, str(index)) for device, index in pieces.items()))
 
 
@@ -145,13 +163,43 @@ class ProgramStore:
     def file(self, name: str, context: str, args: tuple, static: dict) -> Path:
         """Where the program of this call lives: its tree, abstract values and placements
         (`placement`), static arguments, name and context, with the code and environment."""
-        if self._base is None:
-            self._base = code_fingerprint() + environment()
         leaves, tree = jax.tree_util.tree_flatten(args)
-        text = repr((self._base, name, context, str(tree),
+        text = repr((self._key_base(), name, context, str(tree),
                      [f"{jax.typeof(x)}@{placement(x)}" for x in leaves],
                      repr(sorted(static.items()))))
         return self.dir / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.exported"
+
+    def _key_base(self) -> str:
+        if self._base is None:  # once: it reads every module of PACKAGES
+            self._base = code_fingerprint() + environment()
+        return self._base
+
+    def _notes_file(self, kind: str, context: str) -> Path:
+        text = repr((self._key_base(), kind, context))
+        return self.dir / f"notes-{kind}-{hashlib.sha256(text.encode()).hexdigest()[:40]}.json"
+
+    def notes(self, kind: str, context: str = "") -> list:
+        """The records `note` kept under `kind` and `context` (in the order first noted), for
+        this code and environment; [] when there are none or the file is unreadable."""
+        try:
+            records = json.loads(self._notes_file(kind, context).read_text())
+        except (OSError, ValueError):
+            return []
+        return records if isinstance(records, list) else []
+
+    def note(self, kind: str, context: str, record) -> None:
+        """Keep the JSON value `record` under `kind` and `context` (once: a record kept before
+        is not added again). A folder that cannot be written loses the note, not the run."""
+        records = self.notes(kind, context)
+        if record in records:
+            return
+        path = self._notes_file(kind, context)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(records + [record]))
+            os.replace(tmp, path)
+        except OSError as e:
+            logging.warning("program store: cannot write %s (%s)", path.name, e)
 
     def program(self, jitted, path: Path, args: tuple, static: dict):
         """The `jax.export.Exported` of jitted(*args, **static) kept at `path` (`file`): read
@@ -188,19 +236,59 @@ class _Stored:
                               compiler_options=compiler_options, **shardings)
         self._calls = {}  # call_key -> the jitted call of its program
         self._programs = {}  # file -> that call: signatures that differ in spelling share it
+        self._lock = threading.Lock()  # guards _loading; a signature is loaded by one thread
+        self._loading = {}  # call_key -> Event set when the thread loading it is done
 
     def __call__(self, *args, **static):
         key = call_key(args, static)
-        call = self._calls.get(key)
-        if call is None:
+        call = self._calls.get(key) or self._load(key, args, static, compile_now=False)
+        return call(*args)
+
+    def prepare(self, *args, **static) -> bool:
+        """Load and compile the stored program of this call signature without running it
+        (arguments may be `jax.ShapeDtypeStruct`s with their shardings), so that the call
+        itself only runs. Only what the store holds: returns False, doing nothing, when the
+        program is not stored (tracing it is left to the call)."""
+        key = call_key(args, static)
+        if key in self._calls:
+            return True
+        if not self.store.file(self.name, self.context, args, static).exists():
+            return False
+        return self._load(key, args, static, compile_now=True) is not None
+
+    def _load(self, key, args: tuple, static: dict, compile_now: bool):
+        """The call of signature `key`, loaded (or traced and stored) by this thread, or by
+        the thread already loading it (waited for). None only when `prepare`'s loading failed
+        in this thread (the caller's own call then loads it as usual)."""
+        with self._lock:
+            waiting = self._loading.get(key)
+            if waiting is None and key not in self._calls:
+                self._loading[key] = threading.Event()
+        if waiting is not None:
+            waiting.wait()
+            return self._calls.get(key) or self._load(key, args, static, compile_now)
+        if key in self._calls:
+            return self._calls[key]
+        try:
             path = self.store.file(self.name, self.context, args, static)
             call = self._programs.get(path)
             if call is None:
                 exported = self.store.program(self.jitted, path, args, static)
                 call = self._programs[path] = jax.jit(
                     exported.call, donate_argnums=self.donate, compiler_options=self.options)
+            if compile_now:  # fills jit's caches for this signature: the call only runs
+                call.lower(*args).compile()
             self._calls[key] = call
-        return call(*args)
+            return call
+        except Exception as e:  # noqa: BLE001
+            if not compile_now:
+                raise
+            logging.warning("program store: preparing %s failed (%s: %s); its call loads it",
+                            self.name, type(e).__name__, e)
+            return None
+        finally:
+            with self._lock:
+                self._loading.pop(key).set()
 
 
 def _version(name: str) -> str:

@@ -88,6 +88,7 @@ def build(cfg, workdir: str) -> loop.Run:
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
                       ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
                       programs=programs)
+    learner.warm_up()  # the gradients an earlier run met, loaded while the engine starts
     counters = dict
     if cfg.engine.backend == "local":
         from geo3k_jax.backend import JaxBackend

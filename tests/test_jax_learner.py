@@ -427,3 +427,33 @@ def test_two_processes_equal_one(setup, tmp_path):
     mine = {k: np.asarray(v) for k, v in single.params.items()}
     assert weights.keys() == mine.keys()
     assert max(float(np.abs(weights[k] - mine[k]).max()) for k in mine) <= 1e-4
+
+
+def test_a_warm_up_loads_the_gradients_an_earlier_run_met(setup, tmp_path):
+    """A learner with a program store notes the slices it trains on; a later one on the same
+    store and settings loads their gradients in a background thread (`warm_up`), then trains
+    the same step, loading only its update and compiling nothing else."""
+    from geo3k_jax.programs import ProgramStore
+    from geo3k_jax.sharding import make_mesh
+    mesh = make_mesh({"fsdp": -1}, jax.devices()[:1])
+    first = setup.learner(LossConfig(), train_config(), mesh=mesh,
+                          programs=ProgramStore(tmp_path))
+    assert first.warm_up() is None  # nothing noted yet
+    want = dict(setup.step(first))
+    assert setup.learner(LossConfig(), train_config(),  # no mesh: nothing to describe
+                         programs=ProgramStore(tmp_path)).warm_up() is None
+    store = ProgramStore(tmp_path)
+    later = setup.learner(LossConfig(), train_config(), mesh=mesh, programs=store)
+    thread = later.warm_up()
+    thread.join()
+    assert store.loaded == 1 and later.compiles == 0  # the step's one gradient shape
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if "/compile/" in name else None)
+    got = dict(setup.step(later))
+    assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
+    assert all(np.array_equal(later.params[k], first.params[k]) for k in first.params)
+    assert store.loaded == 2 and later.compiles == 0  # and the update
+    events.clear()
+    setup.step(later)
+    assert not events  # everything the step runs was loaded

@@ -144,3 +144,85 @@ def test_shardings_spelled_differently_share_one_program(tmp_path):
         assert same(fn(x, Y, scale=2.0), jax.jit(counting()[0], static_argnames="scale")(
             X, Y, scale=2.0))
     assert store.exported == 1 and len(list(tmp_path.glob("*.exported"))) == 1
+
+
+def compile_events():
+    """A list that collects the names of JAX's compile events (traces, lowerings, XLA compiles
+    or compilation-cache reads) from now on."""
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: events.append(name) if "/compile/" in name else None)
+    return events
+
+
+def placed(x):
+    """x committed to the first device, and its description (what `prepare` takes)."""
+    x = jax.device_put(x, jax.devices()[0])
+    return x, jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def test_a_prepared_call_only_runs(tmp_path):
+    """`prepare` loads and compiles a stored program from a description of the arguments; the
+    call itself then neither loads, traces, lowers nor compiles."""
+    f, _ = counting()
+    x, like = placed(X)
+    want = ProgramStore(tmp_path).jit(f, "f", static_argnames="scale")(x, Y, scale=2.0)
+    f, traces = counting()
+    store = ProgramStore(tmp_path)
+    fn = store.jit(f, "f", static_argnames="scale")
+    events = compile_events()
+    assert fn.prepare(like, Y, scale=2.0) and store.loaded == 1 and events
+    events.clear()
+    assert same(fn(x, Y, scale=2.0), want)
+    assert not events and not traces and (store.loaded, store.exported) == (1, 0)
+
+
+def test_prepare_loads_only_what_is_stored(tmp_path):
+    f, traces = counting()
+    store = ProgramStore(tmp_path)
+    fn = store.jit(f, "f", static_argnames="scale")
+    assert not fn.prepare(placed(X)[1], Y, scale=2.0)
+    assert not traces and (store.loaded, store.exported) == (0, 0)
+    assert not list(tmp_path.glob("*.exported"))
+
+
+def test_a_call_waits_for_the_thread_preparing_its_signature(tmp_path, monkeypatch):
+    """A call whose program another thread is loading waits for that load: one load."""
+    import threading
+    f, _ = counting()
+    x, like = placed(X)
+    want = ProgramStore(tmp_path).jit(f, "f", static_argnames="scale")(x, Y, scale=2.0)
+    store = ProgramStore(tmp_path)
+    inside, release, reads = threading.Event(), threading.Event(), []
+    program = store.program
+
+    def slow_program(*args):  # the preparing thread holds the load until the call waits
+        reads.append(threading.current_thread().name)
+        inside.set()
+        release.wait(10)
+        return program(*args)
+
+    monkeypatch.setattr(store, "program", slow_program)
+    fn = store.jit(counting()[0], "f", static_argnames="scale")
+    thread = threading.Thread(target=fn.prepare, args=(like, Y), kwargs={"scale": 2.0},
+                              name="preparing")
+    thread.start()
+    assert inside.wait(10)
+    threading.Timer(0.2, release.set).start()
+    assert same(fn(x, Y, scale=2.0), want)
+    thread.join()
+    assert reads == ["preparing"] and store.loaded == 1
+
+
+def test_notes_are_kept_once_per_kind_and_context(tmp_path):
+    store = ProgramStore(tmp_path)
+    assert store.notes("slices", "a") == []
+    for record in ({"n": 1}, {"n": 2}, {"n": 1}):
+        store.note("slices", "a", record)
+    store.note("slices", "b", {"n": 3})
+    later = ProgramStore(tmp_path)
+    assert later.notes("slices", "a") == [{"n": 1}, {"n": 2}]
+    assert later.notes("slices", "b") == [{"n": 3}] and later.notes("other", "a") == []
+    for path in tmp_path.glob("notes-*"):
+        path.write_text("{not json")
+    assert later.notes("slices", "a") == []  # unreadable: no notes, no error
