@@ -226,12 +226,12 @@ class ProgramStore:
 
 class _Stored:
     """`ProgramStore.jit`'s function: per call signature, the stored program's call, jitted
-    with the function's donations and compiler options (the program holds its shardings)."""
+    with the function's donations, compiler options and shardings."""
 
     def __init__(self, store, fn, name, context, static_argnames, donate_argnums,
                  compiler_options, shardings):
         self.store, self.name, self.context = store, name, context
-        self.donate, self.options = donate_argnums, compiler_options
+        self.donate, self.options, self.shardings = donate_argnums, compiler_options, shardings
         self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnums=donate_argnums,
                               compiler_options=compiler_options, **shardings)
         self._calls = {}  # call_key -> the jitted call of its program
@@ -274,8 +274,13 @@ class _Stored:
             call = self._programs.get(path)
             if call is None:
                 exported = self.store.program(self.jitted, path, args, static)
+                # the function's own shardings, not the arguments' spellings of them: a call
+                # whose arguments place their pieces alike (the first parameters, an update's
+                # outputs, a warm-up's descriptions) then compiles one executable, one XLA
+                # cache entry, and its outputs are spelled as its next call's inputs
                 call = self._programs[path] = jax.jit(
-                    exported.call, donate_argnums=self.donate, compiler_options=self.options)
+                    exported.call, donate_argnums=self.donate, compiler_options=self.options,
+                    **self.shardings)
             if compile_now:  # fills jit's caches for this signature: the call only runs
                 call.lower(*args).compile()
             self._calls[key] = call

@@ -226,3 +226,24 @@ def test_notes_are_kept_once_per_kind_and_context(tmp_path):
     for path in tmp_path.glob("notes-*"):
         path.write_text("{not json")
     assert later.notes("slices", "a") == []  # unreadable: no notes, no error
+
+
+def test_a_stored_call_keeps_the_functions_shardings_whatever_the_arguments_spelling(tmp_path):
+    """A stored function that names its shardings (the learner's gradient and update) runs its
+    program with those, not with the arguments' spelling of the same placement, and its outputs
+    are spelled as it names them. Before, an update's outputs came back spelled otherwise
+    (a row-parallel weight's ("fsdp", "tensor") as ("tensor", "fsdp") on one device), the
+    gradients called with them lowered to other text than the warm-up's, and the CPU default's
+    first warm run compiled three of its four gradients again (new XLA cache entries)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    sh = NamedSharding(mesh, P())
+    f = lambda x, y: {"sum": (2 * x + jnp.sin(y)).sum(), "gram": x @ y.T}  # noqa: E731
+    kw = dict(in_shardings=(sh, sh), out_shardings=sh)
+    want = ProgramStore(tmp_path).jit(f, "f", **kw)(jax.device_put(X, sh), jax.device_put(Y, sh))
+    store = ProgramStore(tmp_path)
+    fn = store.jit(f, "f", **kw)
+    other = NamedSharding(mesh, P(None, None))
+    out = fn(jax.device_put(X, other), jax.device_put(Y, other))
+    assert same(out, want) and (store.loaded, store.exported) == (1, 0)
+    assert [leaf.sharding.spec for leaf in jax.tree.leaves(out)] == [P(), P()]
