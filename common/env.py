@@ -33,7 +33,7 @@ import string
 from typing import Any, Callable, Mapping, Sequence
 
 from common.prompts import TOOL_NAMES
-from common.reward import grade_answer
+from common.grader import grade_answer
 
 # Reason codes carried in `info["reason"]`.
 CORRECT = "correct"
@@ -72,7 +72,7 @@ LAST_CHANCE = " You have one attempt left."
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
     """Episode rules. `rel_tol` > 0 accepts numeric answers within that relative tolerance;
-    `rel_tol` and `grade_timeout_s` grade the reward's boxed answers too (`common.scoring`)."""
+    `rel_tol` and `grade_timeout_s` grade the reward's boxed answers too (`common.reward`)."""
 
     max_turns: int = 3
     end_on_correct: bool = True

@@ -32,7 +32,7 @@ import numpy as np
 from common.engine import (ABORT, LENGTH, AsyncEngine, Completion, Engine, FatalEngineError,
                            Request, SamplingParams)
 from common.env import EnvConfig, Geo3kEnv
-from common.scoring import RewardConfig, score_episode
+from common.reward import RewardConfig, score_episode
 
 COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
 ABORT_REASONS = ("engine", "placeholder")
@@ -223,7 +223,7 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
     `prompts` are `common.data.Prompt`-like objects (`uid`, `messages`, `images`, `answer`).
     `prompt_ids`: each prompt's `renderer.prompt_ids(messages, images)` when the caller rendered
     them ahead (`common.pipeline`), else None.
-    Group ids are `group_offset + prompt index`. Rewards are scored here (`common.scoring`).
+    Group ids are `group_offset + prompt index`. Rewards are scored here (`common.reward`).
     With an `AsyncEngine` and `cfg.schedule == "episode"` each episode moves to its next turn
     as soon as its own generation is back; otherwise all active episodes take a turn together
     (lock-step). For an engine whose answers depend only on the request, both give the same

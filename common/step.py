@@ -17,9 +17,9 @@ from common.batching import PackedBatch, TrainSequence, pack, training_sequences
 from common.env import EnvConfig
 from common.grpo import episode_advantages
 from common.learner import Collectives, Deferred, Learner, SingleProcess
-from common.reward import STATS as reward_stats
+from common.grader import STATS as reward_stats
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
-from common.scoring import RewardConfig
+from common.reward import RewardConfig
 from common.timing import timed
 
 

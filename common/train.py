@@ -23,15 +23,15 @@ from absl import logging
 from common import checkpoints
 from common.engine import Backend
 from common.env import EnvConfig
-from common.evaluate import evaluate
+from common.evaluation.evaluate import evaluate
 from common.grpo import LossConfig
 from common.learner import Collectives, Learner, SingleProcess
 from common.metrics import rollout_metrics
-from common.report import RunLog, dump_rollouts
+from common.runlog import RunLog, dump_rollouts
 from common.rollout import RolloutConfig, render_prompts
 from common.sampler import PromptSampler
-from common.scoring import RewardConfig
-from common.setup import make_renderer
+from common.reward import RewardConfig
+from common.prepare import make_renderer
 from common.pipeline import rollout_source
 from common.step import StepConfig, collect, learn
 from common.timing import timed
@@ -204,7 +204,7 @@ def staleness(trajs: list, step: int, bound: int, comm: Collectives
 
 def evaluate_split(cfg, split: Sequence, engine, renderer,
                    comm: Collectives = SingleProcess()) -> dict:
-    """`common.evaluate.evaluate` on the first `eval.max_prompts` (0 = all) prompts of `split`
+    """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` (0 = all) prompts of `split`
     with the config's rollout, environment and reward settings, prompts spread over ranks."""
     step_cfg = step_config(cfg)
     n = len(split) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(split))

@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.env.accept_choice_letter = True
     c.env.feedback_role = "tool"  # tool | user: how feedback on a tool call enters the chat
 
-    # The episode reward (common.scoring.RewardConfig).
+    # The episode reward (common.reward.RewardConfig).
     c.reward = ml_collections.ConfigDict()
     c.reward.source = "tool_or_boxed"
     c.reward.turn_discount = 1.0

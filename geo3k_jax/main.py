@@ -30,7 +30,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config fi
 
 def main(argv):
     del argv
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
 
     cfg = _CONFIG.value
     # fp32 matmuls must be fp32: XLA on CPU/TPU may otherwise use lower-precision passes.

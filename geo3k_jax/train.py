@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from common import cli, train as loop
+from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.setup import check_config, prepare_data
+from common.prepare import check_config, prepare_data
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
+from geo3k_jax.backend import JaxBackend
 from geo3k_jax.buckets import Ladder
 from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.learner import Learner
@@ -45,7 +47,7 @@ def model_dir_of(cfg) -> str:
             raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json: point "
                                     "it at a local Hugging Face checkpoint directory")
         return cfg.model.path
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
     return prepare_model_dir(cfg)
 
 
@@ -89,19 +91,11 @@ def build(cfg, workdir: str) -> loop.Run:
                       ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
                       programs=programs)
     learner.warm_up()  # the gradients an earlier run met, loaded while the engine starts
-    counters = dict
-    if cfg.engine.backend == "local":
-        from geo3k_jax.backend import JaxBackend
-        backend = JaxBackend(learner, processor, config, seed=cfg.seed,
-                             own_copy=cfg.train.max_staleness > 0)
-        counters = backend.metrics
-    elif cfg.engine.backend == "torch":
-        from geo3k_torch.backend import LocalBackend
-        backend = LocalBackend(processor, model_dir, seed=cfg.seed, device="cpu", comm=comm,
-                               workdir=workdir)
-    else:  # sglang (check_config knows the names)
-        from common.sglang_backend import SGLangBackend
-        backend = SGLangBackend(cfg, model_dir, processor, workdir, comm)
+    backend = make_backend(
+        cfg, own_kind="jax", model_dir=model_dir, processor=processor, workdir=workdir,
+        comm=comm, own=lambda: JaxBackend(learner, processor, config, seed=cfg.seed,
+                                          own_copy=cfg.train.max_staleness > 0))
+    counters = backend.metrics if isinstance(backend, JaxBackend) else dict
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 
 

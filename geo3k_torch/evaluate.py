@@ -8,8 +8,8 @@
 Rollouts come from `engine.backend`: the in-process torch engine (`local` or `torch`), or
 SGLang (`sglang`: the servers in `engine.sglang_urls`, which must serve `model.path`, or servers
 launched here on it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
-episodes each. Writes eval.json, eval.md and eval.png into --out (`common.eval_report`) and
-prints the table. The metrics are `common.evaluate`'s.
+episodes each. Writes eval.json, eval.md and eval.png into --out (`common.evaluation.report`) and
+prints the table. The metrics are `common.evaluation.evaluate`'s.
 """
 
 from __future__ import annotations
@@ -20,30 +20,29 @@ import torch
 from absl import app, flags
 from ml_collections import config_flags
 
-from common.eval_report import markdown, write_report
+from common.backends import make_backend
+from common.evaluation.report import markdown, write_report
 from common.learner import SingleProcess
 from common.processor import load_processor
-from common.setup import make_renderer, prepare_data
+from common.prepare import make_renderer, prepare_data
 from common.train import evaluate_split
-from geo3k_torch.setup import prepare_model_dir, resolve_device
+from geo3k_torch.prepare import prepare_model_dir, resolve_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "test"], "Which split to score.")
 _OUT = flags.DEFINE_string("out", "eval", "Folder for eval.json, eval.md and eval.png.")
 
 
-def make_backend(cfg, model_dir: str, processor, device, workdir: str):
+def eval_backend(cfg, model_dir: str, processor, device, workdir: str):
     """The configured rollout backend serving `model_dir` (its `.engine` generates)."""
-    if cfg.engine.backend in ("local", "torch"):  # its own engine is the torch one
+    def own():
         from geo3k_torch.backend import LocalBackend
         from geo3k_torch.model import load_model
         model = load_model(model_dir).to(device).eval().requires_grad_(False)
         return LocalBackend(processor, model_dir, seed=cfg.seed, device=device,
                             comm=SingleProcess(), model=model)
-    if cfg.engine.backend == "sglang":
-        from common.sglang_backend import SGLangBackend
-        return SGLangBackend(cfg, model_dir, processor, workdir, SingleProcess())
-    raise ValueError(f"engine.backend must be local, torch or sglang, got {cfg.engine.backend!r}")
+    return make_backend(cfg, own=own, own_kind="torch", model_dir=model_dir, processor=processor,
+                        workdir=workdir, comm=SingleProcess())
 
 
 def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
@@ -53,7 +52,7 @@ def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
     train_set, test_set = prepare_data(cfg)
     processor = load_processor(model_dir)
     torch.manual_seed(cfg.seed)
-    backend = make_backend(cfg, model_dir, processor, device, workdir)
+    backend = eval_backend(cfg, model_dir, processor, device, workdir)
     try:
         return evaluate_split(cfg, test_set if split == "test" else train_set, backend.engine,
                               make_renderer(cfg, processor))

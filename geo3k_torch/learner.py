@@ -22,7 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from common.batching import PackedBatch
+from common.batching import PackedBatch, TrainSequence, pack
 from common.grpo import LossConfig, per_token_terms, token_weights
 from common.learner import Collectives, SingleProcess
 from common.schedule import lr_factor
@@ -156,3 +156,30 @@ class Learner:
     def full_state_dict(self) -> dict:
         """The unsharded weights on every rank (an FSDP collective: all ranks call it)."""
         return checkpoint.full_state_dict(self.model)
+
+
+class SFTLearner(Learner):
+    """The torch learner with the supervised loss: -sum(log p(masked tokens)) / global count.
+    Optimizer, schedule, clipping, checkpoints and exports are the GRPO learner's."""
+
+    def __init__(self, model, processor, train_cfg, device: torch.device | str = "cpu",
+                 comm: Collectives = SingleProcess(), model_dir: str | None = None):
+        super().__init__(model, processor, LossConfig(), train_cfg, 1.0, device, comm=comm,
+                         model_dir=model_dir)
+
+    def micro_batch_loss(self, batch, n_tokens: float, n_seqs: float) -> tuple:
+        targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0]).to(self.device)
+        logp, entropy = self._forward(self.model, batch, targets, True)  # (K,), (K,)
+        loss = -logp.sum() / n_tokens * self.world_size  # FSDP averages gradients over ranks
+        return loss, {"tokens": float(len(targets)), "entropy": float(entropy.sum())}
+
+
+def sft_step(learner: SFTLearner, seqs: Sequence[TrainSequence], micro_batch_tokens: int,
+             comm: Collectives = SingleProcess()) -> dict[str, float]:
+    """One optimizer step on this process's sequences. Returns loss (mean NLL per assistant
+    token of the global batch), grad_norm, lr, skipped, entropy, tokens."""
+    counts = comm.sum_scalars({"tokens": sum(float(s.loss_mask.sum()) for s in seqs),
+                               "seqs": float(len(seqs))})
+    m = learner.train_step(pack(seqs, micro_batch_tokens), counts["tokens"], counts["seqs"])
+    m.pop("logp_diff_max", None)  # no rollout log-probs in SFT
+    return {**m, "tokens": counts["tokens"]}

@@ -16,14 +16,16 @@ import os
 import torch
 
 from common import cli, train as loop
+from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.setup import check_config, prepare_data
+from common.prepare import check_config, prepare_data
 from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
+from geo3k_torch.backend import LocalBackend
 from geo3k_torch.model import load_model
-from geo3k_torch.setup import prepare_model_dir, resolve_device
+from geo3k_torch.prepare import prepare_model_dir, resolve_device
 
 
 
@@ -50,16 +52,11 @@ def build(cfg, workdir: str) -> loop.Run:
     learner = Learner(model, processor, loss_cfg, cfg.train, cfg.rollout.temperature, device,
                       ref_model=ref_model, comm=comm, model_dir=model_dir,
                       chunk=cfg.train.logprob_chunk)
-    if cfg.engine.backend in ("local", "torch"):  # its own engine is the torch one
-        from geo3k_torch.backend import LocalBackend
-        backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
-                               model=model, own_copy=cfg.train.max_staleness > 0)
-    elif cfg.engine.backend == "sglang":
-        from common.sglang_backend import SGLangBackend
-        backend = SGLangBackend(cfg, model_dir, processor, workdir, comm,
-                                free_memory=torch.cuda.empty_cache if on_gpu else lambda: None)
-    else:
-        raise ValueError(f"engine.backend must be local, torch or sglang, got {cfg.engine.backend!r}")
+    backend = make_backend(
+        cfg, own_kind="torch", model_dir=model_dir, processor=processor, workdir=workdir,
+        comm=comm, free_memory=torch.cuda.empty_cache if on_gpu else lambda: None,
+        own=lambda: LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
+                                 model=model, own_copy=cfg.train.max_staleness > 0))
     return loop.Run(learner, backend, comm, processor, train_set, test_set,
                     shutdown=distributed.shutdown)
 

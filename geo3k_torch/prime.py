@@ -25,7 +25,7 @@ from common.chat import ChatRenderer
 from common.processor import load_processor
 from common.sft import sft_example, sft_messages
 from geo3k_torch.model import load_model
-from geo3k_torch.sft import SFTLearner, sft_step
+from geo3k_torch.learner import SFTLearner, sft_step
 
 
 def format_target(letter: str) -> str:

@@ -24,13 +24,13 @@ from common.grpo import LossConfig
 from common.processor import load_processor
 from common.rollout import RolloutConfig, rollout
 from common.sampler import PromptSampler
-from common.scoring import RewardConfig
-from common.setup import make_renderer, prepare_data
+from common.reward import RewardConfig
+from common.prepare import make_renderer, prepare_data
 from configs import to_dataclass
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model
-from geo3k_torch.setup import prepare_model_dir, resolve_device
+from geo3k_torch.prepare import prepare_model_dir, resolve_device
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Measured rounds (after one warm-up round).")

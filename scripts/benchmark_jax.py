@@ -36,7 +36,7 @@ from geo3k_jax.model import split_params
 from geo3k_jax.weights import load_model as load_jax_model
 from geo3k_torch.learner import Learner as TorchLearner
 from geo3k_torch.model import load_model as load_torch_model
-from geo3k_torch.setup import prepare_model_dir
+from geo3k_torch.prepare import prepare_model_dir
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per backend (after one warm-up step).")

@@ -96,7 +96,7 @@ def main(argv):
         raise SystemExit(f"{path} does not exist: record the steps first (--record=True)")
     with open(path, "rb") as f:
         steps = pickle.load(f)
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
 
     table = Table(title=f"{len(steps)} recorded steps, one learner after the other")
     for col in ("learner", "total s", "median step s", "compiles",

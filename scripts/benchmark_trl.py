@@ -75,7 +75,7 @@ def same_work(cfg, argv: list[str] = ()):
 
 def step_prompts(cfg, steps: int) -> list:
     """The prompts of `steps` steps, in order (the first train prompts)."""
-    from common.setup import prepare_data
+    from common.prepare import prepare_data
 
     train_set, _ = prepare_data(cfg)
     need = steps * cfg.train.prompts_per_step
@@ -91,13 +91,13 @@ def run_ours(cfg, steps: int, budget: int) -> list[float]:
 
     from common.grpo import LossConfig
     from common.processor import load_processor
-    from common.setup import make_renderer
+    from common.prepare import make_renderer
     from common.train import step_config
     from configs import to_dataclass
     from geo3k_torch.engine import LocalEngine
     from geo3k_torch.learner import Learner
     from geo3k_torch.model import load_model
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
     from common.step import grpo_step
 
     with cfg.unlocked():
@@ -137,7 +137,7 @@ def make_reward(cfg, renderer):
     """TRL reward function: the first turn's answer graded as our single-turn episode is (the
     completion's ids decoded by our renderer, as the rollout decodes a turn)."""
     from common.env import EnvConfig, Geo3kEnv
-    from common.scoring import RewardConfig, score_episode
+    from common.reward import RewardConfig, score_episode
     from configs import to_dataclass
 
     env_cfg, reward_cfg = to_dataclass(EnvConfig, cfg.env), to_dataclass(RewardConfig, cfg.reward)
@@ -191,8 +191,8 @@ def run_trl(cfg, steps: int) -> list[float]:
 
     from common.processor import load_processor
     from common.prompts import prompt_style
-    from common.setup import make_renderer
-    from geo3k_torch.setup import prepare_model_dir
+    from common.prepare import make_renderer
+    from geo3k_torch.prepare import prepare_model_dir
 
     torch.manual_seed(cfg.seed)
     _, tools = prompt_style(cfg.data.prompt_style)

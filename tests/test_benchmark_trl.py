@@ -10,7 +10,7 @@ import pytest
 from common.data import build_messages
 from common.processor import load_processor
 from common.prompts import SCORE_TOOL
-from common.setup import make_renderer
+from common.prepare import make_renderer
 from configs import cpu
 from geo3k_torch.tiny import build_tiny_checkpoint
 from tests.tiny_models import image

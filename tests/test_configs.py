@@ -9,7 +9,7 @@ import pytest
 from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.rollout import RolloutConfig
-from common.scoring import RewardConfig
+from common.reward import RewardConfig
 from configs import base, cpu, h100, h100_areal, h100_single_turn, sft, to_dataclass, tpu
 
 SECTIONS = {"env": EnvConfig, "reward": RewardConfig, "rollout": RolloutConfig,
@@ -80,7 +80,7 @@ def test_command_line_typo_is_rejected(tmp_path):
 def test_engine_backend_names():
     """local (the learner's own framework), torch and sglang run; anything else stops before a
     model is built."""
-    from common.setup import check_config
+    from common.prepare import check_config
     for name in ("local", "torch", "sglang"):
         cfg = cpu.get_config()
         cfg.engine.backend = name

@@ -7,8 +7,8 @@ from math import comb
 import pytest
 
 from common.env import EnvConfig
-from common.eval_report import markdown, rows, write_report
-from common.evaluate import evaluate, pass_at_k, pass_ks
+from common.evaluation.report import markdown, rows, write_report
+from common.evaluation.evaluate import evaluate, pass_at_k, pass_ks
 from common.rollout import RolloutConfig
 from tests.conftest import Reply, ScriptedEngine, make_prompt
 

@@ -1,4 +1,5 @@
-"""`common/` stays plain Python + numpy: no torch, jax, flax, optax or orbax, ever."""
+"""`common/` stays plain Python + numpy (no torch, jax, flax, optax or orbax, ever), and no module
+of the project imports, even lazily inside a function, one that imports it back."""
 
 import ast
 import pathlib
@@ -23,7 +24,8 @@ def test_no_framework_import_statement_in_common():
 
 
 def test_whole_common_package_imports_without_frameworks():
-    modules = sorted(f"common.{p.stem}" for p in COMMON.glob("*.py") if p.stem != "__init__")
+    modules = sorted(".".join(p.relative_to(COMMON.parent).with_suffix("").parts)
+                     for p in COMMON.rglob("*.py") if p.stem != "__init__")
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(FORBIDDEN)!r})\n"
             "print(bad)\nassert not bad, bad\n")
@@ -46,3 +48,42 @@ def test_jax_learner_needs_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=COMMON.parent, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+PACKAGES = ("common", "geo3k_torch", "geo3k_jax", "configs")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports anywhere in its text (top level or in a function)."""
+    root = COMMON.parent
+    files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+             for pkg in PACKAGES for p in (root / pkg).rglob("*.py")}
+    graph = {}
+    for mod, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[mod] = {d for d in deps if d in files and d != mod}
+    return graph
+
+
+def test_no_import_cycle():
+    graph, cycles = import_graph(), []
+
+    def visit(mod, path):
+        for dep in sorted(graph[mod]):
+            if dep in path:
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in done:
+                visit(dep, path + [dep])
+        done.add(mod)
+
+    done: set[str] = set()
+    for mod in sorted(graph):
+        if mod not in done:
+            visit(mod, [mod])
+    assert cycles == [], cycles[:5]
+    assert {"geo3k_torch.prepare", "geo3k_torch.prime"} <= set(graph)  # the graph saw the tree

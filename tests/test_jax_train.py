@@ -98,7 +98,7 @@ def test_default_engine_is_jax_no_torch_model_bounded_compiles(shared, tmp_path,
     the run's shape buckets are met (a shape that followed the data would compile at every
     step: prompt lengths, image sizes and response lengths all vary)."""
     from geo3k_jax.backend import JaxBackend
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
 
     cfg = jax_config(shared, 4)
     prepare_model_dir(cfg)  # setup, not training: the tiny checkpoint is built with torch once

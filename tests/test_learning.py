@@ -20,7 +20,7 @@ from PIL import Image
 from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.rollout import RolloutConfig
-from common.scoring import RewardConfig
+from common.reward import RewardConfig
 from common.step import StepConfig, grpo_step
 from configs import base
 from geo3k_torch import attention

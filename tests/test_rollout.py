@@ -9,7 +9,7 @@ import pytest
 from common.engine import LENGTH, STOP, Completion
 from common.env import EnvConfig, FEEDBACK
 from common.rollout import RolloutConfig, generate_with_retries, rollout, split_turns
-from common.scoring import RewardConfig
+from common.reward import RewardConfig
 from tests.conftest import (IMAGE, IMAGE_TOKENS, TURN_END, Reply, ScriptedEngine, logprob,
                             make_prompt)
 

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 from common.data import row_to_prompt
 from common.processor import load_processor
 from common.prompts import BOXED_SYSTEM_PROMPT
-from common.setup import make_renderer
+from common.prepare import make_renderer
 from common.sft import format_answer, sft_example, sft_messages
 from common.synthetic import generate
 from configs import h100_single_turn, sft

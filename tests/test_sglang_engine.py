@@ -23,11 +23,11 @@ from PIL import Image
 from common.engine import ABORT, LENGTH, STOP, Completion, Request, SamplingParams
 from common.env import FEEDBACK
 from common.rollout import RolloutConfig, rollout
-from common.sglang_engine import SGLangEngine, http_call
-from common.sglang_wire import (ImageTokenMismatch, SGLangError, SGLangVersionError,
+from common.sglang.engine import SGLangEngine, http_call
+from common.sglang.wire import (ImageTokenMismatch, SGLangError, SGLangVersionError,
                                 StaleWeightsError, collapse_image_pads, learner_image,
                                 parse_generate_response, parse_version)
-from common.sglang_server import ServerLaunchError, launch_servers, server_env
+from common.sglang.server import ServerLaunchError, launch_servers, server_env
 from tests.conftest import EOS, IMAGE, IMAGE_TOKENS, TURN_END, make_prompt
 from tests.fake_sglang import Action, FakeSGLang, logprob
 

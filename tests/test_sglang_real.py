@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from common.engine import Request, SamplingParams
-from common.sglang_wire import generate_payload, sampling_payload
+from common.sglang.wire import generate_payload, sampling_payload
 from tests.conftest import EOS, IMAGE, TURN_END
 from tests.fake_sglang import FakeSGLang
 

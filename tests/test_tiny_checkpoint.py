@@ -454,7 +454,7 @@ def test_template_tokens_are_special(tiny_dirs):
 def test_tiny_dir_of_another_arch_is_an_error(tmp_path):
     """Asking for a tiny Qwen2.5-VL where a tiny Qwen3-VL was built must not train the wrong one."""
     from configs import cpu
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
 
     (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl"}')
     cfg = cpu.get_config()

@@ -196,7 +196,7 @@ def test_sglang_backend_in_the_loop(shared, tmp_path):
     """The loop on the SGLang backend, against the fake server: rollouts come from it, weights go
     to it after every step, its memory is released around each update (colocated)."""
     from common.processor import load_processor
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
     from tests.fake_sglang import Action, FakeSGLang
     cfg = small_config(shared, 2)
     cfg.data.synthetic_image_size = "112"  # 16 image tokens each, as the fake expands them
@@ -260,7 +260,7 @@ def test_bounded_staleness_on_sglang(shared, tmp_path):
     step) between rollouts; a colocated server (its memory released during training) is
     refused up front."""
     from common.processor import load_processor
-    from geo3k_torch.setup import prepare_model_dir
+    from geo3k_torch.prepare import prepare_model_dir
     from tests.fake_sglang import Action, FakeSGLang
     cfg = small_config(shared, 3)
     cfg.data.synthetic_image_size = "112"

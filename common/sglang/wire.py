@@ -1,6 +1,6 @@
 """SGLang's native HTTP wire format: request encoding, answer parsing and the checks on answers.
 
-Pure functions (no network) used by `common.sglang_engine.SGLangEngine` and the launcher.
+Pure functions (no network) used by `common.sglang.engine.SGLangEngine` and the launcher.
 
 Supported releases: SGLang >= 0.5.15 (`MIN_SGLANG_VERSION`; `check_server_versions` asks each
 server's /server_info and refuses older ones); tested against the source of 0.5.23 and 0.5.15.

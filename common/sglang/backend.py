@@ -1,7 +1,7 @@
 """SGLang servers as a `common.engine.Backend`: rollouts for any learner.
 
 Servers are given by URL (`engine.sglang_urls`; their SGLang version is checked) or launched here
-by process 0 (`common.sglang_server`: waits until they generate, checks the version). After every
+by process 0 (`common.sglang.server`: waits until they generate, checks the version). After every
 optimizer step the learner's weights are exported as an HF directory
 (`common.checkpoints.export_weights`, written atomically) and loaded by every server with
 /update_weights_from_disk as weight version <step> (SGLang flushes its radix cache after a load);
@@ -26,8 +26,8 @@ class SGLangBackend:
                  free_memory=lambda: None):
         """free_memory: the learner's hook that hands its cached accelerator memory back
         before the servers take theirs again (torch: `torch.cuda.empty_cache`)."""
-        from common.sglang_engine import SGLangEngine
-        from common.sglang_server import launch_servers
+        from common.sglang.engine import SGLangEngine
+        from common.sglang.server import launch_servers
 
         e = cfg.engine
         self.comm, self.workdir, self.free_memory = comm, Path(workdir), free_memory

@@ -1,6 +1,6 @@
 """Launch SGLang servers as subprocesses, wait until they generate, shut them down on any exit.
 
-    from common.sglang_server import launch_servers
+    from common.sglang.server import launch_servers
     with launch_servers("checkpoints/step_0", n=2, gpus_per_server=1, mem_fraction=0.6) as group:
         group.urls      # ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
 
@@ -16,7 +16,7 @@ picks the first of the server's G consecutive GPUs), with its output in
 torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, TORCHELASTIC_*, ...: SGLang would
 take them for its own process group) and less torchrun's OMP_NUM_THREADS=1 (it would starve
 SGLang's CPU-side work), plus SGLANG_MM_AVOID_RETOKENIZE=1 (keep our token ids verbatim around
-images; see common/sglang_engine.py) and `env`.
+images; see common/sglang/engine.py) and `env`.
 
 Readiness, as SGLang 0.5.23 answers (entrypoints/http_server.py `health_generate`): a refused
 connection means not listening yet and 503 means still loading; a ready server sleeps 1 s and
@@ -25,7 +25,7 @@ generates one token before its 200 (and gives up on its own after 20 s), so each
 thread watches the processes: a server that exits fails the launch at once, with the tail of
 its log; one not ready `startup_timeout_s` after launch fails it too, saying what it last
 answered. A ready server must then report SGLang >= 0.5.15 on /server_info
-(`common.sglang_engine.check_version`). Every failure shuts the whole group down first and
+(`common.sglang.engine.check_version`). Every failure shuts the whole group down first and
 raises `ServerLaunchError`. Ports must be free before launch.
 
 Shutdown sends SIGTERM to each server's process group (SGLang's scheduler and detokenizer are
@@ -52,8 +52,8 @@ import time
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
-from common.sglang_engine import http_call
-from common.sglang_wire import SGLangError, check_version
+from common.sglang.engine import http_call
+from common.sglang.wire import SGLangError, check_version
 
 SGLANG_COMMAND = (sys.executable, "-m", "sglang.launch_server")
 LOG_TAIL_CHARS = 4000

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from common.report import RunLog, dump_rollouts
+from common.runlog import RunLog, dump_rollouts
 from common.rollout import Trajectory, Turn
 
 

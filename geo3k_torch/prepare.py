@@ -2,7 +2,7 @@
 
 With `model.path` empty a tiny checkpoint is built into `model.tiny_dir` (once; the JAX entry
 point uses this too). Real runs point `model.path` at a local copy of the download. The data
-splits are prepared by `common.setup.prepare_data`.
+splits are prepared by `common.prepare.prepare_data`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.setup import prepare_data
+from common.prepare import prepare_data
 
 
 def prepare_model_dir(cfg) -> str:

@@ -1,4 +1,4 @@
-"""An evaluation's metrics (`common.evaluate.evaluate`) as a markdown table and a bar chart.
+"""An evaluation's metrics (`common.evaluation.evaluate.evaluate`) as a markdown table and a bar chart.
 
     write_report(metrics, out_dir, title, max_turns)  # eval.json, eval.md, eval.png
 

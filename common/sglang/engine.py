@@ -1,7 +1,7 @@
 """The SGLang rollout engine: `common.engine.Engine` over SGLang's native HTTP API.
 
-    from common.sglang_server import launch_servers
-    from common.sglang_engine import SGLangEngine
+    from common.sglang.server import launch_servers
+    from common.sglang.engine import SGLangEngine
     with launch_servers("checkpoints/step_0", n=2) as group, \\
             SGLangEngine(group.urls, image_token_id=151655) as engine:
         completions = engine.generate(requests)        # one per request, same order
@@ -20,7 +20,7 @@ server when there is one; a request that still fails (or gets another 4xx) comes
 Completion, which the rollout retries or aborts by its own policy.
 
 The wire format (request encoding, answer parsing, the image-token and version checks) is in
-common/sglang_wire.py.
+common/sglang/wire.py.
 
 Weight sync (http_server.py `update_weights_from_disk`): POST /update_weights_from_disk
 {"model_path", "weight_version"} -> {"success", "message", "num_paused_requests"}; SGLang
@@ -57,7 +57,7 @@ import urllib.parse
 from typing import Any, Sequence
 
 from common.engine import ABORT, Completion, Request
-from common.sglang_wire import (ImageTokenMismatch, SGLangError, SGLangVersionError,
+from common.sglang.wire import (ImageTokenMismatch, SGLangError, SGLangVersionError,
                                 StaleWeightsError, check_answer_prompt_ids,
                                 check_answer_version, check_version, encode_image,
                                 generate_payload, learner_image, parse_generate_response, to_rgb)

@@ -2,13 +2,14 @@
 
 With `data.path` empty the synthetic set is generated into `data.synthetic_dir` (once: an
 existing split is reused). The model directory is the learner's business (a tiny checkpoint is
-built with torch: `geo3k_torch.setup.prepare_model_dir`).
+built with torch: `geo3k_torch.prepare.prepare_model_dir`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import load_split
 from common.prompts import prompt_style
@@ -35,9 +36,6 @@ def make_renderer(cfg, processor) -> ChatRenderer:
     tool presented as `model.tool_format` says."""
     return ChatRenderer(processor, tools=prompt_style(cfg.data.prompt_style)[1],
                         tool_format=cfg.model.tool_format)
-
-
-ENGINE_BACKENDS = ("local", "torch", "sglang")
 
 
 def check_config(cfg, world: int) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from common.env import EnvConfig
 from common.metrics import rollout_metrics
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
-from common.scoring import RewardConfig
+from common.reward import RewardConfig
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
