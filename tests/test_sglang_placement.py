@@ -366,3 +366,18 @@ def test_a_server_refusing_a_bucket_fails_every_process(launches, tmp_path):
     assert all(not b.weights.alive for b in backends)  # every bucket was let go
     for b in backends:
         b.close()
+
+
+def test_a_bad_layout_is_refused_before_anything_is_built(monkeypatch):
+    """check_config runs the placement: a server layout that cannot run stops the run before
+    a model loads (minutes on a GPU machine), naming the setting."""
+    from common.prepare import check_config
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = engine_cfg(False, base_gpu=6)
+    with pytest.raises(ValueError, match="sglang_base_gpu=6 puts SGLang servers on GPUs"):
+        check_config(cfg, 8)
+    cfg = engine_cfg(True, tp=3)
+    with pytest.raises(ValueError, match="sglang_gpus_per_server=3 must divide the 8"):
+        check_config(cfg, 8)
+    cfg.engine.sglang_urls = "http://h:1"  # given servers: no layout to check
+    check_config(cfg, 8)
