@@ -62,29 +62,35 @@ class TorchWeights:
         self._revert = lambda sd: revert_weight_conversion(model, sd)
         keys = set(model.state_dict())
         seen: set[int] = set()
-        self.entries: list[tuple[str, torch.Tensor]] = []  # (state-dict name, live tensor)
-        for name, t in [*model.named_parameters(remove_duplicate=False),
-                        *model.named_buffers(remove_duplicate=False)]:
+        self.entries: list[tuple[str, torch.Size]] = []  # (state-dict name, shape), in order
+        for name, t in self._live().items():
             if name in keys and id(t) not in seen:  # a tied weight once, under its first name
                 seen.add(id(t))
-                self.entries.append((name, t))
-        meta = {n: torch.empty(t.shape, dtype=DTYPE, device="meta") for n, t in self.entries}
+                self.entries.append((name, t.shape))
+        meta = {n: torch.empty(shape, dtype=DTYPE, device="meta") for n, shape in self.entries}
         if len(self._revert(meta)) != len(meta):
             raise ValueError(f"{type(model).__name__}'s checkpoint conversion is not one weight "
                              "to one weight, so it cannot be applied bucket by bucket: set "
                              "engine.sglang_weight_sync='disk' and hand no TorchWeights")
 
+    def _live(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by name, tied ones under every name, looked up
+        anew each time (FSDP2 and meta-device materialization put new tensors in place)."""
+        return {**dict(self.model.named_parameters(remove_duplicate=False)),
+                **dict(self.model.named_buffers(remove_duplicate=False))}
+
     def _buckets(self, bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
-        """The entries in order, cut into buckets of at most `bucket_bytes` of bf16 (a larger
-        weight alone); the same cut on every process."""
+        """The entries in order with their live tensors, cut into buckets of at most
+        `bucket_bytes` of bf16 (a larger weight alone); the same cut on every process."""
+        live = self._live()
         out: list[list] = [[]]
         size = 0
-        for name, t in self.entries:
-            n = t.numel() * DTYPE.itemsize
+        for name, shape in self.entries:
+            n = shape.numel() * DTYPE.itemsize
             if out[-1] and size + n > bucket_bytes:
                 out.append([])
                 size = 0
-            out[-1].append((name, t))
+            out[-1].append((name, live[name]))
             size += n
         return out
 

@@ -54,6 +54,7 @@ def main(out, arch, agg, layout="strided"):
     mine = seqs[rank::world] if layout == "strided" else (seqs if rank == 0 else [])
     if world > 1:
         distributed.parallelize(model)
+    weights = TorchWeights(model, ".", rank)  # before the step: it must see the updated weights
     cfg = base.get_config().train
     with cfg.unlocked():
         cfg.lr = 1e-3
@@ -67,7 +68,6 @@ def main(out, arch, agg, layout="strided"):
     batches = even_out(batches, int(n_micro), spare)
     m = learner.train_step(batches, n_tokens, float(len(seqs)))  # merged over ranks
     sd = checkpoint.full_state_dict(model)
-    weights = TorchWeights(model, ".", rank)
     synced = {}
     for payload, _ in weights.tensor_buckets(1 << 15):  # several buckets
         synced.update(pickle.loads(base64.b64decode(payload)))  # this process's shared memory
