@@ -107,8 +107,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine.sglang_max_concurrency = 256
     c.engine.sglang_colocated = False  # release the servers' memory during training
     # Launch to ready, all servers together (loading a checkpoint takes minutes). The other
-    # processes wait for the launching ones in a collective meanwhile: keep this below the
-    # torch learner's process-group timeout (geo3k_torch.distributed), or they time out first.
+    # processes wait for the launching ones in a collective meanwhile (the gather of the
+    # servers' URLs): keep this below the torch learner's collective timeout
+    # (train.collective_timeout_s, 1800 s), or the waiting processes time out first.
     c.engine.sglang_startup_timeout_s = 900.0
     # One readiness probe: SGLang's health check sleeps 1 s, generates, gives up after 20 s.
     c.engine.sglang_health_timeout_s = 60.0
