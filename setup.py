@@ -38,10 +38,10 @@ setup(
                 "flatbuffers>=24.3"],
         "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
                 "flatbuffers>=24.3"],
-        # GPU rollouts: SGLang brings its own CUDA torch build. 0.5.15 is the first release
-        # that keeps our token ids verbatim around images (SGLANG_MM_AVOID_RETOKENIZE on by
-        # default); the client is checked against the source of 0.5.15 and 0.5.23.
-        "gpu": ["sglang>=0.5.15,<0.6"],
+        # GPU rollouts: SGLang brings its own CUDA torch build. The stack is pinned in
+        # requirements-gpu.txt (sglang 0.5.23 with the torch and transformers it pins; CUDA 13,
+        # driver R580+); the client is checked against the source of 0.5.15 and 0.5.23.
+        "gpu": ["sglang==0.5.23", "torch==2.14.1", "transformers==5.19.0"],
         # trl ships Qwen's published chat templates, which the tests render with.
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "trl>=1.16"],
         # scripts/benchmark_trl.py: TRL's GRPOTrainer side by side with ours (the figures in

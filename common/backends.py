@@ -20,9 +20,11 @@ ENGINE_BACKENDS = ("local", "torch", "sglang")
 
 
 def make_backend(cfg, *, own: Callable[[], object], own_kind: str, model_dir: str, processor,
-                 workdir: str, comm: Collectives, free_memory: Callable[[], None] = lambda: None):
+                 workdir: str, comm: Collectives, free_memory: Callable[[], None] = lambda: None,
+                 weights=None):
     """The `common.engine.Backend` that `cfg.engine.backend` names. free_memory: the learner's
-    hook that hands cached accelerator memory back before SGLang servers take theirs."""
+    hook that hands cached accelerator memory back before SGLang servers take theirs. weights:
+    the learner's `common.sglang.backend.TensorWeights` (None: SGLang loads its HF export)."""
     name = cfg.engine.backend
     if name == "local" or name == own_kind:
         return own()
@@ -32,5 +34,6 @@ def make_backend(cfg, *, own: Callable[[], object], own_kind: str, model_dir: st
                             workdir=workdir)
     if name == "sglang":
         from common.sglang.backend import SGLangBackend
-        return SGLangBackend(cfg, model_dir, processor, workdir, comm, free_memory=free_memory)
+        return SGLangBackend(cfg, model_dir, processor, workdir, comm, free_memory=free_memory,
+                             weights=weights)
     raise ValueError(f"engine.backend must be one of {ENGINE_BACKENDS}, got {name!r}")

@@ -78,16 +78,18 @@ def load_loop_state(path: str | os.PathLike) -> dict:
     return json.loads((Path(path) / LOOP_STATE).read_text())
 
 
-def export_weights(out: str | os.PathLike, learner: Learner, comm: Collectives) -> Path:
-    """The learner's current weights as an HF directory at `out`, replaced atomically (written
-    into `out.tmp`, then renamed): an engine reading `out` never sees a half-written model."""
+def export_weights(out: str | os.PathLike, write: Callable[[Path], None],
+                   comm: Collectives) -> Path:
+    """Weights written by `write(dir)` (every process calls it; e.g. `learner.export_hf`) as
+    the directory `out`, replaced atomically (written into `out.tmp`, then renamed): an engine
+    reading `out` never sees a half-written model."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     comm.barrier()
-    learner.export_hf(tmp)
+    write(tmp)
     comm.barrier()
     if comm.rank == 0:
         shutil.rmtree(out, ignore_errors=True)

@@ -7,6 +7,7 @@ built with torch: `geo3k_torch.prepare.prepare_model_dir`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from common.backends import ENGINE_BACKENDS
@@ -51,6 +52,9 @@ def check_config(cfg, world: int) -> None:
         raise ValueError("train.max_staleness > 0 generates while the learner trains, but "
                          "engine.sglang_colocated=True releases the servers' memory during "
                          "training: run the servers on their own GPUs (sglang_colocated=False)")
+    if cfg.engine.backend == "sglang" and not cfg.engine.sglang_urls.strip():
+        from common.sglang.placement import place  # a bad server layout stops here, not later
+        place(cfg.engine, 0, 0, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if cfg.train.prompts_per_step % world:
         raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
                          f"multiple of the {world} processes")

@@ -88,16 +88,29 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine = ml_collections.ConfigDict()
     c.engine.backend = "local"  # local | torch | sglang
     c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
+    # Launched here (common.sglang.placement): colocated, one server per sglang_gpus_per_server
+    # (its tp) learner GPUs, each process generating through the one on its GPU; otherwise
+    # sglang_servers servers on GPUs of their own from sglang_base_gpu (-1: the first GPU after
+    # the learners'). mem_fraction: SGLang's --mem-fraction-static, the share of a GPU for its
+    # weights and KV cache (0.6: slime's colocated Geometry3K multi-turn recipe).
     c.engine.sglang_servers = 1
     c.engine.sglang_gpus_per_server = 1
+    c.engine.sglang_base_gpu = -1
     c.engine.sglang_mem_fraction = 0.6
+    # Weight sync: auto (bf16 in memory for colocated servers the learner can hand tensors to,
+    # else files) | tensor | disk (bf16 safetensors from the torch learner); bucket size.
+    c.engine.sglang_weight_sync = "auto"
+    c.engine.sglang_bucket_mb = 512.0
     c.engine.sglang_attention_backend = ""  # empty: SGLang's default
     c.engine.sglang_port_base = 30000
     c.engine.sglang_timeout_s = 600.0
     c.engine.sglang_max_retries = 3
     c.engine.sglang_max_concurrency = 256
     c.engine.sglang_colocated = False  # release the servers' memory during training
-    # Launch to ready, all servers together (loading a checkpoint takes minutes).
+    # Launch to ready, all servers together (loading a checkpoint takes minutes). The other
+    # processes wait for the launching ones in a collective meanwhile (the gather of the
+    # servers' URLs): keep this below the torch learner's collective timeout
+    # (train.collective_timeout_s, 1800 s), or the waiting processes time out first.
     c.engine.sglang_startup_timeout_s = 900.0
     # One readiness probe: SGLang's health check sleeps 1 s, generates, gives up after 20 s.
     c.engine.sglang_health_timeout_s = 60.0

@@ -4,10 +4,12 @@
         --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
 
 64 prompts x 8 samples per step, one optimizer step per rollout, response budget 4096 tokens,
-temperature 1.0, clip 0.2 / 0.28, no KL, max_turns 3. Rollouts come from an SGLang server
-launched on the same GPUs (colocated: its memory is released during training), weights synced
-through /update_weights_from_disk after every step, truncated importance sampling (cap 2).
-Needs `pip install -e .[gpu]` (SGLang) and CUDA.
+temperature 1.0, clip 0.2 / 0.28, no KL, max_turns 3. Rollouts come from one SGLang server
+per GPU, colocated as slime's Geometry3K multi-turn example runs them (each process generates
+through the server on its own GPU; its memory is released during training; --mem-fraction-static
+0.6), weights synced in memory in bf16 after every step (/update_weights_from_tensor),
+truncated importance sampling (cap 2). Needs the pinned GPU stack (requirements-gpu.txt) and
+CUDA.
 """
 
 from configs import base
@@ -29,9 +31,8 @@ def get_config():
     c.loss.agg = "seq-mean-token-mean"
     # SGLang generates; its bf16 kernels drift from the learner: truncated importance sampling.
     c.engine.backend = "sglang"
-    c.engine.sglang_servers = 1
-    c.engine.sglang_mem_fraction = 0.5
-    c.engine.sglang_colocated = True
+    c.engine.sglang_colocated = True  # one server per GPU (engine.sglang_gpus_per_server: 1)
+    c.engine.sglang_mem_fraction = 0.6
     c.loss.tis_cap = 2.0
     c.train.steps = 1000
     c.train.prompts_per_step = 64

@@ -42,7 +42,7 @@ class LocalBackend:
         if self.reload_dir is not None:
             from safetensors.torch import load_file
 
-            path = export_weights(self.reload_dir, learner, self.comm)
+            path = export_weights(self.reload_dir, learner.export_hf, self.comm)
             state = {}
             for f in sorted(path.glob("*.safetensors")):
                 state.update(load_file(f))

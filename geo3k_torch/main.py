@@ -26,6 +26,7 @@ from geo3k_torch.learner import Learner
 from geo3k_torch.backend import LocalBackend
 from geo3k_torch.model import load_model
 from geo3k_torch.prepare import prepare_model_dir, resolve_device
+from geo3k_torch.weight_sync import TorchWeights
 
 
 
@@ -55,6 +56,8 @@ def build(cfg, workdir: str) -> loop.Run:
     backend = make_backend(
         cfg, own_kind="torch", model_dir=model_dir, processor=processor, workdir=workdir,
         comm=comm, free_memory=torch.cuda.empty_cache if on_gpu else lambda: None,
+        weights=(TorchWeights(model, model_dir, comm.rank)
+                 if cfg.engine.backend == "sglang" else None),
         own=lambda: LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
                                  model=model, own_copy=cfg.train.max_staleness > 0))
     return loop.Run(learner, backend, comm, processor, train_set, test_set,

@@ -14,9 +14,27 @@ released server (read from the 0.5.23 wheel's source) where the client depends o
     {"abort_all": true} ends every running request as "abort" (each leaves `abort_linger_s`
     after the abort, and only once a /flush_cache has been refused: aborting is not idling);
   * /release_memory_occupation with a request running fails SGLang's idle assertion: the server
-    dies (no answer; every later call is refused), as the released server does.
+    dies (no answer; every later call is refused), as the released server does. SGLang's
+    `is_fully_idle` also counts queued requests; the fake has no queue (every request it holds
+    counts as running), so "queued requests blocking a release" is modelled as running ones.
+  * release and resume by tag ("weights", "kv_cache"; none: all). Released weights come back
+    as garbage: SGLang's memory saver keeps no copy (no `--enable-weights-cpu-backup`), so
+    after a resume of "weights" the model must be loaded again. SGLang answers on such weights
+    without a word; the fake answers too, and appends why to `garbage` ("weights released",
+    "weights wiped by a release", "kv_cache released"), which the tests require to stay empty.
+    Resuming a tag that is not released fails (HTTP 500): SGLang's scheduler raises a KeyError
+    there (`offload_tags.remove`), so a release of some tags must be resumed by the same tags.
   * /update_weights_from_disk -> {success, message, num_paused_requests}, storing
     `weight_version`; /model_info reports it; /server_info reports `version`.
+  * the weight-update session (io_struct.py `BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`,
+    `UpdateWeightsFromTensorReqInput`): /begin_weight_update opens it (refused when open),
+    /update_weights_from_tensor is refused outside it (success false, HTTP 400) and otherwise
+    loads `serialized_named_tensors[tp_rank]` through `tensor_loader(bytes) -> [(name, tensor)]`
+    into `tensors` (the payload's base64 is decoded as SGLang does; without a loader only its
+    size is recorded); with `flush_cache` and a request running it answers SGLang's
+    "cache was not flushed" failure; `weight_version` sets the version. /end_weight_update closes
+    the session (refused when none is open). Weights are whole again once a session that loaded
+    tensors ends, or after a disk load.
 
     with FakeSGLang(image_token_id=2000, tokens_per_image=3) as fake:   # ephemeral port
         fake.script.append(Action(ids=[104, 105]))      # the next /generate answer
@@ -52,7 +70,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Sequence
 
-LOGPROB_STEP = -0.01  # the i-th new token's log-prob is LOGPROB_STEP * (i + 1)
+LOGPROB_STEP = -0.01
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # srt/constants.py GPU_MEMORY_ALL_TYPES  # the i-th new token's log-prob is LOGPROB_STEP * (i + 1)
 
 
 @dataclasses.dataclass
@@ -88,7 +107,8 @@ class FakeSGLang:
                  healthy: bool = True, responder: Callable[[dict], Action] | None = None, *,
                  loading_s: float = 0.0, health_delay_s: float = 1.0, abort_linger_s: float = 0.2,
                  version: str = "0.5.23", stop_beats_length: bool = True,
-                 on_death: Callable[[], None] | None = None):
+                 on_death: Callable[[], None] | None = None, tp_rank: int = 0,
+                 tensor_loader: Callable[[bytes], list] | None = None):
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.healthy = healthy
@@ -107,7 +127,14 @@ class FakeSGLang:
         self.rewrite_prompt: Callable[[list[int]], list[int]] | None = None
         self.weight_version = "default"  # SGLang's --weight-version default
         self.model_path = ""
-        self.released = self.dead = False
+        self.dead = False
+        self.released: set[str] = set()  # memory tags released and not resumed
+        self.wiped = False  # weights released since the last load
+        self.session: dict | None = None  # the open weight-update session
+        self.tensors: dict[str, object] = {}  # what /update_weights_from_tensor loaded
+        self.tensor_loader = tensor_loader
+        self.tp_rank = tp_rank
+        self.garbage: list[str] = []  # why answers came from weights or memory not in place
         self.inflight = self.max_inflight = 0
         self.abort_epoch = 0  # bumped by every /abort_request with abort_all
         self.flushes_refused = self.refused_at_abort = 0
@@ -189,6 +216,11 @@ class FakeSGLang:
                                               f"but {len(images)} image(s) were provided"}}
         with self.cond:
             self.images += [decode_image(im) for im in images]
+            self.garbage += [why for why, bad in (
+                ("weights released", "weights" in self.released),
+                ("kv_cache released", "kv_cache" in self.released),
+                ("weights wiped by a release", self.wiped and "weights" not in self.released))
+                if bad]
         prompt = self.expand(ids)
         sp = body["sampling_params"]
         out, reason = self.finish(action, sp["max_new_tokens"], sp["stop_token_ids"])
@@ -258,6 +290,8 @@ class FakeSGLang:
                              "message": "scripted weight-load failure"}
             return 400, {"error": {"message": f"scripted {base} failure"}}
         handler = {"/update_weights_from_disk": self.update_weights,
+                   "/begin_weight_update": self.begin_update, "/end_weight_update": self.end_update,
+                   "/update_weights_from_tensor": self.update_from_tensor,
                    "/flush_cache": self.flush_cache, "/abort_request": self.abort,
                    "/release_memory_occupation": self.release,
                    "/resume_memory_occupation": self.resume}.get(base)
@@ -270,10 +304,45 @@ class FakeSGLang:
     def update_weights(self, body: dict) -> tuple[int, dict]:
         message = "Succeeded to update model weights."
         self.model_path = body["model_path"]
+        self.wiped = False
         if body.get("weight_version") is not None and not self.stale:
             self.weight_version = body["weight_version"]
             message += f" Weight version updated to {self.weight_version}."
         return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+    def begin_update(self, body: dict) -> tuple[int, dict]:
+        if self.session is not None:
+            return 400, {"success": False, "message": "a weight-update session is already "
+                                                      "open; call end_weight_update() first"}
+        self.session = {"selector": body.get("selector", "all"), "loaded": False}
+        return 200, {"success": True, "message": "Success"}
+
+    def end_update(self, body: dict) -> tuple[int, dict]:
+        if self.session is None:
+            return 400, {"success": False, "message": "no weight-update session is open; call "
+                                                      "begin_weight_update() first"}
+        if self.session["loaded"]:
+            self.wiped = False
+        self.session = None
+        return 200, {"success": True, "message": "Success"}
+
+    def update_from_tensor(self, body: dict) -> tuple[int, dict]:
+        if self.session is None:
+            return 400, {"success": False, "message": "update_weights_from_tensor must run "
+                         "between begin_weight_update() and end_weight_update()"}
+        raw = base64.b64decode(body["serialized_named_tensors"][self.tp_rank], validate=True)
+        if self.tensor_loader is None:
+            self.tensors[f"payload_{len(self.tensors)}"] = len(raw)
+        else:
+            self.tensors.update(self.tensor_loader(raw))
+        self.session["loaded"] = True
+        if body.get("weight_version") is not None and not self.stale:
+            self.weight_version = body["weight_version"]
+        if body.get("flush_cache", True) and self.busy():
+            return 400, {"success": False, "message": "Weights were updated, but the cache was "
+                         "not flushed because requests are still running or queued. Retract "
+                         "or finish them, then call /flush_cache."}
+        return 200, {"success": True, "message": "Success"}
 
     def flush_cache(self, body: dict) -> tuple[int, str]:
         if self.busy():  # SGLang: not performed while requests run
@@ -298,11 +367,16 @@ class FakeSGLang:
             self.dead = True
             threading.Thread(target=self.on_death, daemon=True).start()
             return None, None
-        self.released = True
+        tags = set(body.get("tags") or MEMORY_TAGS)
+        self.released |= tags
+        self.wiped = self.wiped or "weights" in tags
         return 200, None
 
-    def resume(self, body: dict) -> tuple[int, None]:
-        self.released = False
+    def resume(self, body: dict) -> tuple[int | None, object]:
+        tags = set(body.get("tags") or MEMORY_TAGS)
+        if tags - self.released:  # SGLang: offload_tags.remove(tag) raises KeyError
+            return 500, "Internal Server Error"
+        self.released -= tags
         return 200, None
 
 

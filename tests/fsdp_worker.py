@@ -2,15 +2,20 @@
 
     python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT.json ARCH AGG [LAYOUT]
 Rank r trains on sequences r, r + world, ...; rank 0 writes loss, grad norm and a checksum of
-the updated parameters to OUT.json, with the learner's merged metrics.
+the updated parameters to OUT.json, with the learner's merged metrics, and whether every rank's
+in-memory weight-sync buckets (geo3k_torch.weight_sync: bf16 cast on the shard, then gathered)
+hold exactly the updated weights in bf16, under their checkpoint names.
 """
 
+import base64
 import dataclasses
 import json
+import pickle
 import os
 import sys
 
 import numpy as np
+import torch
 import torch.distributed
 
 from common.batching import TrainSequence, pack
@@ -19,6 +24,7 @@ from common.step import even_out
 from configs import base
 from geo3k_torch import checkpoint, distributed
 from geo3k_torch.learner import Learner
+from geo3k_torch.weight_sync import TorchWeights
 from tests.tiny_models import ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
 
 
@@ -48,6 +54,7 @@ def main(out, arch, agg, layout="strided"):
     mine = seqs[rank::world] if layout == "strided" else (seqs if rank == 0 else [])
     if world > 1:
         distributed.parallelize(model)
+    weights = TorchWeights(model, ".", rank)  # before the step: it must see the updated weights
     cfg = base.get_config().train
     with cfg.unlocked():
         cfg.lr = 1e-3
@@ -61,9 +68,17 @@ def main(out, arch, agg, layout="strided"):
     batches = even_out(batches, int(n_micro), spare)
     m = learner.train_step(batches, n_tokens, float(len(seqs)))  # merged over ranks
     sd = checkpoint.full_state_dict(model)
+    synced = {}
+    for payload, _ in weights.tensor_buckets(1 << 15):  # several buckets
+        synced.update(pickle.loads(base64.b64decode(payload)))  # this process's shared memory
+    want = weights._revert({k: v.to(torch.bfloat16) for k, v in sd.items()
+                            if k in dict(weights.entries)})
+    same = sorted(synced) == sorted(want) and all(torch.equal(synced[k], want[k]) for k in want)
+    same = all(comm.gather(same))
     if rank == 0:
         checksum = float(sum(v.double().abs().sum() for v in sd.values()))
-        json.dump({"checksum": checksum, "micro_batches": len(batches), **m}, open(out, "w"))
+        json.dump({"checksum": checksum, "micro_batches": len(batches), "sync_exact": same,
+                   **m}, open(out, "w"))
     if world > 1:  # no rank tears gloo down while another still works (an abort at exit)
         torch.distributed.barrier()
     distributed.shutdown()

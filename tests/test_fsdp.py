@@ -41,6 +41,7 @@ def test_two_processes_equal_one(tmp_path, arch, agg):
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
     assert one["grad_norm"] > 0
+    assert one["sync_exact"] and two["sync_exact"]  # bf16 buckets of the sharded weights
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ versions). Outcomes never depend on timing: the fake's scripted answers decide t
 bound how long a broken client takes to fail).
 """
 
+import base64
 import dataclasses
 import http.client
 import json
@@ -316,7 +317,7 @@ def test_control_calls_reach_every_server(two_fakes):
         assert engine.update_weights_from_disk("/ckpt/step_3", 3) == "3"
         engine.flush_cache()
         engine.release_memory(["kv_cache", "weights"])
-        engine.resume_memory()
+        engine.resume_memory(["kv_cache", "weights"])  # all would resume cuda_graph too: 500
         engine.health()  # takes the fake's 1 s, as SGLang's does
         assert engine.check_server_versions() == {a.url: "0.5.23", b.url: "0.5.23"}
     for f in (a, b):
@@ -328,7 +329,7 @@ def test_control_calls_reach_every_server(two_fakes):
             ("POST", "/abort_request", {"abort_all": True}),  # release: idle first
             ("POST", "/flush_cache", None),
             ("POST", "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),
-            ("POST", "/resume_memory_occupation", {}),
+            ("POST", "/resume_memory_occupation", {"tags": ["kv_cache", "weights"]}),
             ("GET", "/health_generate", None),
             ("GET", "/server_info", None)]
 
@@ -458,6 +459,77 @@ def test_release_gives_up_on_a_server_that_stays_busy():
         thread.join()
     assert fake.url in str(err.value) and "Flush cache failed" in str(err.value)
     assert "/release_memory_occupation" not in fake.paths() and not fake.dead
+
+
+# --------------------------------------------------------------------------- in-memory weights
+
+def payloads(*names):
+    return [base64.b64encode(n.encode()).decode() for n in names]
+
+
+def test_in_memory_update_runs_inside_one_session(two_fakes):
+    """begin, every bucket in order (the version and the cache flush on the last only), end,
+    then /model_info: each server loads the same buckets and reports the new version."""
+    a, b = two_fakes
+    for f in (a, b):
+        f.tensor_loader = lambda raw: [(raw.decode(), len(raw))]
+    buckets = [(payloads("w0"), False), (payloads("w1"), False), (payloads("w2"), True)]
+    with make_engine([a.url, b.url]) as engine:
+        assert engine.update_weights_from_tensors(iter(buckets), version=5) == "5"
+        (out,) = engine.generate([request()])
+    assert out.finish_reason == STOP
+    for f in (a, b):
+        assert f.paths()[:6] == ["/begin_weight_update"] + ["/update_weights_from_tensor"] * 3 \
+            + ["/end_weight_update", "/model_info"]
+        sent = f.bodies("/update_weights_from_tensor")
+        assert [(x.get("weight_version"), x["flush_cache"]) for x in sent] == [
+            (None, False), (None, False), ("5", True)]
+        assert f.tensors == {"w0": 2, "w1": 2, "w2": 2} and f.weight_version == "5"
+        assert f.session is None
+
+
+def test_in_memory_update_refused_closes_the_session_and_names_the_server(two_fakes):
+    """A server that refuses a bucket (here: a request still running when the last bucket
+    flushes the cache, SGLang's own refusal) fails the update, naming that server; every
+    session is closed."""
+    a, b = two_fakes
+    a.gate.clear()
+    b.gate.clear()
+    with make_engine([a.url, b.url]) as engine:
+        thread, result = in_background(engine.generate, [request(session="s1")])
+        assert a.wait_inflight(1) or b.wait_inflight(1)
+        busy = a if a.inflight else b
+        with pytest.raises(SGLangError, match="cache was not flushed") as err:
+            engine.update_weights_from_tensors([(payloads("w"), True)], version=2)
+        assert busy.url in str(err.value)
+        assert a.session is None and b.session is None
+        a.gate.set()
+        b.gate.set()
+        thread.join()
+    assert a.paths().count("/end_weight_update") == 1 == b.paths().count("/end_weight_update")
+
+
+def test_in_memory_update_outside_a_session_is_refused(fake):
+    status, raw = http_call(fake.url, "POST", "/update_weights_from_tensor",
+                            {"serialized_named_tensors": payloads("w")}, timeout=5)
+    assert status == 400 and "must run between begin_weight_update()" in raw.decode()
+
+
+def test_the_fake_sees_generation_on_weights_not_in_place(fake):
+    """Released weights come back as garbage (SGLang keeps no copy): the fake answers, as SGLang
+    does, but says so in `garbage` until the weights are loaded again."""
+    with make_engine([fake.url]) as engine:
+        engine.release_memory()
+        engine.generate([request()])
+        engine.resume_memory(["weights"])
+        engine.generate([request()])
+        engine.resume_memory(["kv_cache", "cuda_graph"])
+        engine.generate([request()])
+        assert fake.garbage == ["weights released", "kv_cache released", "kv_cache released",
+                                "weights wiped by a release", "weights wiped by a release"]
+        engine.update_weights_from_disk("/ckpt/step_1", 1)
+        engine.generate([request()])
+    assert len(fake.garbage) == 5 and not fake.wiped and not fake.released
 
 
 # ------------------------------------------------------------------------------------- launcher

@@ -16,11 +16,19 @@ never committed (skipped when it is absent):
     zmq, triton and the scheduler) to check that every key we send is a field SGLang knows;
   * `_expand_input_ids` (srt/multimodal/processors/base_processor.py, a pure static method
     whose module imports the CUDA stack) is compiled alone from the wheel's source, to check the
-    fake's image expansion against it.
+    fake's image expansion against it;
+  * `SafeUnpickler` (srt/utils/common.py, the allow-list SGLang unpickles weight payloads with)
+    is compiled alone, to load the learner's in-memory weight payloads as a server would;
+  * the launch flags are checked against the config fields SGLang derives its flags from
+    (srt/arg_groups/fields/), and the fake's weight-update session answers against the
+    scheduler's (srt/managers/scheduler_components/weight_updater.py).
 """
 
 import ast
+import base64
+import io
 import os
+import pickle
 import sys
 import types
 import typing
@@ -29,6 +37,8 @@ from pathlib import Path
 import pytest
 
 from common.engine import Request, SamplingParams
+from common.sglang.engine import SGLangEngine
+from common.sglang.server import server_argv
 from common.sglang.wire import generate_payload, sampling_payload
 from tests.conftest import EOS, IMAGE, TURN_END
 from tests.fake_sglang import FakeSGLang
@@ -123,3 +133,77 @@ def test_fake_expands_images_as_sglang_does():
             [7] + [IMAGE] * 4 + [8] + [IMAGE] * 4 + [9]
     with pytest.raises(ValueError, match=r"prompt has 2 image placeholder token\(s\) but 1 "):
         expand(body["input_ids"], [4], IMAGE)  # the refusal the fake copies word for word
+
+
+def real_class(path: Path, name: str, namespace: dict):
+    """Class `name` of `path`, compiled alone in `namespace`."""
+    tree = ast.parse(path.read_text())
+    (klass,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
+    exec(compile(ast.Module([klass], []), str(path), "exec"), namespace)
+    return namespace[name]
+
+
+def test_weight_update_session_keys_and_answers_are_sglangs():
+    """Every body the engine sends in an in-memory update is made of fields of SGLang's request
+    structs, and the fake refuses what the scheduler refuses, in its words."""
+    io_struct = SRT / "managers" / "io_struct.py"
+    updater = {n.value for n in ast.walk(ast.parse(
+        (SRT / "managers" / "scheduler_components" / "weight_updater.py").read_text()))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)}  # its messages
+    with FakeSGLang(tensor_loader=lambda raw: [("w", raw)]) as fake, \
+            SGLangEngine([fake.url], image_token_id=2000) as engine:
+        payload = base64.b64encode(b"tensors").decode()
+        engine.update_weights_from_tensors([([payload], False), ([payload], True)], version=4)
+        engine.release_memory()
+        engine.resume_memory(["weights"])
+        engine.resume_memory(["kv_cache", "cuda_graph"])
+        assert fake.tensors == {"w": b"tensors"} and fake.weight_version == "4"
+        assert set(fake.bodies("/begin_weight_update")[0]) <= struct_fields(
+            io_struct, "BeginWeightUpdateReqInput")
+        assert set(fake.bodies("/end_weight_update")[0]) <= struct_fields(
+            io_struct, "EndWeightUpdateReqInput")
+        for body in fake.bodies("/update_weights_from_tensor"):
+            assert set(body) <= struct_fields(io_struct, "UpdateWeightsFromTensorReqInput")
+        for body in fake.bodies("/resume_memory_occupation"):
+            assert set(body) <= struct_fields(io_struct, "ResumeMemoryOccupationReqInput")
+        constants = (SRT / "constants.py").read_text()
+        assert all(f'"{tag}"' in constants for tag in ("weights", "kv_cache", "cuda_graph"))
+        refusals = [fake.update_from_tensor({"serialized_named_tensors": [payload]}),
+                    fake.end_update({}), (fake.begin_update({}), fake.begin_update({}))[1]]
+    for status, body in refusals:  # outside a session, twice closed, twice opened
+        assert status == 400 and body["success"] is False
+        assert body["message"] in updater, body["message"]
+
+
+def test_launch_flags_are_sglang_config_fields():
+    fields = set()
+    for f in (SRT / "arg_groups" / "fields").glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                fields.add(node.target.id)
+    argv = server_argv("/m", "127.0.0.1", 30000, 2, 4, 0.6, "fa3", True, [], command=())
+    flags = [a[2:].replace("-", "_") for a in argv if a.startswith("--")]
+    assert flags and set(flags) <= fields, set(flags) - fields
+
+
+def test_weight_payloads_pass_sglangs_unpickler(tmp_path):
+    """The torch learner's in-memory weight payloads load through SGLang's own allow-list
+    unpickler: every weight of the tiny model, in bf16, under its checkpoint name."""
+    import torch
+    from geo3k_torch.model import load_model
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    from geo3k_torch.weight_sync import TorchWeights
+
+    common = SRT / "utils" / "common.py"
+    safe = real_class(common, "SafeUnpickler", {"pickle": pickle, "io": io, "torch": torch,
+                                                "_safe_load_torch_storage": None})
+    build_tiny_checkpoint(tmp_path / "tiny")
+    model = load_model(str(tmp_path / "tiny"))
+    got = {}
+    for payload, _ in TorchWeights(model, tmp_path / "tiny").tensor_buckets(1 << 16):
+        got.update(safe(io.BytesIO(base64.b64decode(payload, validate=True))).load())
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert sorted(got) == sorted(state)
+    assert all(torch.equal(got[k], state[k].to(torch.bfloat16)) for k in state)
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):  # it does refuse
+        safe(io.BytesIO(pickle.dumps(os.system))).load()

@@ -191,10 +191,21 @@ def test_micro_batch_smaller_than_an_episode_is_refused_up_front(shared, tmp_pat
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def load_payload(raw: bytes) -> list:
+    """A /update_weights_from_tensor payload's [(name, tensor)] (CPU tensors: shared memory)."""
+    import pickle
+    return pickle.loads(raw)
+
+
 @pytest.mark.slow
-def test_sglang_backend_in_the_loop(shared, tmp_path):
+@pytest.mark.parametrize("sync", ["auto", "disk"])
+def test_sglang_backend_in_the_loop(shared, tmp_path, sync):
     """The loop on the SGLang backend, against the fake server: rollouts come from it, weights go
-    to it after every step, its memory is released around each update (colocated)."""
+    to it after every step (colocated: bf16 tensors in memory inside a weight-update session;
+    "disk": bf16 safetensors shards), its memory is released around each update and never
+    generates on weights or memory that are not in place."""
+    import torch
+    from safetensors.torch import load_file as load_torch
     from common.processor import load_processor
     from geo3k_torch.prepare import prepare_model_dir
     from tests.fake_sglang import Action, FakeSGLang
@@ -202,32 +213,59 @@ def test_sglang_backend_in_the_loop(shared, tmp_path):
     cfg.data.synthetic_image_size = "112"  # 16 image tokens each, as the fake expands them
     cfg.eval.every = 0
     cfg.engine.backend, cfg.engine.sglang_colocated = "sglang", True
+    cfg.engine.sglang_weight_sync, cfg.engine.sglang_bucket_mb = sync, 0.05  # several buckets
     tok = load_processor(prepare_model_dir(cfg)).tokenizer
     reply = tok.encode('<tool_call>\n{"name": "calc_score", "arguments": {"answer": "A"}}\n'
                        '</tool_call>', add_special_tokens=False)
     with FakeSGLang(image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-                    tokens_per_image=16, responder=lambda body: Action(ids=reply)) as fake:
+                    tokens_per_image=16, responder=lambda body: Action(ids=reply),
+                    tensor_loader=load_payload) as fake:
         with cfg.unlocked():
             cfg.engine.sglang_urls = fake.url
         last = train_main.train(cfg, str(tmp_path))
         paths = [p for _, p, _ in fake.requests]
-        synced = fake.bodies("/update_weights_from_disk")
     assert last["train/tool_call_rate"] == 1.0 and "train/loss" in last
     assert len(fake.bodies("/generate")) == 2 * 2 * 3  # steps x prompts x samples (one turn)
-    assert [b["model_path"] for b in synced] == [str((tmp_path / "weights_for_sglang")
-                                                     .resolve())] * 2
-    assert (tmp_path / "weights_for_sglang" / "model.safetensors").exists()
-    assert [b["weight_version"] for b in synced] == ["1", "2"]  # the step that produced them
+    assert fake.garbage == [] and not fake.released and not fake.wiped
+    # the servers hold the step-2 weights: the learner's, in bf16, under the checkpoint's names
+    learner = load_torch(str(tmp_path / "checkpoints" / "step_2" / "model.safetensors"))
+    if sync == "auto":
+        served = fake.tensors
+        updates = fake.bodies("/update_weights_from_tensor")
+        assert len(updates) > 2 * 2  # several buckets per step
+        assert [b.get("weight_version") for b in updates].count("2") == 1
+        order = ["/generate", "/abort_request", "/flush_cache", "/release_memory_occupation",
+                 "/resume_memory_occupation", "/begin_weight_update",
+                 "/update_weights_from_tensor", "/end_weight_update", "/model_info"]
+        resumes = fake.bodies("/resume_memory_occupation")
+        assert resumes == [{"tags": ["weights"]}, {"tags": ["kv_cache", "cuda_graph"]}] * 2
+    else:
+        out = tmp_path / "weights_for_sglang"
+        synced = fake.bodies("/update_weights_from_disk")
+        assert [b["model_path"] for b in synced] == [str(out.resolve())] * 2
+        assert [b["weight_version"] for b in synced] == ["1", "2"]  # the steps
+        served = {}
+        for f in out.glob("model-*.safetensors"):
+            served.update(load_torch(str(f)))
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert sorted(index["weight_map"]) == sorted(served) and len(set(
+            index["weight_map"].values())) > 1  # sharded
+        order = ["/generate", "/abort_request", "/flush_cache", "/release_memory_occupation",
+                 "/resume_memory_occupation", "/update_weights_from_disk", "/model_info"]
+    assert sorted(served) == sorted(learner)
+    assert all(served[k].dtype == torch.bfloat16 and
+               torch.equal(served[k], learner[k].to(torch.bfloat16)) for k in learner)
     # each step: generate, then release only once idle, train, resume, load the new weights,
     # and check the servers report that version
-    order = ["/generate", "/abort_request", "/flush_cache", "/release_memory_occupation",
-             "/resume_memory_occupation", "/update_weights_from_disk", "/model_info"]
     for _ in range(2):  # steps
         seen = [p for p in paths if p in order]
         window = seen[:seen.index("/model_info") + 1]
         assert [order.index(p) for p in window] == sorted(order.index(p) for p in window), window
         assert set(window) == set(order), window
         paths = paths[paths.index("/model_info") + 1:]
+        if sync == "auto":  # the KV cache's resume, after the new weights (checked above)
+            assert paths[0] == "/resume_memory_occupation"
+            paths = paths[1:]
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@
         engine.release_memory()                        # colocated: abort, wait idle, release
         engine.resume_memory()
         engine.update_weights_from_disk("checkpoints/step_1", version=1)  # then checked
+        engine.update_weights_from_tensors([(payloads, True)], version=2)  # colocated
 
 Only the standard library talks to the servers (http.client, json, threads); sglang is never
 imported. Each `Request` is one `POST /generate`; the requests of a `generate` call run
@@ -36,17 +37,28 @@ takes the whole server down, so a release first aborts what is still running
 (POST /abort_request {"abort_all": true}), then polls POST /flush_cache, which answers 400 while
 any request runs, until it answers 200 (at most `idle_timeout_s`, else `SGLangError`), and only
 then releases. `health` is GET /health_generate (it sleeps 1 s and generates one token). Each
-control call goes to every server; failures raise `SGLangError` naming the servers. Not here:
-`/update_weights_from_tensor` carries `MultiprocessingSerializer`-pickled CUDA-IPC tensor
-handles (SGLang's own Python objects, same node only) and `/update_weights_from_distributed`
-needs an NCCL group built with SGLang's `init_weights_update_group` on the trainer side; neither
-can be done with plain HTTP, so in-memory weight sync is left out.
+control call goes to every server; failures raise `SGLangError` naming the servers.
+
+In-memory weight sync (colocated servers; http_server.py `update_weights_from_tensor`,
+`begin_weight_update`, `end_weight_update`; io_struct.py `UpdateWeightsFromTensorReqInput`,
+`BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`): 0.5.23 loads tensors only inside a
+weight-update session (scheduler_components/weight_updater.py refuses them otherwise), so
+`update_weights_from_tensors` opens one with POST /begin_weight_update {"selector": "all"},
+sends each bucket as POST /update_weights_from_tensor {"serialized_named_tensors": [one base64
+payload per tp rank], "flush_cache", "weight_version"} and closes it with POST
+/end_weight_update {}. A payload is a pickled [(name, tensor)] whose CUDA tensors travel as IPC
+handles (torch.multiprocessing's reductions, as SGLang's `MultiprocessingSerializer` writes
+them; geo3k_torch.weight_sync builds them), so the server must run on the tensor's GPU. Only
+the last bucket carries the weight version and flushes the cache (a flush refused because
+requests are queued fails that call): a server that failed half way never reports the new
+version. `/update_weights_from_distributed` (an NCCL group shared with the servers) is not used.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -364,6 +376,40 @@ class SGLangEngine:
         self.balancer.forget_sessions()
         self.check_version(version)
         return version
+
+    def update_weights_from_tensors(self, buckets, version: int | str) -> str:
+        """Every server loads the weights of `buckets`, an iterable of per-tp-rank payload
+        lists (base64 strings, see the module docstring) drawn one at a time, inside one
+        weight-update session, as weight version `version`; then checks /model_info and every
+        later answer. Raises `SGLangError` (session closed first when it was opened)."""
+        version = str(version)
+        self.weight_version = version
+        try:
+            self._control("POST", "/begin_weight_update", {"selector": "all"})
+            sent = 0
+            for payloads, last in buckets:
+                body: dict[str, Any] = {"serialized_named_tensors": list(payloads),
+                                        "flush_cache": bool(last)}
+                if last:
+                    body["weight_version"] = version
+                self._control("POST", "/update_weights_from_tensor", body)
+                sent += 1
+            if not sent:
+                raise SGLangError("update_weights_from_tensors was given no weights")
+        except SGLangError:
+            with contextlib.suppress(SGLangError):  # close what opened; the first error counts
+                self._control("POST", "/end_weight_update", {})
+            raise
+        self._control("POST", "/end_weight_update", {})
+        self.balancer.forget_sessions()
+        self.check_version(version)
+        return version
+
+    def expect_version(self, version: int | str) -> None:
+        """Check every later answer against weight version `version` (set by an update that
+        another process made; sessions start over, as after any update)."""
+        self.weight_version = str(version)
+        self.balancer.forget_sessions()
 
     def _next_version(self) -> int:
         try:

@@ -7,11 +7,13 @@
 Server i runs, in its own process group,
 
     python -m sglang.launch_server --model-path M --host 127.0.0.1 --port <port_base + i>
-        --tp-size G --base-gpu-id <i * G> --mem-fraction-static F [--attention-backend B]
-        [--enable-memory-saver] *extra_args
+        --tp-size G --base-gpu-id <base_gpu + i * G> --mem-fraction-static F
+        [--attention-backend B] [--enable-memory-saver] *extra_args
 
-(flag names from python/sglang/srt/server_args.py `ServerArgs.add_cli_args`; `--base-gpu-id`
-picks the first of the server's G consecutive GPUs), with its output in
+(0.5.23 derives its flags from the config fields of srt/arg_groups/fields/: `--base-gpu-id`
+picks the first of the server's G consecutive GPUs, counted in this process's
+CUDA_VISIBLE_DEVICES, which the server inherits; `common.sglang.placement` says which GPUs),
+with its output in
 `log_dir/server_<i>.log`, and a clean environment (`server_env`): this process's, less the
 torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*, TORCHELASTIC_*, ...: SGLang would
 take them for its own process group) and less torchrun's OMP_NUM_THREADS=1 (it would starve
@@ -179,13 +181,14 @@ def probe(url: str, timeout: float) -> str:
 def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
                    mem_fraction: float = 0.8, attention_backend: str | None = None,
                    port_base: int = 30000, extra_args: Sequence[str] = (), *,
-                   host: str = "127.0.0.1", memory_saver: bool = False,
+                   base_gpu: int = 0, host: str = "127.0.0.1", memory_saver: bool = False,
                    startup_timeout_s: float = 900.0, poll_s: float = 1.0, grace_s: float = 30.0,
                    health_timeout_s: float = 60.0, check_versions: bool = True,
                    log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
                    command: Sequence[str] = SGLANG_COMMAND) -> ServerGroup:
     """Start `n` servers on ports port_base..port_base+n-1 and wait until each generates.
 
+    base_gpu: server i runs on GPUs base_gpu + i * gpus_per_server onwards (`--base-gpu-id`).
     memory_saver: pass `--enable-memory-saver` (needed by release/resume memory, colocated).
     startup_timeout_s: for all servers together; poll_s: seconds between health checks.
     health_timeout_s: read timeout of one health check (SGLang's own gives up after 20 s).
@@ -206,7 +209,8 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
     group = ServerGroup(servers, grace_s)
     try:
         for i, port in enumerate(ports):
-            argv = server_argv(model_path, host, port, gpus_per_server, i * gpus_per_server,
+            argv = server_argv(model_path, host, port, gpus_per_server,
+                               base_gpu + i * gpus_per_server,
                                mem_fraction, attention_backend, memory_saver, extra_args,
                                command)
             log_path = log_dir / f"server_{i}.log"

@@ -73,7 +73,7 @@ from common.engine import (ABORT, LENGTH, STOP, Completion, FatalEngineError, Re
 log = logging.getLogger(__name__)
 
 MIN_SGLANG_VERSION = (0, 5, 15)  # first release with SGLANG_MM_AVOID_RETOKENIZE on by default
-TESTED_BELOW = (0, 6)  # the `gpu` extra's upper bound; newer servers run with a warning
+TESTED_BELOW = (0, 6)  # newer servers run with a warning (the `gpu` extra pins 0.5.23)
 
 
 class SGLangError(RuntimeError):
