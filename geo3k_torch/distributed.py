@@ -88,8 +88,9 @@ class TorchCollectives:
         keys = sorted(values)
         mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
                             device=self.device)  # (K,)
-        every = mine.new_empty((self.world, len(keys)))  # (world, K): one collective
+        every = mine.new_empty(self.world * len(keys))  # one collective (gloo wants it flat)
         dist.all_gather_into_tensor(every, mine)
+        every = every.view(self.world, len(keys))  # (world, K)
         sums, maxes = every.sum(0).tolist(), every.max(0).values.tolist()
         return {k: maxes[i] if k in max_keys else sums[i] for i, k in enumerate(keys)}
 
