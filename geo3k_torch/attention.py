@@ -32,12 +32,21 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch without it: every device takes segments_sdpa
-    varlen_attn = None
-
 NAME = "packed_sdpa"
+
+
+def _varlen():
+    """torch's varlen_attn if it takes scale, window_size and enable_gqa (torch 2.13 does;
+    earlier releases had a narrower signature): else None, and every device runs segments_sdpa."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = set(inspect.signature(varlen_attn).parameters)
+    return varlen_attn if {"scale", "window_size", "enable_gqa"} <= params else None
+
+
+varlen_attn = _varlen()
 
 
 def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -105,12 +114,6 @@ def varlen_layout(lengths: Sequence[int], parents: Sequence[int]):
     return cu_q, np.concatenate(pieces), cu_k, int(lengths.max()), int(k_len.max())
 
 
-def _causal_kw() -> dict:
-    """varlen_attn's causal switch: `window_size=(-1, 0)` (torch >= 2.12) or `is_causal`."""
-    params = inspect.signature(varlen_attn).parameters
-    return {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-
-
 def segments_varlen(query, key, value, lengths: Sequence[int], parents: Sequence[int],
                     scaling: float | None = None) -> torch.Tensor:
     """One varlen flash call over the row (CUDA). Shapes as `packed_sdpa`'s; returns
@@ -121,11 +124,9 @@ def segments_varlen(query, key, value, lengths: Sequence[int], parents: Sequence
     if kv_index is not None:
         index = torch.from_numpy(kv_index).to(dev, non_blocking=True)
         k, v = k.index_select(0, index), v.index_select(0, index)  # (T_k, H_kv, D)
-    kw = _causal_kw()
-    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
-        kw["enable_gqa"] = query.shape[1] != key.shape[1]
     out = varlen_attn(q, k, v, torch.from_numpy(cu_q).to(dev), torch.from_numpy(cu_k).to(dev),
-                      max_q, max_k, scale=scaling, **kw)
+                      max_q, max_k, scale=scaling, window_size=(-1, 0),  # causal, bottom-right
+                      enable_gqa=query.shape[1] != key.shape[1])
     return out[None]
 
 
