@@ -119,7 +119,8 @@ class LocalEngine:
                     f"new tokens x {per_token} bytes) but engine.local_kv_budget_gb="
                     f"{self.kv_budget / 2**30:g}: raise it, or lower rollout.max_context_tokens")
             grown = (max(longest, n) + max(most_new, new)) * per_token
-            if out and len(out[-1]) < self.max_batch and (len(out[-1]) + 1) * grown <= self.kv_budget:
+            fits = out and (len(out[-1]) + 1) * grown <= self.kv_budget
+            if fits and len(out[-1]) < self.max_batch:
                 out[-1].append(r)
                 longest, most_new = max(longest, n), max(most_new, new)
             else:

@@ -54,8 +54,8 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                         attn_implementation=attn)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if gradient_checkpointing:  # (its name before transformers 5.2x: gradient_checkpointing_*)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     distributed.parallelize(model, bf16)
     model.to_empty(device=device)
     for module in model.modules():  # the rotary tables: buffers outside the checkpoint
