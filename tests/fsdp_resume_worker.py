@@ -8,6 +8,8 @@
 2. A learner trains step 1, saves sharded (DIR/ckpt), trains step 2; a fresh learner on a fresh
    sharded model restores DIR/ckpt and trains step 2. Rank 0 reports both step-2 metrics and
    weight checksums, and the checkpoint's files.
+3. The engine's unsharded copy receives the trained sharded weights (`copy_weights`, a tensor
+   gathered at a time); rank 0 reports its distance to the gathered state dict.
 """
 
 import json
@@ -25,6 +27,7 @@ from common.batching import pack
 from common.grpo import LossConfig
 from common.step import even_out
 from geo3k_torch import checkpoint, distributed
+from geo3k_torch.backend import copy_weights
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model, load_sharded
 from tests.fsdp_worker import global_batch
@@ -83,6 +86,13 @@ def main(out, workdir):
     dist.barrier()
     m_a = a.train_step(batches, n_tokens, n_seqs)
     sum_a = checksum(a.model)
+    engine_model = load_model(str(model_dir)).eval()  # 3. the engine's copy, synced
+    copy_weights(a.model, engine_model)
+    trained = checkpoint.full_state_dict(a.model)
+    report["copy_max_diff"] = max(float((v - trained[k]).abs().max())
+                                  for k, v in engine_model.state_dict().items() if k in trained)
+    report["copy_changed"] = float((engine_model.lm_head.weight -
+                                    load_model(str(model_dir)).lm_head.weight).abs().max())
     b = learner(load_sharded(str(model_dir), "cpu", bf16=False))
     b.restore(ckpt)
     m_b = b.train_step(batches, n_tokens, n_seqs)

@@ -62,7 +62,8 @@ def test_sharded_load_and_sharded_resume(tmp_path):
     """Two processes: the meta-built model loaded from rank 0's read equals the plainly loaded
     one exactly (tied LM head included), each rank holding about half of it; a learner restored
     from a sharded checkpoint (one file of shards per rank, no full copy) trains the next step
-    exactly as the learner that saved it."""
+    exactly as the learner that saved it; the engine's unsharded copy receives the trained
+    weights exactly."""
     out = tmp_path / "resume.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -79,3 +80,5 @@ def test_sharded_load_and_sharded_resume(tmp_path):
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
     assert r["checksum_b"] == pytest.approx(r["checksum_a"], rel=1e-7)
     assert a["grad_norm"] > 0
+    # the engine's own copy receives the trained weights exactly (tied head included)
+    assert r["copy_max_diff"] == 0.0 and r["copy_changed"] > 0
