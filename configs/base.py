@@ -87,6 +87,10 @@ def get_config() -> ml_collections.ConfigDict:
     # its exported weights every step), or SGLang servers (GPU machines).
     c.engine = ml_collections.ConfigDict()
     c.engine.backend = "local"  # local | torch | sglang
+    # The in-process torch engine: most requests in one batch, and the KV cache one batch may
+    # pad out to (rows x (longest prompt + max new tokens)); a larger request is refused.
+    c.engine.local_max_batch = 256
+    c.engine.local_kv_budget_gb = 24.0
     c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
     # Launched here (common.sglang.placement): colocated, one server per sglang_gpus_per_server
     # (its tp) learner GPUs, each process generating through the one on its GPU; otherwise
@@ -159,9 +163,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.eps = 1e-8
     c.train.weight_decay = 0.1
     c.train.grad_clip = 1.0
-    c.train.bf16 = True  # autocast on CUDA; CPU always trains in fp32
+    # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, at any world
+    # size), the KL reference and the local engine in bf16. CPU always trains in fp32.
+    c.train.bf16 = True
     c.train.gradient_checkpointing = True  # on CUDA only
     c.train.resume = False
+    # How long a torch collective waits for the other ranks; above the SGLang start-up wait
+    # (engine.sglang_startup_timeout_s), which rank 0 may spend while the others wait.
+    c.train.collective_timeout_s = 1800.0
 
     c.eval = ml_collections.ConfigDict()
     c.eval.every = 10  # steps; 0 = never

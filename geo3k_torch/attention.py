@@ -5,16 +5,26 @@ a row of T tokens, ten times what ten ~T/10-token sequences cost alone. "packed_
 with transformers' attention interfaces, attends each segment of the row on its own instead,
 when the forward is given the row's segments (`geo3k_torch.model.packed_inputs` passes them as
 `packed_segments`): a segment attends causally to itself and, when it continues a shared prefix
-(`common.batching`), to all of that prefix. Everything else (the engine's batched, cached
-generation, the vision tower's per-image calls) is transformers' own sdpa.
+(`common.batching`), to all of that prefix. Two kernels compute it:
+
+    segments_varlen : CUDA, bf16/fp16 - one flash kernel per layer over the whole row
+                      (`torch.nn.attention.varlen.varlen_attn` with cu_seqlens); a continuing
+                      segment's keys are its prefix's gathered before its own (`varlen_layout`),
+                      causal aligned at the end (flash's bottom-right rule)
+    segments_sdpa   : everywhere else, and the reference - one sdpa call per segment
+
+Everything else (the engine's batched, cached generation, the vision tower's per-image calls) is
+transformers' own sdpa.
 
     load_model(path)   # attn_implementation="packed_sdpa" by default
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -23,6 +33,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "packed_sdpa"
+
+
+def _varlen():
+    """torch's varlen_attn if it takes scale, window_size and enable_gqa (torch 2.13 does;
+    earlier releases had a narrower signature): else None, and every device runs segments_sdpa."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = set(inspect.signature(varlen_attn).parameters)
+    return varlen_attn if {"scale", "window_size", "enable_gqa"} <= params else None
+
+
+varlen_attn = _varlen()
 
 
 def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -40,6 +64,20 @@ def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     lengths, parents = packed_segments
+    if uses_varlen(query) and dropout == 0:
+        return segments_varlen(query, key, value, lengths, parents, scaling), None
+    return segments_sdpa(query, key, value, lengths, parents, scaling, dropout), None
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """Whether packed rows of this query go through the one-kernel varlen path."""
+    return (varlen_attn is not None and query.is_cuda
+            and query.dtype in (torch.bfloat16, torch.float16))
+
+
+def segments_sdpa(query, key, value, lengths: Sequence[int], parents: Sequence[int],
+                  scaling: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """The reference: one sdpa call per segment. Shapes as `packed_sdpa`'s; returns (1, T, H, D)."""
     gqa = query.shape[1] != key.shape[1]
     # split, not sliced: the backward pass concatenates the pieces' gradients once
     qs, ks, vs = (x.split(list(lengths), dim=2) for x in (query, key, value))
@@ -52,7 +90,44 @@ def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         parts.append(F.scaled_dot_product_attention(
             qs[s], k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
             dropout_p=dropout, enable_gqa=gqa))
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+def varlen_layout(lengths: Sequence[int], parents: Sequence[int]):
+    """The row's segments as varlen sequences. Returns cu_q (S+1,) int32 (query bounds: the
+    segments themselves), kv_index (T_k,) int64 (the row positions of each sequence's keys: its
+    parent's tokens, then its own) or None when no segment has a parent (the keys are the row),
+    cu_k (S+1,) int32 bounds in kv_index, and the longest query and key sequences."""
+    lengths = np.asarray(lengths, np.int64)
+    parents = np.asarray(parents, np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    cu_q = starts.astype(np.int32)
+    if (parents < 0).all():
+        return cu_q, None, cu_q, int(lengths.max()), int(lengths.max())
+    pieces, k_len = [], lengths.copy()
+    for s, p in enumerate(parents):
+        if p >= 0:
+            pieces.append(np.arange(starts[p], starts[p + 1]))
+            k_len[s] += lengths[p]
+        pieces.append(np.arange(starts[s], starts[s + 1]))
+    cu_k = np.concatenate([[0], np.cumsum(k_len)]).astype(np.int32)
+    return cu_q, np.concatenate(pieces), cu_k, int(lengths.max()), int(k_len.max())
+
+
+def segments_varlen(query, key, value, lengths: Sequence[int], parents: Sequence[int],
+                    scaling: float | None = None) -> torch.Tensor:
+    """One varlen flash call over the row (CUDA). Shapes as `packed_sdpa`'s; returns
+    (1, T, H, D)."""
+    cu_q, kv_index, cu_k, max_q, max_k = varlen_layout(lengths, parents)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
+    dev = q.device
+    if kv_index is not None:
+        index = torch.from_numpy(kv_index).to(dev, non_blocking=True)
+        k, v = k.index_select(0, index), v.index_select(0, index)  # (T_k, H_kv, D)
+    out = varlen_attn(q, k, v, torch.from_numpy(cu_q).to(dev), torch.from_numpy(cu_k).to(dev),
+                      max_q, max_k, scale=scaling, window_size=(-1, 0),  # causal, bottom-right
+                      enable_gqa=query.shape[1] != key.shape[1])
+    return out[None]
 
 
 AttentionInterface.register(NAME, packed_sdpa)

@@ -2,8 +2,9 @@
 
 Three ways to keep the engine on the current policy, chosen by what it is given:
     shared  : the torch learner's own model, one process (nothing to copy; KV caches dropped)
-    copy    : an unsharded copy per rank that receives the full state dict after every step
-              (the torch learner under FSDP, or generating ahead while it trains)
+    copy    : an unsharded copy per rank (bf16 on CUDA) that receives the learner's weights
+              after every step, one tensor gathered at a time (the torch learner under FSDP,
+              on CUDA, or generating ahead while it trains)
     reload  : any learner (the JAX one): its weights are exported as an HF directory
               (`common.checkpoints.export_weights`, the path SGLang takes) and loaded into the
               engine's model
@@ -24,19 +25,26 @@ from geo3k_torch.model import load_model
 
 class LocalBackend:
     def __init__(self, processor, model_dir: str, *, seed: int, device, comm: Collectives,
-                 model=None, workdir: str | Path | None = None, own_copy: bool = False):
-        """model: the torch learner's (shared in one process unless `own_copy`: rollouts
+                 model=None, workdir: str | Path | None = None, own_copy: bool = False,
+                 max_batch: int = 256, kv_budget_gb: float = 24.0, bf16: bool = True):
+        """model: the torch learner's (shared in one CPU process unless `own_copy`: rollouts
         generated while it trains need weights of their own); None: reload exported weights
-        into a model of the engine's own, under `workdir`."""
-        self.comm = comm
-        self.shared = model if comm.world == 1 and not own_copy else None
+        into a model of the engine's own, under `workdir`. On CUDA the engine has its own copy
+        in bf16 (`bf16`, `train.bf16`), batches bounded by max_batch / kv_budget_gb
+        (`engine.local_max_batch`, `engine.local_kv_budget_gb`; see `LocalEngine`)."""
+        self.comm, device = comm, torch.device(device)
+        cuda = device.type == "cuda"
+        self.shared = model if comm.world == 1 and not own_copy and not cuda else None
         if model is None and workdir is None:
             raise ValueError("a reloading backend needs a workdir for the exported weights")
         self.reload_dir = None if model is not None else Path(workdir) / "weights_for_engine"
-        self.model = self.shared or load_model(model_dir).to(device).eval().requires_grad_(False)
+        dtype = torch.bfloat16 if cuda and bf16 else torch.float32
+        self.model = self.shared or load_model(model_dir, dtype).to(device).eval() \
+            .requires_grad_(False)
         pad = processor.tokenizer.pad_token_id
         self.engine = LocalEngine(self.model, processor, pad if pad is not None else 0,
-                                  seed=seed + comm.rank, device=device)
+                                  seed=seed + comm.rank, device=device, max_batch=max_batch,
+                                  kv_budget_gb=kv_budget_gb)
 
     def sync(self, learner, step: int) -> None:
         if self.reload_dir is not None:
@@ -53,7 +61,7 @@ class LocalBackend:
             if missing:  # a tied head is exported once
                 self.model.tie_weights()
         elif self.shared is None:
-            self.model.load_state_dict(learner.full_state_dict())
+            copy_weights(learner.model, self.model)
         self.engine.clear_cache()  # the KV caches were computed with the old weights
 
     def train_context(self):
@@ -67,3 +75,19 @@ class LocalBackend:
 
     def close(self) -> None:
         pass
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """`target`'s parameters := `source`'s (same architecture; every rank calls this when
+    `source` is FSDP-sharded: each parameter is gathered alone, so no full copy of the model
+    exists beside `target`), cast to `target`'s dtype."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(target.named_parameters())
+    names = [n for n, _ in source.named_parameters()]
+    if sorted(names) != sorted(params):
+        raise ValueError(f"the engine's model does not match the learner's: "
+                         f"{sorted(set(names) ^ set(params))[:5]}")
+    for name, p in source.named_parameters():
+        params[name].copy_(p.full_tensor() if isinstance(p, DTensor) else p)

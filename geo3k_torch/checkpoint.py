@@ -3,10 +3,13 @@ atomic and adds the loop's state):
 
     config.json, model.safetensors, tokenizer and processor files   (write_hf: loads in
                                                                      transformers, serves as is)
-    train_state.pt     optimizer, LR scheduler, torch RNG            (save_state)
+    torch_state/    weights and optimizer, sharded: each rank writes  (save_state, with
+                    and reads its own shards (torch.distributed.       torch.distributed.checkpoint)
+                    checkpoint); no rank gathers the full state
+    train_state.pt  LR scheduler, torch RNG
 
-Under FSDP the full (unsharded) model and optimizer state dicts are gathered (every rank calls
-these functions) and rank 0 writes.
+The HF export (for engines and users) gathers the full weights to rank 0's CPU; resuming reads
+only torch_state/, at any world size (the checkpoint planner reshards).
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+                                                     get_state_dict, set_state_dict)
 
 STATE_FILE = "train_state.pt"
+SHARDED_DIR = "torch_state"
 # Files of a source checkpoint that the training run rewrites itself.
 _MODEL_FILES = re.compile(r"(\.safetensors|\.bin|\.pt|^model\.safetensors\.index\.json|"
                           r"^config\.json|^generation_config\.json)$")
@@ -52,35 +54,35 @@ def write_hf(out: str | os.PathLike, model, source_dir: str | None) -> None:
 
 
 def save_state(directory: str | os.PathLike, model, optimizer, scheduler) -> None:
-    """Optimizer, scheduler and torch RNG into `directory`/train_state.pt."""
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=_FULL)
+    """Weights and optimizer state into `directory`/torch_state (every rank writes its shards),
+    scheduler and torch RNG into `directory`/train_state.pt (rank 0)."""
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd},
+             checkpoint_id=str(Path(directory) / SHARDED_DIR))
     if _rank() == 0:
-        torch.save({"optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                    "torch_rng": torch.get_rng_state()}, Path(directory) / STATE_FILE)
+        torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
+                   Path(directory) / STATE_FILE)
 
 
 def load_state(directory: str | os.PathLike, model, optimizer, scheduler) -> None:
-    """Restore the weights (the directory's safetensors), optimizer, scheduler and torch RNG."""
-    from safetensors.torch import load_file
+    """Restore what `save_state` wrote: each rank reads its own shards of the weights and
+    optimizer state, then the scheduler and torch RNG."""
+    import torch.distributed.checkpoint as dcp
 
     path = Path(directory)
-    if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(f"{path} has no {STATE_FILE}: not a torch learner checkpoint")
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    model_sd = {}
-    for f in sorted(path.glob("*.safetensors")):
-        model_sd.update(load_file(f))
-    opts = StateDictOptions(full_state_dict=True)
-    missing = set(get_model_state_dict(model, options=opts)) - set(model_sd)
-    # Tied embeddings are saved once; the model re-ties them on load.
-    tied = {k for k in missing if k.endswith("lm_head.weight")}
-    if missing - tied:
-        raise ValueError(f"{path}: checkpoint lacks {sorted(missing - tied)[:5]}")
-    set_model_state_dict(model, model_sd, options=StateDictOptions(full_state_dict=True,
-                                                                   strict=False))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=opts)
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
+    if not (path / STATE_FILE).exists() or not (path / SHARDED_DIR).is_dir():
+        raise FileNotFoundError(f"{path} has no {STATE_FILE} and {SHARDED_DIR}/: not a torch "
+                                "learner checkpoint")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(path / SHARDED_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    rest = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    scheduler.load_state_dict(rest["scheduler"])
+    torch.set_rng_state(rest["torch_rng"])
 
 
 def full_state_dict(model) -> dict:

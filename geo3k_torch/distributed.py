@@ -1,27 +1,44 @@
 """torch.distributed plumbing: process group, FSDP2 sharding, the loop's collectives.
 
-Launched with `torchrun`, every rank runs the same loop on its share of the prompts. FSDP2
-(`fully_shard`) wraps each language-model decoder layer and each vision block, then the root
-(torchtitan's order). CPU runs use the gloo backend, CUDA runs NCCL.
+Launched with `torchrun`, every rank runs the same loop on its share of the prompts. On CUDA the
+process group serves both device types ("cpu:gloo,cuda:nccl": NCCL alone refuses CPU tensors,
+and the state-dict and checkpoint helpers move some through the group), and the loop's own
+collectives (`TorchCollectives`) hand it tensors on the learner's device only. A CUDA run has a
+process group at world size 1 too (a store in memory), so that one GPU trains under the same
+FSDP2 dtype policy as eight. CPU runs use gloo, and none at world size 1.
+
+FSDP2 (`fully_shard`) wraps each language-model decoder layer and each vision block, then the
+root (torchtitan's order), with one `MixedPrecisionPolicy` when `bf16`: bf16 parameters for
+compute, fp32 master weights, fp32 gradient reduction.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
 
-def init(device_type: str) -> tuple[int, int]:
-    """Join the process group when launched by torchrun. Returns (rank, world_size)."""
+def init(device_type: str, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join the process group (torchrun's environment; on CUDA also alone, for FSDP2 at world
+    size 1). timeout_s: how long a collective waits for the other ranks (`train.
+    collective_timeout_s`; they wait while rank 0 starts SGLang). Returns (rank, world_size)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    cuda = device_type == "cuda"
+    if world == 1 and not cuda:
         return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    if device_type == "cuda":
+    if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # one process, not launched by torchrun
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -30,14 +47,20 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def parallelize(model, mixed_precision: bool = False):
-    """Shard a transformers Qwen-VL model in place with FSDP2; returns it."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def mixed_precision():
+    """The one dtype policy of bf16 training: bf16 compute, fp32 master weights and reduce."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    kw = {}
-    if mixed_precision:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def parallelize(model, bf16: bool = False):
+    """Shard a transformers Qwen-VL model in place with FSDP2 (a process group must exist; at
+    world size 1 nothing is split, the policy still applies); returns it. bf16: under
+    `mixed_precision()`, else the parameters' own dtype throughout."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw = {"mp_policy": mixed_precision()} if bf16 else {}
     inner = model.model
     for block in inner.visual.blocks:
         fully_shard(block, **kw)
@@ -47,41 +70,39 @@ def parallelize(model, mixed_precision: bool = False):
     return model
 
 
-def sum_scalars(values: dict[str, float], max_keys: tuple[str, ...] = ()) -> dict[str, float]:
-    """Sum (or max, for `max_keys`) each scalar over ranks; identity without a process group."""
-    if not dist.is_initialized():
-        return dict(values)
-    keys = sorted(values)
-    sums = torch.tensor([0.0 if k in max_keys else float(values[k]) for k in keys],
-                        dtype=torch.float64)
-    maxes = torch.tensor([float(values[k]) if k in max_keys else 0.0 for k in keys],
-                         dtype=torch.float64)
-    dist.all_reduce(sums)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
-    return {k: float(maxes[i] if k in max_keys else sums[i]) for i, k in enumerate(keys)}
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def gather(obj) -> list:
-    """Every rank's `obj`, in rank order (all ranks receive the list)."""
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 class TorchCollectives:
-    """`common.learner.Collectives` over the torch process group (one process without one)."""
+    """`common.learner.Collectives` over the torch process group (one process without one).
+    device: the learner's; every tensor a collective here is handed lives there (NCCL takes
+    nothing else)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
-    gather = staticmethod(gather)
-    sum_scalars = staticmethod(sum_scalars)
-    barrier = staticmethod(barrier)
+    def sum_scalars(self, values: dict[str, float], max_keys: tuple[str, ...] = ()
+                    ) -> dict[str, float]:
+        """Sum (or max, for `max_keys`) each scalar over ranks; identity without a group."""
+        if not dist.is_initialized():
+            return {k: float(v) for k, v in values.items()}
+        keys = sorted(values)
+        mine = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64,
+                            device=self.device)  # (K,)
+        every = mine.new_empty(self.world * len(keys))  # one collective (gloo wants it flat)
+        dist.all_gather_into_tensor(every, mine)
+        every = every.view(self.world, len(keys))  # (world, K)
+        sums, maxes = every.sum(0).tolist(), every.max(0).values.tolist()
+        return {k: maxes[i] if k in max_keys else sums[i] for i, k in enumerate(keys)}
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order (all ranks receive the list; an object collective:
+        the group picks its CPU backend)."""
+        if not dist.is_initialized():
+            return [obj]
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier(device_ids=[self.device.index] if self.device.type == "cuda" else None)

@@ -9,6 +9,11 @@ explicit 3-D M-RoPE positions (`common.mrope`), then decoded token by token with
 Requests with the same tokens and images and no cache (the samples of a GRPO group on their
 first turn) are prefilled once: their row's KV cache and first logits are copied to each of them
 (`share_prefill`).
+A call's requests run in consecutive batches of at most `max_batch` requests whose padded KV
+cache (rows x (longest prompt + largest max_new_tokens) x bytes per token) fits `kv_budget_gb`;
+a request that alone does not fit is refused (`common.engine.FatalEngineError`, naming the
+numbers and the settings). The caches kept between turns hold real tokens only (no padding, no
+unused budget) and come on top.
 Each sampled token's log-prob is read from the raw logits at the request's temperature,
 log_softmax(logits / T), before any top-p truncation (`generate`'s scores are
 processed). Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from common.engine import Completion, Decoding, Request
+from common.engine import Completion, Decoding, FatalEngineError, Request
 from common.mrope import image_token_counts, mrope_position_ids
 from common.processor import image_inputs, image_key
 
@@ -74,8 +79,13 @@ class LocalEngine:
 
     def __init__(self, model, processor, pad_id: int, seed: int = 0,
                  device: torch.device | str = "cpu", keep_cache: bool = True,
-                 share_prefill: bool = True):
+                 share_prefill: bool = True, max_batch: int = 256, kv_budget_gb: float = 24.0):
+        """max_batch, kv_budget_gb: `engine.local_max_batch`, `engine.local_kv_budget_gb`."""
+        if max_batch < 1 or kv_budget_gb <= 0:
+            raise ValueError(f"engine.local_max_batch={max_batch} must be >= 1 and "
+                             f"engine.local_kv_budget_gb={kv_budget_gb} > 0")
         self.model = model
+        self.max_batch, self.kv_budget = max_batch, kv_budget_gb * 2**30
         self.processor = processor
         self.pad_id = pad_id
         self.device = torch.device(device)
@@ -88,6 +98,36 @@ class LocalEngine:
         placeholders = {cfg.image_token_id, getattr(cfg, "video_token_id", None)} - {None}
         self.banned = torch.tensor(sorted(placeholders), device=self.device)
 
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token in every decoder layer, in the model's dtype."""
+        text = self.model.config.get_text_config()
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        itemsize = next(self.model.parameters()).dtype.itemsize
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * itemsize
+
+    def batches(self, requests: Sequence[Request]) -> list[list[Request]]:
+        """`requests` in order, cut into batches that fit `max_batch` and the KV budget (each
+        batch padded to its longest prompt plus its largest max_new_tokens)."""
+        per_token = self.kv_bytes_per_token()
+        out, longest, most_new = [], 0, 0
+        for r in requests:
+            n, new = len(r.input_ids), r.sampling.max_new_tokens
+            need = (n + new) * per_token
+            if need > self.kv_budget:
+                raise FatalEngineError(
+                    f"one request needs {need / 2**30:.2f} GiB of KV cache ({n} prompt + {new} "
+                    f"new tokens x {per_token} bytes) but engine.local_kv_budget_gb="
+                    f"{self.kv_budget / 2**30:g}: raise it, or lower rollout.max_context_tokens")
+            grown = (max(longest, n) + max(most_new, new)) * per_token
+            fits = out and (len(out[-1]) + 1) * grown <= self.kv_budget
+            if fits and len(out[-1]) < self.max_batch:
+                out[-1].append(r)
+                longest, most_new = max(longest, n), max(most_new, new)
+            else:
+                out.append([r])
+                longest, most_new = n, new
+        return out
+
     def clear_cache(self) -> None:
         """Forget every session's KV cache (stale once the weights change)."""
         self._cache = {}
@@ -98,10 +138,16 @@ class LocalEngine:
             return []
         was_training = self.model.training
         self.model.eval()
+        out, kept = [], {}
         try:
-            return self._generate(list(requests))
+            for batch in self.batches(requests):
+                completions, kept_now = self._generate(batch)
+                out += completions
+                kept |= kept_now
         finally:
             self.model.train(was_training)
+        self._cache = kept  # the sessions of this call (a finished one is not asked again)
+        return out
 
     def _reusable(self, req: Request, n_image_tokens_per_image: np.ndarray) -> _Cached | None:
         """The session's cache if it holds a strict prefix of the request that ends between
@@ -115,7 +161,8 @@ class LocalEngine:
             return None
         return entry
 
-    def _generate(self, requests: list[Request]) -> list[Completion]:
+    def _generate(self, requests: list[Request]) -> tuple[list[Completion], dict]:
+        """One batch: its completions and the KV caches to keep, by session."""
         dev = self.device
         images = [im for r in requests for im in r.images]
         keys = [image_key(im) for im in images]
@@ -187,9 +234,9 @@ class LocalEngine:
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache, next_pos, fed = out.past_key_values, next_pos + 1, fed + 1
             logits = out.logits[:, -1].float()
-        if self.keep_cache:
-            self._keep(requests, rows_all, decoding.tokens, cache, C, N, fed)
-        return decoding.completions()
+        kept = self._keep(requests, rows_all, decoding.tokens, cache, C, N, fed) \
+            if self.keep_cache else {}
+        return decoding.completions(), kept
 
     def _distinct(self, rows, image_keys: list, n_images: list[int]
                   ) -> tuple[list[int], list[int]]:
@@ -223,9 +270,10 @@ class LocalEngine:
             cache.update(torch.stack(ks), torch.stack(vs), layer)
         return cache
 
-    def _keep(self, requests, rows, tokens, cache, C: int, N: int, fed: int) -> None:
-        """Keep, per session of this call, the cache of its real tokens (pads and the tokens
-        sampled after it stopped are cut out)."""
+    def _keep(self, requests, rows, tokens, cache, C: int, N: int, fed: int
+              ) -> dict[str, _Cached]:
+        """Per session of this batch, the cache of its real tokens (pads and the tokens sampled
+        after it stopped are cut out)."""
         kept = {}
         for b, (r, (ids, _, _, c, _)) in enumerate(zip(requests, rows)):
             if not r.session:
@@ -237,4 +285,4 @@ class LocalEngine:
                 ids.tolist() + tokens[b][:f],
                 [layer.keys[b].index_select(1, idx) for layer in cache.layers],
                 [layer.values[b].index_select(1, idx) for layer in cache.layers])
-        self._cache = kept
+        return kept

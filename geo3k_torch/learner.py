@@ -32,8 +32,9 @@ from geo3k_torch.model import packed_inputs, token_logprobs
 
 class Learner:
     """`common.learner.Learner` in torch: owns the policy's optimizer and scheduler. `model`
-    may be FSDP-sharded over `comm`'s ranks; `model_dir` is the checkpoint it came from (its
-    tokenizer and processor files go into every export)."""
+    may be FSDP-sharded over `comm`'s ranks (and computes in bf16 under its mixed-precision
+    policy); `model_dir` is the checkpoint it came from (its tokenizer and processor files go
+    into every export)."""
 
     def __init__(self, model, processor, loss_cfg: LossConfig, train_cfg, temperature: float,
                  device: torch.device | str = "cpu", ref_model=None,
@@ -52,15 +53,13 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, train_cfg.warmup_steps,
                                                 train_cfg.steps, train_cfg.min_lr_ratio))
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                         if self.device.type == "cuda" and train_cfg.bf16 else None)
 
     def _forward(self, model, batch: PackedBatch, targets: torch.Tensor, entropy: bool):
+        """The compute dtype is the model's: FSDP2's policy (bf16 over fp32 master weights, see
+        `geo3k_torch.distributed`) or its parameters' own; never autocast, which leaves q and k
+        fp32 beside a bf16 v in Qwen3-VL (its q/k RMSNorm) and fails in attention."""
         inputs = packed_inputs(batch, self.processor, model.config, self.device)
-        if self.autocast is None:
-            return token_logprobs(model, inputs, targets, self.temperature, entropy, self.chunk)
-        with self.autocast:
-            return token_logprobs(model, inputs, targets, self.temperature, entropy, self.chunk)
+        return token_logprobs(model, inputs, targets, self.temperature, entropy, self.chunk)
 
     def micro_batch_loss(self, batch: PackedBatch, n_tokens: float, n_seqs: float) -> tuple:
         """Loss of one micro-batch (already scaled for accumulation) and its metric sums."""
@@ -152,10 +151,6 @@ class Learner:
 
     def restore(self, directory: Path) -> None:
         checkpoint.load_state(directory, self.model, self.optimizer, self.scheduler)
-
-    def full_state_dict(self) -> dict:
-        """The unsharded weights on every rank (an FSDP collective: all ranks call it)."""
-        return checkpoint.full_state_dict(self.model)
 
 
 class SFTLearner(Learner):

@@ -24,8 +24,7 @@ from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
 from geo3k_torch.backend import LocalBackend
-from geo3k_torch.model import load_model
-from geo3k_torch.prepare import prepare_model_dir, resolve_device
+from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device
 from geo3k_torch.weight_sync import TorchWeights
 
 
@@ -33,23 +32,23 @@ from geo3k_torch.weight_sync import TorchWeights
 def build(cfg, workdir: str) -> loop.Run:
     """Device, ranks, data, model, learner and rollout backend for `cfg`."""
     device = resolve_device(cfg)
-    distributed.init(device.type)
-    comm = distributed.TorchCollectives()
+    distributed.init(device.type, cfg.train.collective_timeout_s)
+    comm = distributed.TorchCollectives(device)
     check_config(cfg, comm.world)
+    if (cfg.engine.backend == "sglang"
+            and cfg.train.collective_timeout_s <= cfg.engine.sglang_startup_timeout_s):
+        raise ValueError(f"train.collective_timeout_s={cfg.train.collective_timeout_s} must exceed "
+                         f"engine.sglang_startup_timeout_s={cfg.engine.sglang_startup_timeout_s}: "
+                         "the other ranks wait in a collective while rank 0 starts SGLang")
     torch.manual_seed(cfg.seed)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     model_dir = comm.gather(prepare_model_dir(cfg) if comm.rank == 0 else None)[0]
     train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
     processor = load_processor(model_dir)
     on_gpu = device.type == "cuda"
-    model = load_model(model_dir).to(device)
-    if on_gpu and cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    ref_model = None
-    if loss_cfg.kl_coef:
-        ref_model = load_model(model_dir).to(device).eval().requires_grad_(False)
-    if comm.world > 1:
-        distributed.parallelize(model, mixed_precision=on_gpu and cfg.train.bf16)
+    model = load_policy(cfg, model_dir, device, comm.world)
+    ref_model = load_policy(cfg, model_dir, device, comm.world, reference=True) \
+        if loss_cfg.kl_coef else None
     learner = Learner(model, processor, loss_cfg, cfg.train, cfg.rollout.temperature, device,
                       ref_model=ref_model, comm=comm, model_dir=model_dir,
                       chunk=cfg.train.logprob_chunk)
@@ -59,7 +58,10 @@ def build(cfg, workdir: str) -> loop.Run:
         weights=(TorchWeights(model, model_dir, comm.rank)
                  if cfg.engine.backend == "sglang" else None),
         own=lambda: LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
-                                 model=model, own_copy=cfg.train.max_staleness > 0))
+                                 model=model, own_copy=cfg.train.max_staleness > 0,
+                                 max_batch=cfg.engine.local_max_batch,
+                                 kv_budget_gb=cfg.engine.local_kv_budget_gb,
+                                 bf16=cfg.train.bf16))
     return loop.Run(learner, backend, comm, processor, train_set, test_set,
                     shutdown=distributed.shutdown)
 

@@ -10,6 +10,8 @@ only where they are needed (the masked tokens), in fp32 from `logits / temperatu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -26,10 +28,65 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-    kind = model.config.model_type
-    if kind not in ("qwen2_5_vl", "qwen3_vl"):
-        raise ValueError(f"{path}: model_type {kind!r} is not Qwen2.5-VL or Qwen3-VL")
+    _check_kind(model.config, path)
     return model
+
+
+def load_sharded(path: str, device: torch.device | str, bf16: bool,
+                 dtype: torch.dtype = torch.float32, attn: str = attention.NAME,
+                 gradient_checkpointing: bool = False):
+    """The checkpoint at `path` as an FSDP2 model (`geo3k_torch.distributed.parallelize`; every
+    rank of the process group calls this), without a full copy on any device: the model is
+    built on the meta device, sharded, given storage on `device` for its own shards only, then
+    rank 0 reads the safetensors (on CPU, in the checkpoint's dtype) and each tensor is
+    broadcast and scattered to its shards. dtype: the stored parameters' (fp32 master weights
+    for training, bf16 for the KL reference); bf16: compute under the bf16 policy;
+    gradient_checkpointing: recompute each layer in the backward pass (set before sharding)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    import torch.distributed as dist
+
+    from geo3k_torch import distributed
+
+    config = AutoConfig.from_pretrained(path)
+    _check_kind(config, path)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
+                                                        attn_implementation=attn)
+    if gradient_checkpointing:  # (its name before transformers 5.2x: gradient_checkpointing_*)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    distributed.parallelize(model, bf16)
+    model.to_empty(device=device)
+    for module in model.modules():  # the rotary tables: buffers outside the checkpoint
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+    full = {}
+    if dist.get_rank() == 0:
+        for f in sorted(Path(path).glob("*.safetensors")):
+            full.update({k: v.to(dtype) for k, v in load_file(f).items()})
+        missing = set(model.state_dict()) - set(full) - _tied(model)
+        if missing:
+            raise ValueError(f"{path}: the checkpoint lacks {sorted(missing)[:5]}")
+    set_model_state_dict(model, full, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=False))
+    model.train()
+    return model
+
+
+def _tied(model) -> set[str]:
+    """Parameter names that share a tensor with an earlier one (a tied LM head is saved once)."""
+    first, tied = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied.add(name)
+        first.add(id(p))
+    return tied
+
+
+def _check_kind(config, path: str) -> None:
+    if config.model_type not in ("qwen2_5_vl", "qwen3_vl"):
+        raise ValueError(f"{path}: model_type {config.model_type!r} is not Qwen2.5-VL or Qwen3-VL")
 
 
 def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | str = "cpu"

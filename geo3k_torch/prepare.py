@@ -1,4 +1,4 @@
-"""What a torch run needs before it starts: its device and a model directory.
+"""What a torch run needs before it starts: its device, a model directory, its models.
 
 With `model.path` empty a tiny checkpoint is built into `model.tiny_dir` (once; the JAX entry
 point uses this too). Real runs point `model.path` at a local copy of the download. The data
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from common.prepare import prepare_data
+from geo3k_torch.model import load_model, load_sharded
 
 
 def prepare_model_dir(cfg) -> str:
@@ -62,3 +63,19 @@ def resolve_device(cfg) -> torch.device:
     if want == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference: bool = False):
+    """The model to train, or with `reference` the frozen KL reference, under the run's one
+    dtype policy. On CUDA, and on CPU with several processes, it is FSDP2-sharded
+    (`geo3k_torch.model.load_sharded`: no rank holds a full copy), with `train.bf16` computing in
+    bf16 over fp32 master weights on CUDA (the reference is stored in bf16: it is never
+    trained). One CPU process trains plainly in fp32 (the CPU demo)."""
+    bf16 = device.type == "cuda" and cfg.train.bf16
+    dtype = torch.bfloat16 if reference and bf16 else torch.float32
+    if device.type == "cuda" or world > 1:
+        model = load_sharded(model_dir, device, bf16, dtype, gradient_checkpointing=(
+            device.type == "cuda" and cfg.train.gradient_checkpointing and not reference))
+    else:
+        model = load_model(model_dir, dtype)
+    return model.eval().requires_grad_(False) if reference else model

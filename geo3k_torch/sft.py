@@ -31,8 +31,7 @@ from common.sft import sft_example, sft_messages
 from common.train import evaluate_split
 from geo3k_torch import distributed
 from geo3k_torch.learner import SFTLearner, sft_step
-from geo3k_torch.model import load_model
-from geo3k_torch.prepare import prepare_model_dir, resolve_device
+from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device
 
 
 def train(cfg, workdir: str) -> dict:
@@ -40,25 +39,22 @@ def train(cfg, workdir: str) -> dict:
     # ---- setup -------------------------------------------------------------------------
     workdir = Path(workdir)
     device = resolve_device(cfg)
-    distributed.init(device.type)
-    comm = distributed.TorchCollectives()
+    distributed.init(device.type, cfg.train.collective_timeout_s)
+    comm = distributed.TorchCollectives(device)
     check_config(cfg, comm.world)
     torch.manual_seed(cfg.seed)
     model_dir = comm.gather(prepare_model_dir(cfg) if comm.rank == 0 else None)[0]
     train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
     processor = load_processor(model_dir)
     renderer = make_renderer(cfg, processor)
-    model = load_model(model_dir).to(device)
-    if device.type == "cuda" and cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if comm.world > 1:
-        distributed.parallelize(model, mixed_precision=device.type == "cuda" and cfg.train.bf16)
+    model = load_policy(cfg, model_dir, device, comm.world)
     learner = SFTLearner(model, processor, cfg.train, device, comm, model_dir)
     backend = None
     if cfg.eval.every:  # the local engine on the policy being trained, for evaluation only
         from geo3k_torch.backend import LocalBackend
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
-                               model=model)
+                               model=model, max_batch=cfg.engine.local_max_batch,
+                               kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16)
     sampler = PromptSampler(len(train_set), cfg.seed)
     start = 0
     if cfg.train.resume and (last := checkpoints.latest(workdir / "checkpoints")):

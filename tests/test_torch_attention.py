@@ -116,3 +116,85 @@ def test_chunked_logprobs_equal_unchunked():
     for k, g in ga.items():
         assert torch.linalg.norm(gb[k] - g) <= 1e-6 * max(torch.linalg.norm(g), 1e-12), k
     assert isinstance(model.lm_head, torch.nn.Linear)  # the stand-in is gone after the call
+
+
+# a prefix [0, 7) with two continuations, a plain sequence, another prefix with one
+SEGMENTS = ([7, 4, 3, 4, 2, 3], [-1, 0, 0, -1, -1, 4])
+
+
+def reference_mask(lengths, parents) -> torch.Tensor:
+    """(T, T) bool: a segment sees itself causally and all of its parent, nothing else."""
+    bounds = np.cumsum([0] + list(lengths))
+    mask = torch.zeros(bounds[-1], bounds[-1], dtype=torch.bool)
+    for s, p in enumerate(parents):
+        lo, hi = bounds[s], bounds[s + 1]
+        mask[lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
+        if p >= 0:
+            mask[lo:hi, bounds[p]:bounds[p + 1]] = True
+    return mask
+
+
+@pytest.mark.parametrize("segments", [SEGMENTS, ([5, 1, 6], [-1, -1, -1]), ([1, 1], [-1, 0])])
+def test_varlen_layout_is_the_reference_mask(segments):
+    """The varlen call's index math (no GPU needed): query i of sequence s sees the keys
+    kv_index[cu_k[s] : cu_k[s] + (k_len - q_len) + i + 1] (flash's causal rule, aligned at the
+    end); over the row that is exactly the mask packed_sdpa attends with."""
+    lengths, parents = segments
+    cu_q, kv_index, cu_k, max_q, max_k = attention.varlen_layout(lengths, parents)
+    T = sum(lengths)
+    kv_index = np.arange(T) if kv_index is None else kv_index
+    assert cu_q.dtype == cu_k.dtype == np.int32 and cu_q[-1] == T and cu_k[-1] == len(kv_index)
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for s in range(len(lengths)):
+        q_len, k_len = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
+        for i in range(q_len):
+            mask[cu_q[s] + i, kv_index[cu_k[s]:cu_k[s] + k_len - q_len + i + 1]] = True
+    assert torch.equal(mask, reference_mask(lengths, parents))
+    assert max_q == max(lengths) and max_k == max(np.diff(cu_k))
+
+
+def test_varlen_layout_emulated_equals_segments_sdpa():
+    """The varlen layout run through per-sequence sdpa with a bottom-right causal mask (what
+    the flash kernel computes) gives segments_sdpa's output, GQA included."""
+    g = torch.Generator().manual_seed(0)
+    lengths, parents = SEGMENTS
+    T, H, D = sum(lengths), 4, 8
+    q = torch.randn(1, H, T, D, generator=g)
+    k, v = (torch.randn(1, H // 2, T, D, generator=g) for _ in range(2))
+    cu_q, kv_index, cu_k, _, _ = attention.varlen_layout(lengths, parents)
+    idx = torch.from_numpy(kv_index)
+    kg, vg = k[:, :, idx], v[:, :, idx]
+    parts = []
+    for s in range(len(lengths)):
+        qs = q[:, :, cu_q[s]:cu_q[s + 1]]
+        ks, vs = kg[:, :, cu_k[s]:cu_k[s + 1]], vg[:, :, cu_k[s]:cu_k[s + 1]]
+        parts.append(attention.F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=attention.causal_lower_right(qs.shape[2], ks.shape[2]),
+            scale=0.3, enable_gqa=True))
+    emulated = torch.cat(parts, dim=2).transpose(1, 2)
+    ref = attention.segments_sdpa(q, k, v, lengths, parents, scaling=0.3)
+    assert torch.allclose(emulated, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or attention.varlen_attn is None,
+                    reason="varlen_attn runs on CUDA only")
+@pytest.mark.parametrize("gqa", [1, 2])
+def test_varlen_equals_segments_sdpa_on_cuda(gqa):
+    """The CUDA kernel against the reference, bf16: outputs and the gradients of q, k, v within
+    bf16 rounding (both accumulate in fp32; 2e-2 of the largest value), with shared prefixes."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths, parents = [300, 128, 77, 513, 64, 200, 31], [-1, 0, 0, -1, -1, 4, 4]
+    T, H, D = sum(lengths), 8, 128
+    leaves = [torch.randn(1, h, T, D, generator=g, device="cuda", dtype=torch.bfloat16)
+              for h in (H, H // gqa, H // gqa)]
+    grad_out = torch.randn(1, T, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+    assert attention.uses_varlen(leaves[0])
+    results = []
+    for fn in (attention.segments_varlen, attention.segments_sdpa):
+        q, k, v = (x.clone().requires_grad_() for x in leaves)
+        out = fn(q, k, v, lengths, parents, 0.125)
+        out.backward(grad_out)
+        results.append([out.float(), q.grad.float(), k.grad.float(), v.grad.float()])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max(), name
