@@ -23,6 +23,7 @@ name (H100 SXM and H200: 989 TFLOP/s) or given with --peak_tflops.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import importlib.metadata
@@ -37,18 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
-from absl import app, flags  # noqa: E402
-
 import gpu_sections  # noqa: E402
-
-_OUT = flags.DEFINE_string("out", None, "Folder for gpu_check.json, gpu_check.md and logs.")
-_TINY = flags.DEFINE_boolean("tiny", False, "Tiny shapes and counts, on the CPU (< 1 minute).")
-_SECTIONS = flags.DEFINE_list("sections", list(gpu_sections.SECTIONS), "Sections to run.")
-_BUDGET = flags.DEFINE_float("budget_s", None, "Wall-clock budget of all sections, seconds "
-                             "(default 480; --tiny: 1800, for slow shared CPUs).")
-_PEAK = flags.DEFINE_float("peak_tflops", 0.0, "Dense bf16 peak of the accelerator, TFLOP/s "
-                           "(0: from the device name; unknown: no MFU).")
-_SECTION = flags.DEFINE_string("section", None, "Internal: run this one section here.")
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets), matched in order against the device name.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
@@ -165,39 +155,54 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    del argv
-    if not _OUT.value:
-        raise app.UsageError("--out is required (the folder for gpu_check.json and .md)")
-    out = Path(_OUT.value).absolute()
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (argparse, not absl: the module is imported by tests beside scripts
+    whose absl flags share these names)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="Folder for gpu_check.json, .md and logs.")
+    p.add_argument("--tiny", action="store_true", help="Tiny shapes and counts, on the CPU.")
+    p.add_argument("--sections", default=",".join(gpu_sections.SECTIONS),
+                   help="Comma-separated sections to run (default: all, in order).")
+    p.add_argument("--budget_s", type=float, default=None, help="Wall-clock budget of all "
+                   "sections, seconds (default 480; --tiny: 1800, for slow shared CPUs).")
+    p.add_argument("--peak_tflops", type=float, default=0.0, help="Dense bf16 peak of the "
+                   "accelerator, TFLOP/s (0: from the device name; unknown: no MFU).")
+    p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # one section, here
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).absolute()
     (out / "sections").mkdir(parents=True, exist_ok=True)
-    if _SECTION.value:
-        s = settings(str(out), _TINY.value, _PEAK.value or None)
-        run_here(_SECTION.value, s, out / "sections" / f"{_SECTION.value}.json")
-        return
-    unknown = sorted(set(_SECTIONS.value) - set(gpu_sections.SECTIONS))
+    if args.section:
+        s = settings(str(out), args.tiny, args.peak_tflops or None)
+        run_here(args.section, s, out / "sections" / f"{args.section}.json")
+        return 0
+    wanted = [x for x in args.sections.split(",") if x]
+    unknown = sorted(set(wanted) - set(gpu_sections.SECTIONS))
     if unknown:
-        raise app.UsageError(f"unknown sections {unknown}: choose from "
-                             f"{', '.join(gpu_sections.SECTIONS)}")
-    name = "CPU" if _TINY.value else device_name()
-    if name == "CPU" and not _TINY.value:
+        raise SystemExit(f"unknown sections {unknown}: choose from "
+                         f"{', '.join(gpu_sections.SECTIONS)}")
+    name = "CPU" if args.tiny else device_name()
+    if name == "CPU" and not args.tiny:
         raise SystemExit("no CUDA device is visible: this check is for a GPU machine (add --tiny "
                          "for its CPU rehearsal)")
-    peak = _PEAK.value or (None if _TINY.value else peak_tflops(name))
-    s = settings(str(out), _TINY.value, peak)
-    report = {"device": name, "tiny": _TINY.value, "peak_tflops": peak, "shapes": s.shapes,
+    peak = args.peak_tflops or (None if args.tiny else peak_tflops(name))
+    s = settings(str(out), args.tiny, peak)
+    report = {"device": name, "tiny": args.tiny, "peak_tflops": peak, "shapes": s.shapes,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "settings": dataclasses.asdict(s), "versions": _versions(), "sections": {}}
-    budget = _BUDGET.value or (1800.0 if _TINY.value else 480.0)
+    budget = args.budget_s or (1800.0 if args.tiny else 480.0)
     start = time.perf_counter()
-    for section in [n for n in gpu_sections.SECTIONS if n in _SECTIONS.value]:
+    for section in [n for n in gpu_sections.SECTIONS if n in wanted]:
         left = budget - (time.perf_counter() - start)
         if left < MIN_SECTION_S:
             report["sections"][section] = {"status": "not run", "rows": [], "seconds": 0.0,
                                            "error": f"{left:.0f} s of --budget_s left"}
             continue
-        timeout = left if _TINY.value else min(CAPS_S[section], left)
-        report["sections"][section] = result = run_child(section, out, _TINY.value, peak, timeout)
+        timeout = left if args.tiny else min(CAPS_S[section], left)
+        report["sections"][section] = result = run_child(section, out, args.tiny, peak, timeout)
         print(f"{section}: {result['status']} in {result['seconds']:.0f} s", flush=True)
     report["seconds"] = time.perf_counter() - start
     report["failed"] = [n for n, r in report["sections"].items() if r["status"] != "ok"]
@@ -205,7 +210,7 @@ def main(argv):
     (out / "gpu_check.md").write_text(markdown(report))
     print(markdown(report))
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
-    sys.exit(1 if report["failed"] else 0)
+    return 1 if report["failed"] else 0
 
 
 def _versions() -> dict:
@@ -219,4 +224,4 @@ def _versions() -> dict:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())
