@@ -51,6 +51,11 @@ def check_config(cfg, world: int) -> None:
         raise ValueError("train.max_staleness > 0 generates while the learner trains, but "
                          "engine.sglang_colocated=True releases the servers' memory during "
                          "training: run the servers on their own GPUs (sglang_colocated=False)")
+    if cfg.train.max_staleness and cfg.loss.tis_cap is None:
+        raise ValueError(f"train.max_staleness={cfg.train.max_staleness} trains on rollouts of "
+                         "older weights, and loss.tis_cap is None leaves them uncorrected: set "
+                         "loss.tis_cap (2.0 is the anchors' value) to weight each token by the "
+                         "capped ratio of the current to the behaviour policy, or max_staleness=0")
     if cfg.train.prompts_per_step % world:
         raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
                          f"multiple of the {world} processes")
