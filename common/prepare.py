@@ -13,7 +13,7 @@ from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import load_split
 from common.prompts import prompt_style
-from common.synthetic import write_split
+from common.synthetic import FAMILIES, write_split
 
 
 def prepare_data(cfg):
@@ -21,11 +21,14 @@ def prepare_data(cfg):
     path = cfg.data.path
     if not path:
         path = cfg.data.synthetic_dir
+        spec = cfg.data.synthetic_families.replace(" ", "")
+        families = tuple(spec.split(",")) if spec else FAMILIES
         for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
                                (cfg.data.test_split, cfg.data.synthetic_test_size,
                                 cfg.seed + 10_000)):
             if not list(Path(path).glob(f"{split}-*.parquet")):
-                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size)
+                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size,
+                            families=families)
     system, _ = prompt_style(cfg.data.prompt_style)
     return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system)
                  for s in (cfg.data.train_split, cfg.data.test_split))

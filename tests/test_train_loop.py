@@ -92,9 +92,11 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
                 "train/packing_efficiency", "train/grader_calls", "train/grader_timeouts"):
         assert key in rows[0], key
     trained = [r for r in rows if "train/loss" in r]
-    for key in ("train/grad_norm", "train/clip_frac", "train/approx_kl", "train/entropy",
-                "train/logp_diff_mean", "train/logp_diff_max", "train/lr"):
+    for key in ("train/grad_norm", "train/entropy", "train/logp_diff_mean",
+                "train/logp_diff_max", "train/lr"):
         assert all(key in r for r in trained), key
+    # one update on rollouts of the current weights: these would compare the policy with itself
+    assert not any("train/clip_frac" in r or "train/approx_kl" in r for r in trained)
     assert "eval/greedy_accuracy" in rows[1] and "eval/greedy_accuracy" not in rows[0]
     assert last["train/trajectories"] == 6.0
     assert (full / "curve.png").stat().st_size > 1000
@@ -191,6 +193,16 @@ def test_micro_batch_smaller_than_an_episode_is_refused_up_front(shared, tmp_pat
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_staleness_without_a_correction_is_refused_up_front(shared, tmp_path):
+    """max_staleness=1 with loss.tis_cap None used to train on stale rollouts as if on-policy
+    (with one update per rollout the ratio is 1 by construction): now it does not start."""
+    cfg = small_config(shared, 1)
+    cfg.train.max_staleness, cfg.loss.tis_cap = 1, None
+    with pytest.raises(ValueError, match="loss.tis_cap"):
+        train_main.train(cfg, str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 @pytest.mark.slow
 def test_sglang_backend_in_the_loop(shared, tmp_path):
     """The loop on the SGLang backend, against the fake server: rollouts come from it, weights go
@@ -235,7 +247,8 @@ def test_bounded_staleness_overlaps_and_corrects(shared, tmp_path):
     """max_staleness=1: rollouts are generated ahead (the engine on its own copy of the
     weights) and every trained trajectory is at most one update old; from step 2 on they are
     exactly one old, so the learner's log-probs differ from the rollout's and the truncated
-    importance weights act (tis_mean != 1)."""
+    importance weights act (tis_mean != 1); clip_frac and approx_kl compare the policy with
+    the behaviour one (they were 0 by construction: ratio 1 against the current weights)."""
     cfg = small_config(shared, 4)
     cfg.train.max_staleness = 1
     cfg.loss.kl_coef = 0.0
@@ -248,6 +261,7 @@ def test_bounded_staleness_overlaps_and_corrects(shared, tmp_path):
     for r in rows[1:]:
         assert r["train/staleness_1"] == 6 and r["train/staleness_mean"] == 1.0
         assert r["train/logp_diff_mean"] > 1e-6 and r["train/tis_mean"] != 1.0
+        assert r["train/approx_kl"] > 1e-9
     dump = [json.loads(x) for x in (tmp_path / "rollouts" / "step_3.jsonl").read_text()
             .splitlines()]
     assert len(dump) == 6
