@@ -279,7 +279,8 @@ class Geo3kEnv:
                 "correct": correct, "source": self.source}
         if self.done:
             return {}, True, info
-        text, spans = fill_feedback(FEEDBACK[reason], answer=call.answer, name=call.name)
+        shown = given[1] if given is not None else call.answer  # the answer the turn gave
+        text, spans = fill_feedback(FEEDBACK[reason], answer=shown, name=call.name)
         if self.turn == cfg.max_turns - 1:
             text += LAST_CHANCE
         # A reply to an actual call is a tool response (or, with feedback_role=user, a user turn as

@@ -191,18 +191,20 @@ def policy_loss(logp: np.ndarray, old_logp: np.ndarray, advantages: np.ndarray,
                 loss_mask: np.ndarray, cfg: LossConfig = LossConfig(), *,
                 ref_logp: np.ndarray | None = None, rollout_logp: np.ndarray | None = None,
                 seq_ids: np.ndarray | None = None, n_tokens: float | None = None,
-                n_seqs: float | None = None) -> tuple[float, dict]:
+                n_seqs: float | None = None, diag_logp: np.ndarray | None = None
+                ) -> tuple[float, dict]:
     """The reference GRPO policy loss (float64) and its metrics.
 
     logp, old_logp, advantages, loss_mask, ref_logp, rollout_logp: (B, T) or packed (T,), the
     same shape; advantages already broadcast per token. seq_ids, n_tokens, n_seqs: see
     `token_weights`. Returns (loss, metrics): clip_frac (share of masked tokens where the
-    clipped term wins), approx_kl (k3 estimate of KL(old || new)), kl (when kl_coef), tis_mean
-    (when tis_cap).
+    clipped term wins), approx_kl (k3 estimate of KL(old || new)), both against `diag_logp`
+    when given (`per_token_terms`), kl (when kl_coef), tis_mean (when tis_cap).
     """
     f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
     terms = per_token_terms(f64(logp), f64(old_logp), f64(advantages), cfg,
-                            ref_logp=f64(ref_logp), rollout_logp=f64(rollout_logp))
+                            ref_logp=f64(ref_logp), rollout_logp=f64(rollout_logp),
+                            diag_logp=f64(diag_logp))
     mask = f64(loss_mask)
     weights = token_weights(mask, cfg.agg, seq_ids=seq_ids, n_tokens=n_tokens, n_seqs=n_seqs)
     loss = float((terms["loss"] * weights).sum())

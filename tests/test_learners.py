@@ -81,6 +81,16 @@ def test_first_step_loss_is_the_numpy_reference(make_learner, tiny):
     assert m["loss"] == pytest.approx(expected, abs=1e-6)
     assert m["tis_mean"] == pytest.approx(metrics["tis_mean"], rel=1e-5)
     assert m["skipped"] == 0.0 and m["grad_norm"] > 0
+    # one update: clip_frac and approx_kl compare the policy with the behaviour (rollout)
+    # log-probs, which differ here; against the current policy they were 0 by construction
+    rollout = np.concatenate([x.rollout_logprobs for x in b])
+    _, behaviour = policy_loss(
+        logp, logp, np.concatenate([x.advantages for x in b]), mask.astype(np.float32), LOSS,
+        rollout_logp=rollout, seq_ids=seq_ids, n_tokens=tiny["n_tokens"],
+        n_seqs=tiny["n_seqs"], diag_logp=rollout)
+    assert behaviour["approx_kl"] > 1e-3 and behaviour["clip_frac"] > 0
+    assert m["approx_kl"] == pytest.approx(behaviour["approx_kl"], rel=1e-4)
+    assert m["clip_frac"] == pytest.approx(behaviour["clip_frac"], abs=1e-6)
 
 
 @LEARNERS
