@@ -78,7 +78,7 @@ def test_each_update_of_a_rollout_sees_whole_groups(renderer):
 def test_turns_exported_apart_weigh_each_episode_once(renderer):
     """The individual export cuts a 3-turn episode into 3 sequences: with seq-mean-token-mean
     each episode must still weigh 1 / episodes (before: a 3-turn episode weighed 3x a 1-turn
-    one, 3/10 against 1/10 of the loss here, and the counts said 10 sequences)."""
+    one, 3/8 against 1/8 of the loss here, and the counts said 8 sequences)."""
     trajs = trajectories(1, renderer)
     learner = Recorder()
     learn(trajs, learner, step_config(export="individual", budget=2000)).settle()
