@@ -33,7 +33,9 @@ from common.rollout import ABORTED, Trajectory, split_turns
 
 @dataclasses.dataclass
 class TrainSequence:
-    """One training sequence. Arrays are (T,); `traj_index` points back at its trajectory."""
+    """One training sequence. Arrays are (T,); `traj_index` points back at its trajectory.
+    `episode_tokens`: the trained tokens of its whole episode when it is one turn of it (the
+    `individual` export), so that a per-sequence mean weighs each episode once; 0: its own."""
 
     token_ids: np.ndarray
     loss_mask: np.ndarray
@@ -41,6 +43,18 @@ class TrainSequence:
     advantage: float
     images: list
     traj_index: int
+    episode_tokens: int = 0
+
+    @property
+    def mean_over(self) -> float:
+        """The trained tokens its per-sequence mean divides by (`common.grpo.token_weights`)."""
+        return float(self.episode_tokens or self.loss_mask.sum())
+
+    @property
+    def share(self) -> float:
+        """The part of one episode this sequence is (1 for a whole one): sequence counts of
+        the seq-mean aggregation add these up, so an episode counts once however it is cut."""
+        return float(self.loss_mask.sum()) / max(self.mean_over, 1.0)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -60,10 +74,11 @@ def training_sequences(trajectories: Sequence[Trajectory], advantages: np.ndarra
         if traj.status == ABORTED or (keep is not None and not keep[i]):
             continue
         pieces = [traj] if export_style == "concat" else split_turns(traj)
+        total = int(traj.loss_mask.sum()) if len(pieces) > 1 else 0
         for p in pieces:
             if p.loss_mask.any():
                 out.append(TrainSequence(p.token_ids, p.loss_mask, p.rollout_logprobs,
-                                         float(advantages[i]), p.images, i))
+                                         float(advantages[i]), p.images, i, total))
     return out
 
 
@@ -74,7 +89,9 @@ class PackedBatch:
     input_ids, loss_mask, advantages, rollout_logprobs, seq_ids: (T,); cu_seqlens: (S+1,) with
     sequence s at [cu_seqlens[s], cu_seqlens[s+1]); image_counts, seq_index: (S,); images: the
     sequences' images in order (sum(image_counts) of them); old_logprobs: (T,) the behaviour
-    policy's log-probs when several updates share one rollout (None: the current weights').
+    policy's log-probs when several updates share one rollout (None: the current weights');
+    mean_over: (S,) the trained tokens each segment's per-sequence mean divides by (its own, or
+    its episode's: `TrainSequence.episode_tokens`).
     Segments are sequences or shared prefixes; parents: (S,) the segment whose tokens come
     before segment s's (a shared prefix: no trained token, seq_index -1), -1 for none.
     """
@@ -90,6 +107,7 @@ class PackedBatch:
     images: list
     old_logprobs: np.ndarray | None = None
     parents: np.ndarray | None = None  # None: no segment continues another
+    mean_over: np.ndarray | None = None  # None: each segment's own trained tokens
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +135,7 @@ def _concat(seqs: Sequence[TrainSequence], index: Sequence[int],
         seq_index=np.asarray(index, np.int64),
         images=[im for s in seqs for im in s.images],
         parents=None if parents is None else np.asarray(parents, np.int64),
+        mean_over=np.array([s.mean_over for s in seqs], np.float64),
     )
 
 
@@ -189,7 +208,7 @@ def _concat_shared(seqs: Sequence[TrainSequence], units: Sequence[_Unit]) -> Pac
         for i in unit.members:
             s = seqs[i]
             parts.append(TrainSequence(s.token_ids[n:], s.loss_mask[n:], s.rollout_logprobs[n:],
-                                       s.advantage, [], s.traj_index))
+                                       s.advantage, [], s.traj_index, int(s.mean_over)))
             index.append(i)
             parents.append(root)
     return _concat(parts, index, parents)

@@ -17,12 +17,15 @@ from typing import Callable
 from absl import app, flags
 from ml_collections import config_flags
 
+from common.evaluation.report import markdown, write_report
 from common.train import summary
 
 
 def main(train: Callable[[object, str], dict], rank: Callable[[], int],
          suffix: str = "") -> None:
-    """Parse the flags and run `train(config, workdir)`; process 0 prints the summary. A run
+    """Parse the flags and run `train(config, workdir)`; process 0 prints the last evaluation
+    beside its baselines (and writes it to <workdir>/eval, `common.evaluation.report`) and the
+    summary. A run
     that returns skips the interpreter's final garbage collection (see below)."""
     config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
                                     lock_config=True)
@@ -34,6 +37,12 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + suffix)
         metrics = train(flags.FLAGS.config, workdir)
         if rank() == 0:
+            final = {k[len("eval/"):]: v for k, v in metrics.items() if k.startswith("eval/")}
+            if final:  # the last step's evaluation, beside the no-skill baselines
+                title = "final evaluation (test split)"
+                turns = flags.FLAGS.config.env.max_turns
+                write_report(final, os.path.join(workdir, "eval"), title, turns)
+                print(markdown(final, turns, title))
             print(f"done: {workdir} " + summary(metrics))
         # Everything the run wrote is closed (checkpoints, logs, writers) and the exit handlers
         # still run; what is left is the interpreter's last collection over every object the

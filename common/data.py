@@ -25,7 +25,8 @@ Columns (unknown columns are ignored, e.g. the synthetic set's `meta`):
     saved dataset's), or PIL images (rows given to `row_to_prompt` directly). A singular `image`
     column holding one such item is accepted when there is no `images` column.
   * `choices` (list of str, optional): appended to the last user text as
-    "Choices: A. 3  B. 4  C. 5  D. 6" (`show_choices=False` leaves them out of the text).
+    "Choices: A. 3  B. 4  C. 5  D. 6" (`show_choices=False` leaves them out of the text and
+    out of the `Prompt`: the problem is then free-form, and a letter answer is just a letter).
   * `id` (optional): used as the uid; otherwise the uid is f"{split}-{row}", `row` counting every
     row of the split across files (skipped rows included), so uids do not move when rows are
     skipped.
@@ -240,7 +241,9 @@ def _convert(row: dict, uid: str, source: str, base_dir: str | os.PathLike, show
                 c is not None and str(c).strip() for c in choices):
             raise _BadRow(BAD_CHOICES, f"choices must be a list of non-empty strings: {choices!r}")
         choices = [_answer_text(c) for c in choices] or None
-    messages = build_messages(problem, len(images), choices if show_choices else None, system)
+    if not show_choices:  # the model never saw them: no letter may stand for one (`common.env`)
+        choices = None
+    messages = build_messages(problem, len(images), choices, system)
     return Prompt(uid, messages, images, answer, choices, source, problem)
 
 

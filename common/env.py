@@ -13,6 +13,11 @@ The feedback repeats the model's answer (or tool name); the message marks where
 API (the seed's): `build_env(sample, args, **kw) -> Geo3kEnv`, `reset() -> (obs, info)`,
 `step(response_text) -> (obs, done, info)`, `format_observation(obs) -> dict`.
 
+A turn's answer (`turn_answer`, the one function the reward reads too) is the argument of its
+valid tool call; a turn without one answers with its last `\\boxed{}` (the answer source
+`tool_or_boxed`; `tool` takes calls only, `boxed` boxes only, as `common.reward` is set). A
+correct box ends the episode like a correct call, whatever else the turn wrote.
+
 Episode rules (all configurable through `EnvConfig`):
   * at most `max_turns` assistant turns;
   * a correct answer ends the episode (`end_on_correct`; one anchor kept going and wasted tokens);
@@ -33,7 +38,7 @@ import string
 from typing import Any, Callable, Mapping, Sequence
 
 from common.prompts import TOOL_NAMES
-from common.grader import grade_answer
+from common.grader import extract_last_boxed, grade_answer
 
 # Reason codes carried in `info["reason"]`.
 CORRECT = "correct"
@@ -155,6 +160,26 @@ def parse_tool_call(text: str) -> ToolCall:
     return ToolCall(name, answer, None)
 
 
+SOURCES = ("tool", "boxed", "tool_or_boxed")  # where a turn's answer may come from
+
+
+def turn_answer(text: str, source: str = "tool_or_boxed"
+                ) -> tuple[ToolCall, tuple[str, str] | None]:
+    """The turn's parsed tool call, and its answer under `source` as ("tool" | "boxed",
+    answer as written), or None when it gave none: a valid call's argument (unless source is
+    `boxed`), else the last box (unless source is `tool`)."""
+    if source not in SOURCES:
+        raise ValueError(f"answer source must be one of {SOURCES}, got {source!r}")
+    call = parse_tool_call(text)
+    if source != "boxed" and call.reason is None:
+        return call, ("tool", call.answer)
+    if source != "tool":
+        boxed = extract_last_boxed(text)
+        if boxed is not None:
+            return call, ("boxed", boxed)
+    return call, None
+
+
 def fill_feedback(template: str, **values: Any) -> tuple[str, list[tuple[int, int]]]:
     """`template.format(**values)` and the (start, end) character spans the values took: the
     values are model text (its answer, its tool name), which must stay plain text in tokens."""
@@ -183,10 +208,12 @@ class Geo3kEnv:
 
     def __init__(self, ground_truth: str, config: EnvConfig = EnvConfig(),
                  grader: Callable[..., bool] = grade_answer,
-                 choices: Sequence[str] | None = None):
+                 choices: Sequence[str] | None = None, source: str = "tool_or_boxed"):
         if not isinstance(ground_truth, str) or not ground_truth.strip():
             raise ValueError(f"ground truth must be a non-empty string, got {ground_truth!r}")
-        self.ground_truth = ground_truth
+        if source not in SOURCES:
+            raise ValueError(f"answer source must be one of {SOURCES}, got {source!r}")
+        self.ground_truth, self.source = ground_truth, source
         self.config = config
         self.choices = list(choices) if choices and config.accept_choice_letter else None
         self._grader = grader
@@ -215,25 +242,29 @@ class Geo3kEnv:
 
         Returns (observation, done, info). `observation` is `{"role", "content", "reason"}` (empty
         when the episode is done); `info` has `turn` (1-based), `reason`, `tool_score` (1.0, 0.0, or
-        None when no valid call was made), `parsed_answer` and `tool_name`.
+        None when no valid call was made), `parsed_answer` and `tool_name`, and the turn's answer
+        (`turn_answer`): `answer_kind` ("tool", "boxed" or None), `answer`, `correct` (bool) and
+        `source`. A box answers only when the turn made no valid call: a correct one is CORRECT
+        (it ends the episode), a wrong one keeps the call's reason (no call, malformed, ...).
         """
         if self.done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         if not isinstance(response_text, str):
             response_text = "" if response_text is None else str(response_text)
         self.turn += 1
-        call = parse_tool_call(response_text)
-        score = None
+        call, given = turn_answer(response_text, self.source)
+        score, correct = None, False
         reason = call.reason
-        if reason is None:
-            answer = resolve_choice(call.answer, self.choices)
+        if given is not None:
+            answer = resolve_choice(given[1], self.choices)
             correct = self._grade(answer)
-            score = 1.0 if correct else 0.0
+            if given[0] == "tool":
+                score = 1.0 if correct else 0.0
             if correct:
                 reason = CORRECT
                 if self.first_correct_turn is None:
                     self.first_correct_turn = self.turn
-            else:
+            elif given[0] == "tool":
                 reason = REPEATED if any(self._same(answer, t) for t in self.tried) else WRONG
             self.tried.append(answer)
         cfg = self.config
@@ -243,10 +274,13 @@ class Geo3kEnv:
             or (reason == NO_TOOL_CALL and cfg.end_on_no_tool_call)
         )
         info = {"turn": self.turn, "reason": reason, "tool_score": score,
-                "parsed_answer": call.answer, "tool_name": call.name}
+                "parsed_answer": call.answer, "tool_name": call.name,
+                "answer_kind": given and given[0], "answer": given and given[1],
+                "correct": correct, "source": self.source}
         if self.done:
             return {}, True, info
-        text, spans = fill_feedback(FEEDBACK[reason], answer=call.answer, name=call.name)
+        shown = given[1] if given is not None else call.answer  # the answer the turn gave
+        text, spans = fill_feedback(FEEDBACK[reason], answer=shown, name=call.name)
         if self.turn == cfg.max_turns - 1:
             text += LAST_CHANCE
         # A reply to an actual call is a tool response (or, with feedback_role=user, a user turn as
@@ -282,8 +316,10 @@ def _ground_truth(sample: Any) -> str:
     raise ValueError(f"cannot find a ground truth in sample of type {type(sample).__name__}")
 
 
-def build_env(sample: Any = None, args: Any = None, **kwargs) -> Geo3kEnv:
-    """Build an environment for `sample` (a mapping with `answer` or an object with `label`).
+def build_env(sample: Any = None, args: Any = None, source: str = "tool_or_boxed",
+              **kwargs) -> Geo3kEnv:
+    """Build an environment for `sample` (a mapping with `answer` or an object with `label`),
+    reading answers from `source` (`turn_answer`; the reward's `RewardConfig.source`).
 
     `args` may be an `EnvConfig`, a mapping or an object with EnvConfig's fields (e.g. a
     ConfigDict section); `kwargs` override single fields. Unknown keyword fields are an error.
@@ -306,4 +342,4 @@ def build_env(sample: Any = None, args: Any = None, **kwargs) -> Geo3kEnv:
         config = dataclasses.replace(config, **kwargs)
     choices = sample.get("choices") if isinstance(sample, Mapping) else getattr(sample, "choices",
                                                                                 None)
-    return Geo3kEnv(_ground_truth(sample), config, choices=choices)
+    return Geo3kEnv(_ground_truth(sample), config, choices=choices, source=source)

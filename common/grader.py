@@ -55,7 +55,9 @@ Normalization decision log (applied to answer and label alike)
     FLOAT_DIGITS = 10 places, not its default 6, so the fast path and math-verify agree:
     `\frac{1}{3}` != `0.333333`, `4\pi` != `12.566`). rel_tol is relative to the label,
     |answer - label| <= rel_tol * |label|; a label of 0 needs an exact 0.
-  * Not handled here: percentages, angles in radians vs degrees; choice letters are resolved to
+  * Percent is a unit: `25\%` = `25%` = `25 percent` = 25, never 0.25 (math-verify would take
+    both, so a label of 25 and one of 0.25 could not be told apart).
+  * Not handled here: angles in radians vs degrees; choice letters are resolved to
     their choice by the environment (`common.env.resolve_choice`) before grading.
 """
 
@@ -156,7 +158,7 @@ _DEGREE = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree(?![A
 _SPACING = re.compile(r"\\[,;:! ]|\\q?quad(?![A-Za-z])|~")
 _DROP = re.compile(r"\$|\\[()\[\]]|\\displaystyle|\\(?:left|right)(?![A-Za-z])")
 _UNITS = (r"units?|cm|mm|km|m|meters?|centimeters?|millimeters?|kilometers?|in|inch(?:es)?|ft|"
-          r"feet|foot|yd|yards?|mi|miles?|degrees?|deg|radians?|rad")
+          r"feet|foot|yd|yards?|mi|miles?|degrees?|deg|radians?|rad|\\%|%|percent")
 _UNIT_TAIL = re.compile(rf"(?<=[\d}}).\s])\s*(?:(?:sq\.?|square)\s*)?(?:{_UNITS})\.?"
                         r"\s*(?:\^\s*\{?\s*[23]\s*\}?|²|³)?\s*$")
 _EQ = re.compile(r"(?<![<>!=\\])=(?!=)")

@@ -108,7 +108,7 @@ def kl_penalty(logp, ref_logp, estimator: str, xp=np):
 
 
 def per_token_terms(logp, old_logp, advantages, cfg: LossConfig, *, ref_logp=None,
-                    rollout_logp=None, xp=np) -> dict:
+                    rollout_logp=None, diag_logp=None, xp=np) -> dict:
     """The per-token loss and its diagnostics, written once for every array library.
 
     `xp` is the array namespace: numpy here, `torch` in the torch learner, `jax.numpy` in the
@@ -116,6 +116,9 @@ def per_token_terms(logp, old_logp, advantages, cfg: LossConfig, *, ref_logp=Non
     All inputs have one shape (T,) or (B, T); returns arrays of that shape: `loss` (the
     per-token loss_t of the module docstring), `clipped` (1 where the clipped term wins),
     `approx_kl` (k3 of KL(old || new)), and `kl` / `tis` when those options are on.
+    `diag_logp` (default old_logp): what `clipped` and `approx_kl` compare the policy with. A
+    learner passes the behaviour (rollout) log-probs when old_logp is the current policy
+    itself (one update per rollout), where comparing with old_logp would give 0 by construction.
     """
     ratio = xp.exp(logp - old_logp)
     clipped = xp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -123,8 +126,14 @@ def per_token_terms(logp, old_logp, advantages, cfg: LossConfig, *, ref_logp=Non
     pg = xp.maximum(pg_unclipped, pg_clipped)
     if cfg.dual_clip is not None:
         pg = xp.where(advantages < 0, xp.minimum(pg, -cfg.dual_clip * advantages), pg)
-    out = {"clipped": (pg_clipped > pg_unclipped) * 1.0,
-           "approx_kl": kl_penalty(old_logp, logp, "k3", xp)}
+    if diag_logp is None:
+        out = {"clipped": (pg_clipped > pg_unclipped) * 1.0,
+               "approx_kl": kl_penalty(old_logp, logp, "k3", xp)}
+    else:
+        d_ratio = xp.exp(logp - diag_logp)
+        d_clip = xp.clip(d_ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        out = {"clipped": (-advantages * d_clip > -advantages * d_ratio) * 1.0,
+               "approx_kl": kl_penalty(diag_logp, logp, "k3", xp)}
     if cfg.tis_cap is not None:
         if rollout_logp is None:
             raise ValueError("tis_cap is set but no rollout_logp was given")
@@ -141,13 +150,16 @@ def per_token_terms(logp, old_logp, advantages, cfg: LossConfig, *, ref_logp=Non
 
 
 def token_weights(loss_mask: np.ndarray, agg: str, *, seq_ids: np.ndarray | None = None,
-                  n_tokens: float | None = None, n_seqs: float | None = None) -> np.ndarray:
+                  n_tokens: float | None = None, n_seqs: float | None = None,
+                  mean_over: np.ndarray | None = None) -> np.ndarray:
     """Aggregation as per-token weights: the loss is sum_t weight_t * loss_t.
 
     token-mean: mask_t / n_tokens; seq-mean-token-mean: mask_t / (len(seq of t) * n_seqs), with
     len counting masked tokens. loss_mask: (B, T) or packed (T,) with `seq_ids` (T,); rows of a
     2-D input are its sequences. n_tokens / n_seqs default to this batch's masked tokens /
     sequences with at least one masked token (pass the global batch's for micro-batches).
+    mean_over: (S,) per sequence id (packed input), what its mean divides by instead of its own
+    masked tokens (the turns of one episode exported apart divide by the episode's).
     Returns float64 weights of loss_mask's shape.
     """
     mask = np.asarray(loss_mask, np.float64)
@@ -161,7 +173,8 @@ def token_weights(loss_mask: np.ndarray, agg: str, *, seq_ids: np.ndarray | None
     _, inv = np.unique(seg, return_inverse=True)
     seq_len = np.bincount(inv, flat)
     denom = (seq_len > 0).sum() if n_seqs is None else n_seqs
-    w = flat / np.maximum(seq_len[inv], 1.0) / max(denom, 1.0)
+    per_token = seq_len[inv] if mean_over is None else np.asarray(mean_over, np.float64)[seg]
+    w = flat / np.maximum(per_token, 1.0) / max(denom, 1.0)
     return w.reshape(mask.shape)
 
 
@@ -178,18 +191,20 @@ def policy_loss(logp: np.ndarray, old_logp: np.ndarray, advantages: np.ndarray,
                 loss_mask: np.ndarray, cfg: LossConfig = LossConfig(), *,
                 ref_logp: np.ndarray | None = None, rollout_logp: np.ndarray | None = None,
                 seq_ids: np.ndarray | None = None, n_tokens: float | None = None,
-                n_seqs: float | None = None) -> tuple[float, dict]:
+                n_seqs: float | None = None, diag_logp: np.ndarray | None = None
+                ) -> tuple[float, dict]:
     """The reference GRPO policy loss (float64) and its metrics.
 
     logp, old_logp, advantages, loss_mask, ref_logp, rollout_logp: (B, T) or packed (T,), the
     same shape; advantages already broadcast per token. seq_ids, n_tokens, n_seqs: see
     `token_weights`. Returns (loss, metrics): clip_frac (share of masked tokens where the
-    clipped term wins), approx_kl (k3 estimate of KL(old || new)), kl (when kl_coef), tis_mean
-    (when tis_cap).
+    clipped term wins), approx_kl (k3 estimate of KL(old || new)), both against `diag_logp`
+    when given (`per_token_terms`), kl (when kl_coef), tis_mean (when tis_cap).
     """
     f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
     terms = per_token_terms(f64(logp), f64(old_logp), f64(advantages), cfg,
-                            ref_logp=f64(ref_logp), rollout_logp=f64(rollout_logp))
+                            ref_logp=f64(ref_logp), rollout_logp=f64(rollout_logp),
+                            diag_logp=f64(diag_logp))
     mask = f64(loss_mask)
     weights = token_weights(mask, cfg.agg, seq_ids=seq_ids, n_tokens=n_tokens, n_seqs=n_seqs)
     loss = float((terms["loss"] * weights).sum())

@@ -14,7 +14,7 @@ from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import load_split
 from common.prompts import prompt_style
-from common.synthetic import write_split
+from common.synthetic import FAMILIES, write_split
 
 
 def prepare_data(cfg):
@@ -22,11 +22,14 @@ def prepare_data(cfg):
     path = cfg.data.path
     if not path:
         path = cfg.data.synthetic_dir
+        spec = cfg.data.synthetic_families.replace(" ", "")
+        families = tuple(spec.split(",")) if spec else FAMILIES
         for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
                                (cfg.data.test_split, cfg.data.synthetic_test_size,
                                 cfg.seed + 10_000)):
             if not list(Path(path).glob(f"{split}-*.parquet")):
-                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size)
+                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size,
+                            families=families)
     system, _ = prompt_style(cfg.data.prompt_style)
     return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system)
                  for s in (cfg.data.train_split, cfg.data.test_split))
@@ -55,6 +58,11 @@ def check_config(cfg, world: int) -> None:
     if cfg.engine.backend == "sglang" and not cfg.engine.sglang_urls.strip():
         from common.sglang.placement import place  # a bad server layout stops here, not later
         place(cfg.engine, 0, 0, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if cfg.train.max_staleness and cfg.loss.tis_cap is None:
+        raise ValueError(f"train.max_staleness={cfg.train.max_staleness} trains on rollouts of "
+                         "older weights, and loss.tis_cap is None leaves them uncorrected: set "
+                         "loss.tis_cap (2.0 is slime's value) to weight each token by the "
+                         "capped ratio of the current to the behaviour policy, or max_staleness=0")
     if cfg.train.prompts_per_step % world:
         raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
                          f"multiple of the {world} processes")

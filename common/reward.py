@@ -1,9 +1,11 @@
 """The episode reward: one answer per turn, read from the model's own turns only.
 
-A turn's answer (`turn_answer`) is the argument of its valid tool call; a turn without one
-answers with its last `\\boxed{}` (the environment's feedback is never read). A box written in
-the same turn as a valid call is not a second guess: hedging (box one choice, call the tool with
-another) earns nothing a single answer would not. `RewardConfig.source` narrows that:
+A turn's answer is what the environment took it to be (`common.env.turn_answer`, one function
+for both): the argument of its valid tool call; a turn without one answers with its last
+`\\boxed{}` (the environment's feedback is never read). A box written in the same turn as a
+valid call is not a second guess: hedging (box one choice, call the tool with another) earns
+nothing a single answer would not. `RewardConfig.source` narrows that (the rollout gives the
+environment the same source):
   * `tool`: only tool-call answers count;
   * `boxed`: only boxes count (a turn's last box; the default math reward of single-turn runs);
   * `tool_or_boxed` (default): the rule above.
@@ -12,16 +14,15 @@ reward = max over turns t of correct(answer_t) * turn_discount ** (t - 1)
          + format_bonus * (at least one well-formed tool call)
 
 (AReaL's rule; with a discount <= 1 the max is at the first correct turn, `correct_turn`.) A
-tool answer is correct when the environment scored it 1.0; a boxed one is graded with the
-environment's own setting (`EnvConfig.rel_tol`, `grade_timeout_s`), so the environment's verdict
-and the reward can never disagree. Binary by default (discount 1, bonus 0): fractional rewards
-made equal-reward groups produce non-zero advantages in one anchor; `common.grpo` also zeroes
-such groups exactly.
+turn is correct when the environment graded its answer correct (`info["correct"]`): the reward
+never grades again, so the environment's verdict (which ends the episode) and the reward cannot
+disagree. Binary by default (discount 1, bonus 0): fractional rewards made equal-reward groups
+produce non-zero advantages in one anchor; `common.grpo` also zeroes such groups exactly.
 
 Your own reward: `reward.fn="my_package.my_module:my_reward"` names a function with
 `score_episode`'s signature (texts, infos, answer, cfg, choices, env_cfg). It returns an
 `EpisodeScore`, or a number: then that number is the reward and correctness (what the accuracy
-metrics count) stays the built-in grader's. `episode_reward(cfg)` gives the function in force.
+metrics count) stays the built-in one. `episode_reward(cfg)` gives the function in force.
 """
 
 from __future__ import annotations
@@ -32,10 +33,7 @@ import importlib
 import math
 from typing import Callable, Sequence
 
-from common.env import EnvConfig, resolve_choice
-from common.grader import extract_last_boxed, grade_answer
-
-SOURCES = ("tool", "boxed", "tool_or_boxed")
+from common.env import SOURCES, EnvConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,36 +59,21 @@ class EpisodeScore:
     correct_turn: int | None  # 1-based turn of the first correct answer
 
 
-def turn_answer(text: str, info: dict, source: str) -> tuple[str, str] | None:
-    """("tool" | "boxed", answer) of one turn under `source`, or None if it gave no answer."""
-    if source != "boxed" and info.get("tool_score") is not None:
-        return "tool", str(info["parsed_answer"])
-    if source != "tool":
-        boxed = extract_last_boxed(text)
-        if boxed is not None:
-            return "boxed", boxed
-    return None
-
-
 def score_episode(texts: Sequence[str], infos: Sequence[dict], answer: str,
                   cfg: RewardConfig = RewardConfig(), choices: Sequence[str] | None = None,
                   env_cfg: EnvConfig = EnvConfig()) -> EpisodeScore:
-    """Score an episode from its assistant texts and the environment's per-turn infos. With
-    `choices`, a boxed choice letter stands for that choice (as the environment reads calls)."""
+    """Score an episode from its assistant texts and the environment's per-turn infos (each
+    turn's answer and verdict, `common.env.Geo3kEnv.step`). `answer`, `choices` and `env_cfg`
+    are what the environment graded against (kept for reward functions that grade again)."""
     if len(texts) != len(infos):
         raise ValueError(f"{len(texts)} turn texts but {len(infos)} turn infos")
     turn = None
-    for t, (text, info) in enumerate(zip(texts, infos), start=1):
-        given = turn_answer(text, info, cfg.source)
-        if given is None:
-            continue
-        kind, value = given
-        if kind == "tool":
-            ok = info["tool_score"] == 1.0
-        else:
-            ok = grade_answer(resolve_choice(value, choices), answer, rel_tol=env_cfg.rel_tol,
-                              timeout_s=env_cfg.grade_timeout_s)
-        if ok:
+    for t, info in enumerate(infos, start=1):
+        if info.get("source") != cfg.source:
+            raise ValueError(f"turn {t} was answered from source {info.get('source')!r} but "
+                             f"reward.source={cfg.source!r}: build the environment with the "
+                             "reward's source (common.env.Geo3kEnv(source=...))")
+        if info["correct"]:
             turn = t
             break
     correct = turn is not None

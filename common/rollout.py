@@ -236,7 +236,8 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
     episodes = []
     for g, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
         for k in range(cfg.n_samples):
-            env = Geo3kEnv(prompt.answer, env_config, choices=getattr(prompt, "choices", None))
+            env = Geo3kEnv(prompt.answer, env_config, choices=getattr(prompt, "choices", None),
+                           source=reward_config.source)
             episodes.append(_Episode(prompt, group_offset + g, k, len(ids), list(ids),
                                      [0] * len(ids), [0.0] * len(ids), env))
     step = _Stepper(renderer, cfg)

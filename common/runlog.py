@@ -6,7 +6,8 @@ package's own event writer, the curve with matplotlib (Agg).
 Workdir layout written here:
     metrics.jsonl              one JSON object per step: {"step": N, "train/...": ..., ...}
     events.out.tfevents.*      the same scalars for TensorBoard (and wandb, when a project is set)
-    curve.png                  reward and accuracy per step (train), accuracy per eval
+    curve.png                  reward and accuracy per step (train), accuracy per eval, with
+                               the no-skill baselines (chance, elimination) drawn across
     rollouts/step_<N>.jsonl    every trajectory of step N (see `dump_rollouts`)
     rollouts/images/<uid>_<k>.png   the images those trajectories refer to
 """
@@ -84,7 +85,7 @@ class RunLog:
         import matplotlib.pyplot as plt
 
         rows = self.rows()
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        fig, ax = plt.subplots(figsize=(8, 5.5), dpi=100)
         pts = [(r["step"], r["train/reward_mean"]) for r in rows if "train/reward_mean" in r]
         sft = not pts  # an SFT run (geo3k_torch.sft) has a loss and no reward
         loss = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
@@ -103,18 +104,32 @@ class RunLog:
             if pts and not (key == "train/accuracy" and _same(rows, key, "train/reward_mean")):
                 steps, vals = map(np.asarray, zip(*pts))
                 ax.plot(steps, _running_mean(vals, 10), ":", color=color, lw=1.5, label=label)
-        for key, label in (("eval/greedy_accuracy", "eval accuracy (greedy)"),
-                           ("eval/sampled_accuracy", "eval accuracy (sampled)")):
+        for key, label, style in (
+                ("eval/greedy_accuracy", "eval with feedback (greedy)", "o--"),
+                ("eval/sampled_accuracy", "eval with feedback (sampled)", "o--"),
+                ("eval/greedy_first_try_accuracy", "eval first try (greedy)", "s--"),
+                ("eval/perception/greedy_accuracy", "perception: with feedback (greedy)", "^-"),
+                ("eval/perception/greedy_first_try_accuracy", "perception: first try (greedy)",
+                 "v-")):
             pts = [(r["step"], r[key]) for r in rows if key in r]
             if pts:
-                ax.plot(*zip(*pts), "o--", label=label)
+                ax.plot(*zip(*pts), style, label=label)
+        for key, label, style in (
+                ("eval/baseline_first_try", "no skill: first try (chance)", (0, (2, 2))),
+                ("eval/baseline_with_feedback", "no skill: with feedback (elimination)", "-")):
+            last = [r[key] for r in rows if key in r]
+            if last:  # the test split's baseline (the train split is drawn alike)
+                ax.axhline(last[-1], color="black", ls=style, lw=1, label=label)
         ax.set_xlabel("step")
         if sft:
             ax.set_ylim(bottom=0)
         else:
             ax.set_ylim(-0.02, 1.12)
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left" if not sft else "upper right", fontsize=8, ncol=2)
+        if sft:
+            ax.legend(loc="upper right", fontsize=8)
+        else:  # below the axes: the curves and baselines stay visible
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8, ncol=2)
         ax.set_title("geo3k-rl: SFT loss" if sft else "geo3k-rl: reward and accuracy")
         fig.tight_layout()
         out = self.dir / name

@@ -1,7 +1,8 @@
 """The learning-rate schedule both learners use: warmup, then constant, linear or cosine decay.
 
 Plain Python: the torch learner calls `lr_factor` from a `LambdaLR`; the JAX learner tabulates it
-(`lr_table`) so the jitted optimizer reads the very same numbers.
+(`lr_table`) so the jitted optimizer reads the very same numbers. Both count optimizer steps,
+which `horizon` converts the config's rollout counts to.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int,
     if schedule == "linear":
         return 1.0 - (1.0 - min_ratio) * frac
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def horizon(train_cfg) -> tuple[int, int]:
+    """(warmup, total) in optimizer steps. `train.warmup_steps` and `train.steps` count rollouts,
+    and each rollout takes `train.updates_per_rollout` optimizer steps (`common.step.update`)."""
+    u = train_cfg.updates_per_rollout
+    if u < 1:
+        raise ValueError(f"train.updates_per_rollout must be >= 1, got {u}")
+    return train_cfg.warmup_steps * u, train_cfg.steps * u
 
 
 def lr_table(lr: float, schedule: str, warmup_steps: int, total_steps: int,

@@ -33,6 +33,10 @@ class StepConfig:
     micro_batch_tokens: int = 8192
     updates_per_rollout: int = 1
     image_token_id: int | None = None  # given: a group's samples share its prompt (`pack`)
+    # The rollouts were sampled with the learner's current weights (a synchronous loop on the
+    # learner's own engine): with one update per rollout, clip_frac and approx_kl then compare
+    # the policy with itself and are not reported.
+    on_policy: bool = False
 
     def __post_init__(self):
         if self.updates_per_rollout < 1:
@@ -69,9 +73,10 @@ def collect(prompts: Sequence, engine, renderer, cfg: StepConfig, group_offset: 
 def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
           comm: Collectives = SingleProcess(), train_context=contextlib.nullcontext,
           rollout_s: float = 0.0) -> Deferred:
-    """Advantages, the dynamic-sampling filter, packing and the update on this process's
-    trajectories. Returns the learner's metrics and batch counts over processes, as a
-    `Deferred`: the update may still be running (reading a value waits for it)."""
+    """Advantages, the dynamic-sampling filter, mini-batches (`mini_batches`), packing and the
+    update on this process's trajectories. Returns the learner's metrics and batch counts over
+    processes, as a `Deferred`: the update may still be running (reading a value waits for it).
+    """
     times: dict[str, float] = {}
     with timed(times, "batching"):
         rewards = np.array([t.reward for t in trajs])
@@ -80,21 +85,31 @@ def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
         adv, keep = episode_advantages(rewards, groups, valid, cfg.normalize_std,
                                        cfg.filter_equal_groups)
         seqs = training_sequences(trajs, adv, cfg.rollout.export_style, keep)
-        batches = pack(seqs, cfg.micro_batch_tokens, cfg.image_token_id)
+        seed = int(groups.min()) if len(groups) else 0  # the step's first group: reproducible
+        minis = [pack(part, cfg.micro_batch_tokens, cfg.image_token_id)
+                 for part in mini_batches(seqs, trajs, cfg.updates_per_rollout, seed)]
+        most = comm.sum_scalars({f"micro_{k}": float(len(m)) for k, m in enumerate(minis)},
+                                max_keys=tuple(f"micro_{k}" for k in range(len(minis))))
+        batches = [b for m in minis for b in m]
         counts = comm.sum_scalars(
-            {"tokens": float(sum(s.loss_mask.sum() for s in seqs)), "seqs": float(len(seqs)),
-             "micro": float(len(batches)), "packed": float(sum(b.num_tokens for b in batches)),
+            {"tokens": float(sum(s.loss_mask.sum() for s in seqs)),
+             "seqs": float(sum(s.share for s in seqs)),
+             "packed": float(sum(b.num_tokens for b in batches)),
              "filtered": float(len(set(groups[~keep & valid]))),
-             "generated": float(sum(t.num_generated for t in trajs))}, max_keys=("micro",))
+             "generated": float(sum(t.num_generated for t in trajs))})
+        counts["micro"] = float(sum(most.values()))
         if comm.world > 1:  # every process runs as many forward/backward passes
-            batches = even_out(batches, int(counts["micro"]), spare_sequence(trajs))
+            spare = spare_sequence(trajs)
+            minis = [even_out(m, int(most[f"micro_{k}"]), spare) for k, m in enumerate(minis)]
     learned: Mapping[str, float] = {}
     times["time_train"] = 0.0  # (stays 0.0 when nothing trained)
     trained = counts["seqs"] > 0  # no group with a reward spread on any process: nothing to learn
     if trained:
         with timed(times, "train"), train_context():
-            learned = update(learner, batches, counts["tokens"], counts["seqs"],
-                             cfg.updates_per_rollout, comm)
+            learned = update(learner, minis, comm)
+        if cfg.on_policy and cfg.updates_per_rollout == 1:  # (values not waited for)
+            values = learned.pending() if isinstance(learned, Deferred) else dict(learned)
+            learned = {k: v for k, v in values.items() if k not in SELF_COMPARED}
     world, budget = comm.world, cfg.micro_batch_tokens
 
     def finish(metrics: dict[str, float], waited: float) -> None:
@@ -111,31 +126,54 @@ def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
         then=finish)
 
 
-def update(learner: Learner, batches: list[PackedBatch], n_tokens: float, n_seqs: float,
-           updates: int = 1, comm: Collectives = SingleProcess()) -> Mapping[str, float]:
-    """Train on one rollout's micro-batches: one optimizer step (updates = 1, the anchor
-    recipe), or `updates` steps on consecutive mini-batches of them (PPO-style), all against
-    the behaviour policy's log-probs, computed once before the first step, so that the ratio,
-    clipping, dual clip and KL act. Metrics are averaged over the steps (skipped: summed)."""
+# With one update on rollouts of the current weights these compare the policy with itself.
+SELF_COMPARED = ("clip_frac", "approx_kl")
+
+
+def mini_batches(seqs: Sequence[TrainSequence], trajs: Sequence[Trajectory], updates: int,
+                 seed: int) -> list[list[TrainSequence]]:
+    """`seqs` split into `updates` mini-batches of whole groups, the groups in a seeded random
+    order: every mini-batch holds both sides of each of its groups' advantages (group
+    advantages sum to zero), whatever the packing's length order. One mini-batch (all of
+    `seqs`, in order) for updates = 1. A process may get empty mini-batches (fewer groups)."""
     if updates == 1:
-        return learner.train_step(batches, n_tokens, n_seqs)
-    old = learner.logprobs(batches)
-    batches = [dataclasses.replace(b, old_logprobs=o) for b, o in zip(batches, old)]
+        return [list(seqs)]
+    group_of = [trajs[s.traj_index].group_id for s in seqs]
+    order = np.random.default_rng(seed).permutation(sorted(set(group_of)))
+    share = {g: k for k, part in enumerate(np.array_split(order, updates)) for g in part}
+    return [[s for s, g in zip(seqs, group_of) if share[g] == k] for k in range(updates)]
+
+
+def update(learner: Learner, minis: list[list[PackedBatch]],
+           comm: Collectives = SingleProcess()) -> Mapping[str, float]:
+    """Train on one rollout's micro-batches: one optimizer step per mini-batch (`mini_batches`;
+    one: the anchor recipe), the token and sequence counts summed over processes. With several,
+    every step is against the behaviour policy's log-probs, computed once before the first, so
+    that the ratio, clipping, dual clip and KL act. Metrics are averaged over the steps
+    (skipped: summed); an empty mini-batch on every process is no step."""
+    if len(minis) > 1:
+        flat = [b for m in minis for b in m]
+        old = iter(learner.logprobs(flat))
+        minis = [[dataclasses.replace(b, old_logprobs=next(old)) for b in m] for m in minis]
     steps = []
-    for part in np.array_split(np.arange(len(batches)), updates):  # same split on every process
-        mini = [batches[i] for i in part]
+    for mini in minis:
         counts = comm.sum_scalars({"tokens": float(sum(b.loss_mask.sum() for b in mini)),
                                    "seqs": float(sum(_trained_sequences(b) for b in mini))})
         if counts["seqs"] > 0:
             steps.append(learner.train_step(mini, counts["tokens"], counts["seqs"]))
+    if len(steps) == 1:
+        return steps[0]
     out = {k: float(np.mean([m[k] for m in steps])) for k in steps[0]}
     out["skipped"] = float(sum(m["skipped"] for m in steps))
     return out
 
 
-def _trained_sequences(b: PackedBatch) -> int:
-    """Sequences of a micro-batch with at least one trained token (fillers have none)."""
-    return int((np.add.reduceat(b.loss_mask, b.cu_seqlens[:-1]) > 0).sum())
+def _trained_sequences(b: PackedBatch) -> float:
+    """Episodes' worth of trained sequences in a micro-batch (`TrainSequence.share`; fillers
+    and shared prefixes have none)."""
+    trained = np.add.reduceat(b.loss_mask, b.cu_seqlens[:-1]).astype(np.float64)
+    over = trained if b.mean_over is None else np.asarray(b.mean_over, np.float64)
+    return float((trained / np.maximum(over, 1.0)).sum())
 
 
 def spare_sequence(trajs: Sequence[Trajectory]) -> TrainSequence | None:

@@ -36,8 +36,15 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-FAMILIES = ("triangle_angles", "parallel_lines", "circle_angles", "right_triangle", "isosceles",
+GEOMETRY = ("triangle_angles", "parallel_lines", "circle_angles", "right_triangle", "isosceles",
             "rectangle_area")
+# Answerable from the pixels alone, with the four choices in their natural order (the CPU
+# default's tiny model can learn these in a minute; it cannot learn geometry).
+PERCEPTION = ("polygon_sides", "right_angle", "longest_segment")
+FAMILIES = GEOMETRY + PERCEPTION
+QUESTIONS = {"polygon_sides": "How many sides does the polygon have?",
+             "right_angle": "Which of the numbered angles is a right angle?",
+             "longest_segment": "Which of the labelled segments is the longest?"}
 ROUND_NOTE = " Round to the nearest tenth if necessary."
 _FIND_X = ("Find x.", "Find the value of x.", "Solve for x.")
 _HF_FEATURES = {"problem": {"dtype": "string", "_type": "Value"},
@@ -366,9 +373,71 @@ def _rectangle_area(rng, w, h):
     return cv, text, fmt_num(ans), [fmt_num(c) for c in cands], meta
 
 
+def _polygon_sides(rng, w, h):
+    n = int(rng.integers(3, 7))
+    start = rng.uniform(0, 360)
+    p = [_polar(start + 360 * k / n + rng.uniform(-8, 8), rng.uniform(0.85, 1.0))
+         for k in range(n)]
+    cv = _Canvas(w, h, [(-1, -1), (1, 1)], pad=0.5)
+    cv.draw.polygon([tuple(cv.pt(q)) for q in p], fill=(200, 200, 200), outline="black",
+                    width=cv.lw)
+    meta = {"sides": n, "given": []}
+    return cv, QUESTIONS["polygon_sides"], str(n), ["3", "4", "5", "6"], meta
+
+
+def _right_angle(rng, w, h):
+    right = int(rng.integers(4))
+    others = rng.permutation([int(rng.integers(30, 61)), int(rng.integers(35, 66)),
+                              int(rng.integers(120, 151))])
+    angles = [90 if k == right else int(others[k - (k > right)]) for k in range(4)]
+    cells = [np.array([x, y]) for y in (1.3, 0.0) for x in (0.0, 1.6)]  # reading order
+    pts = [c + d for c in cells for d in ((0, 0), (1, 0), (0, 1), (-0.4, 1))]
+    cv = _Canvas(w, h, pts, pad=0.6)
+    for k, (c, a) in enumerate(zip(cells, angles)):
+        v = c + (0.45 if a > 90 else 0.0, 0.0)
+        ray = _polar(a, 0.95)
+        cv.line(v, v + (0.95, 0.0))
+        cv.line(v, v + ray)
+        o, s = cv.pt(v), cv.fs * 0.5
+        if a == 90:  # the right-angle square
+            ex, ey = cv.dir([1, 0]) * s, cv.dir([0, 1]) * s
+            cv.line(o + ex, o + ex + ey, pixels=True)
+            cv.line(o + ey, o + ex + ey, pixels=True)
+        else:
+            r = s
+            cv.draw.arc([o[0] - r, o[1] - r, o[0] + r, o[1] + r], -a, 0, fill="black", width=1)
+        cv.text(cv.pt(v + _polar(a / 2, 0.35)), str(k + 1))
+    meta = {"angles": angles, "given": []}
+    return cv, QUESTIONS["right_angle"], str(right + 1), ["1", "2", "3", "4"], meta
+
+
+def _longest_segment(rng, w, h):
+    longest = int(rng.integers(4))
+    lengths = [1.0 if k == longest else float(rng.uniform(0.3, 0.7)) for k in range(4)]
+    starts = [float(rng.uniform(0.0, 0.1)) for _ in range(4)]
+    cv = _Canvas(w, h, [(-0.2, 0.0), (1.15, 1.2)], pad=0.6)
+    for k, (x0, n) in enumerate(zip(starts, lengths)):
+        y = 1.2 - 0.4 * k  # a at the top, d at the bottom
+        cv.line((x0, y), (x0 + n, y))
+        for x in (x0, x0 + n):  # end points
+            q, d = cv.pt((x, y)), max(1.5, cv.lw * 1.5)
+            cv.draw.ellipse([q[0] - d, q[1] - d, q[0] + d, q[1] + d], fill="black")
+        cv.text(cv.pt((x0 - 0.12, y)), "abcd"[k])
+    meta = {"lengths": [round(n, 3) for n in lengths], "given": []}
+    return cv, QUESTIONS["longest_segment"], "abcd"[longest], list("abcd"), meta
+
+
 _DRAW = {"triangle_angles": _triangle_angles, "parallel_lines": _parallel_lines,
          "circle_angles": _circle_angles, "right_triangle": _right_triangle,
-         "isosceles": _isosceles, "rectangle_area": _rectangle_area}
+         "isosceles": _isosceles, "rectangle_area": _rectangle_area,
+         "polygon_sides": _polygon_sides, "right_angle": _right_angle,
+         "longest_segment": _longest_segment}
+
+
+def problem_kind(problem: str) -> str:
+    """The perception family a problem text asks (`QUESTIONS`), else "geometry"."""
+    text = problem.replace("<image>", "").strip()
+    return next((f for f, q in QUESTIONS.items() if text == q), "geometry")
 
 
 # ---- problems, rows, files -------------------------------------------------------------------
@@ -409,9 +478,10 @@ def make_problem(seed: int, index: int, image_size: int | str | Sequence[int] = 
     family = families[int(rng.integers(len(families)))]
     cv, text, answer, cands, meta = _DRAW[family](rng, w, h)
     meta = {"family": family, "size": [w, h], **meta}
+    choices = cands if family in PERCEPTION else _choices(rng, answer, cands)
     return {"problem": "<image>" + text, "answer": answer,
             "images": [{"bytes": cv.png(), "path": None}],
-            "choices": _choices(rng, answer, cands), "meta": json.dumps(meta, sort_keys=True)}
+            "choices": choices, "meta": json.dumps(meta, sort_keys=True)}
 
 
 def generate(n: int, seed: int, image_size: int | str | Sequence[int] = 224,

@@ -66,7 +66,8 @@ def step_config(cfg, processor=None) -> StepConfig:
     return StepConfig(to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
                       to_dataclass(RewardConfig, cfg.reward), cfg.advantage.normalize_std,
                       cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens,
-                      cfg.train.updates_per_rollout, image_token_id)
+                      cfg.train.updates_per_rollout, image_token_id,
+                      on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local")
 
 
 def train(cfg, workdir: str | Path, run: Run) -> dict:
@@ -225,5 +226,5 @@ def summary(m: dict) -> str:
     """One line of the headline metrics, for the progress bar and the final print."""
     keys = (("train/reward_mean", "reward"), ("train/accuracy", "acc"),
             ("train/turns_mean", "turns"), ("train/grad_norm", "gnorm"),
-            ("eval/greedy_accuracy", "eval"))
+            ("eval/greedy_accuracy", "eval"), ("eval/baseline_with_feedback", "no-skill"))
     return " ".join(f"{name} {m[k]:.3f}" for k, name in keys if k in m)

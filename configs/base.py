@@ -41,6 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.synthetic_train_size = 512
     c.data.synthetic_test_size = 64
     c.data.synthetic_image_size = "112"  # one size "112" or a range "112,224"
+    # comma-separated common.synthetic.FAMILIES, each problem drawing one uniformly (a family
+    # named twice is drawn twice as often); empty: all of them, once
+    c.data.synthetic_families = ""
 
     c.model = ml_collections.ConfigDict()
     c.model.path = ""  # a local HF checkpoint directory (Qwen2.5-VL or Qwen3-VL)

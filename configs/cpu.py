@@ -3,6 +3,7 @@
     python -m geo3k_torch.main --config=configs/cpu.py
 """
 
+from common.synthetic import GEOMETRY, PERCEPTION
 from configs import base
 
 
@@ -10,6 +11,12 @@ def get_config():
     c = base.get_config()
     c.data.synthetic_train_size = 256
     c.data.synthetic_test_size = 32
+    # Half the problems are perception ones (answerable from the pixels: the tiny model can
+    # learn those in a minute, not geometry), half today's geometry families.
+    c.data.synthetic_families = ",".join(GEOMETRY + PERCEPTION * 2)
+    # Solving on turn 1 earns twice what turn 2 does: the first try's letter gets its own signal
+    # (with a discount of 1 an episode solved on turn 3 rewards its wrong first letters as much).
+    c.reward.turn_discount = 0.5
     # A random tiny model never writes a tool call: give it the format first (geo3k_torch/prime.py;
     # the letter it answers is uniform, so what it learns about the answers comes from GRPO).
     c.model.tiny_prime_steps = 150

@@ -89,7 +89,7 @@ def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
         raise ValueError(f"{len(index)} image tokens in a micro-batch, its images need "
                          f"{image_token_counts(grid, merge).sum()}")
     weights = token_weights(b.loss_mask, agg, seq_ids=b.seq_ids, n_tokens=n_tokens,
-                            n_seqs=n_seqs)
+                            n_seqs=n_seqs, mean_over=b.mean_over)
     return HostRow(b, pos[1:], prefix, weights,
                    np.flatnonzero(b.loss_mask > 0).astype(np.int32),
                    imgs["pixel_values"].astype(np.float32) if imgs else None,

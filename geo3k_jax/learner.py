@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, Deferred, SingleProcess
-from common.schedule import lr_table
+from common.schedule import horizon, lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
 from geo3k_jax.compiler import compiler_options
@@ -53,8 +53,8 @@ SHAPES_FILE = "jax_shapes.json"  # and the slice shapes the run has used (`bucke
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW whose learning rate at step s is
     `lr * common.schedule.lr_factor(s)` (tabulated; the count advances only on applied steps)."""
-    table = jnp.asarray(lr_table(train_cfg.lr, train_cfg.lr_schedule, train_cfg.warmup_steps,
-                                 train_cfg.steps, train_cfg.min_lr_ratio))
+    table = jnp.asarray(lr_table(train_cfg.lr, train_cfg.lr_schedule, *horizon(train_cfg),
+                                 train_cfg.min_lr_ratio))
     schedule = lambda count: table[jnp.minimum(count, table.shape[0] - 1)]  # noqa: E731
     return optax.chain(
         optax.clip_by_global_norm(train_cfg.grad_clip),
@@ -66,8 +66,8 @@ def current_lr(tx_state, train_cfg) -> jax.Array:
     """The learning rate the next applied step uses."""
     is_schedule = lambda s: isinstance(s, optax.ScaleByScheduleState)  # noqa: E731
     count, = [s.count for s in jax.tree.leaves(tx_state, is_leaf=is_schedule) if is_schedule(s)]
-    table = jnp.asarray(lr_table(train_cfg.lr, train_cfg.lr_schedule, train_cfg.warmup_steps,
-                                 train_cfg.steps, train_cfg.min_lr_ratio))
+    table = jnp.asarray(lr_table(train_cfg.lr, train_cfg.lr_schedule, *horizon(train_cfg),
+                                 train_cfg.min_lr_ratio))
     return table[jnp.minimum(count, table.shape[0] - 1)]
 
 
@@ -85,19 +85,23 @@ def grpo_loss(merge: Callable, params: dict, batch: dict, loss_cfg: LossConfig,
             raise ValueError("kl_coef > 0 needs reference parameters")
         ref = jax.lax.stop_gradient(token_logprobs(merge(cast(ref_params)), batch, temperature,
                                                    chunk=chunk))
-    old = batch["old_logprobs"] if "old_logprobs" in batch else jax.lax.stop_gradient(logp)
-    loss, sums = loss_from_logprobs(logp, old, batch, loss_cfg, ref)
+    behaviour = "old_logprobs" in batch  # else: one update, against the rollout's log-probs
+    old = batch["old_logprobs"] if behaviour else jax.lax.stop_gradient(logp)
+    loss, sums = loss_from_logprobs(logp, old, batch, loss_cfg, ref,
+                                    diag_logp=None if behaviour else batch["rollout_logprobs"])
     sums["entropy"] = jnp.sum(entropy * batch["loss_mask"])
     return loss, sums
 
 
-def loss_from_logprobs(logp, old_logp, batch: dict, loss_cfg: LossConfig, ref_logp=None):
+def loss_from_logprobs(logp, old_logp, batch: dict, loss_cfg: LossConfig, ref_logp=None,
+                       diag_logp=None):
     """sum(weights * per-token loss) and metric sums over the masked tokens: tokens, clip_frac,
-    approx_kl, kl, tis_mean, logp_diff_mean; plus logp_diff_max. logp, old_logp, ref_logp and
-    the batch's row arrays: (B, T)."""
+    approx_kl (against `diag_logp` when given, see `per_token_terms`), kl, tis_mean,
+    logp_diff_mean; plus logp_diff_max. logp, old_logp, ref_logp and the batch's row arrays:
+    (B, T)."""
     mask, rollout = batch["loss_mask"], batch["rollout_logprobs"]
     terms = per_token_terms(logp, old_logp, batch["advantages"], loss_cfg, ref_logp=ref_logp,
-                            rollout_logp=rollout, xp=jnp)
+                            rollout_logp=rollout, diag_logp=diag_logp, xp=jnp)
     loss = jnp.sum(terms["loss"] * batch["weights"])
     diff = jnp.abs(jax.lax.stop_gradient(logp) - rollout) * mask
     sums = {"tokens": jnp.sum(mask), "clip_frac": jnp.sum(terms["clipped"] * mask),

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from common.grpo import LossConfig
-from common.schedule import lr_table
+from common.schedule import horizon, lr_table
 from configs import to_dataclass
 from geo3k_jax.batch import device_batch
 from geo3k_jax.check_batch import batches_from_config
@@ -192,8 +192,7 @@ def run_check(cfg, model_dir: str, processor) -> tuple[list[Row], dict]:
     # float32 noise around zero (|g| ~ 1e-9) may move differently by a fraction of lr. In bf16
     # both sides round the new weights to bf16: one ulp of the largest weight.
     limits = {"0.1 lr": 0.1 * float(lr_table(cfg.train.lr, cfg.train.lr_schedule,
-                                              cfg.train.warmup_steps, cfg.train.steps,
-                                              cfg.train.min_lr_ratio)[0]),
+                                              *horizon(cfg.train), cfg.train.min_lr_ratio)[0]),
               "bf16 ulp": big * 2.0 ** -7}
     stepped = adamw_on(th["grads"], th["params_before"], cfg.train)
     for name, got in (("params after AdamW", jx["params"]), ("AdamW on torch's grads", stepped)):

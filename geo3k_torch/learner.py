@@ -25,7 +25,7 @@ import torch
 from common.batching import PackedBatch, TrainSequence, pack
 from common.grpo import LossConfig, per_token_terms, token_weights
 from common.learner import Collectives, SingleProcess
-from common.schedule import lr_factor
+from common.schedule import horizon, lr_factor
 from geo3k_torch import checkpoint
 from geo3k_torch.model import packed_inputs, token_logprobs
 
@@ -51,8 +51,8 @@ class Learner:
             model.parameters(), lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
             eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, train_cfg.warmup_steps,
-                                                train_cfg.steps, train_cfg.min_lr_ratio))
+            self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, *horizon(train_cfg),
+                                                train_cfg.min_lr_ratio))
 
     def _forward(self, model, batch: PackedBatch, targets: torch.Tensor, entropy: bool):
         """The compute dtype is the model's: FSDP2's policy (bf16 over fp32 master weights, see
@@ -67,7 +67,7 @@ class Learner:
         targets = torch.from_numpy(idx).to(self.device)
         const = lambda a: torch.from_numpy(np.asarray(a, np.float32)[idx]).to(self.device)  # noqa
         weights = token_weights(batch.loss_mask, self.loss_cfg.agg, seq_ids=batch.seq_ids,
-                                n_tokens=n_tokens, n_seqs=n_seqs)
+                                n_tokens=n_tokens, n_seqs=n_seqs, mean_over=batch.mean_over)
         logp, entropy = self._forward(self.model, batch, targets, True)
         ref = None
         if self.loss_cfg.kl_coef:
@@ -76,7 +76,8 @@ class Learner:
         rollout = const(batch.rollout_logprobs)
         old = logp.detach() if batch.old_logprobs is None else const(batch.old_logprobs)
         terms = per_token_terms(logp, old, const(batch.advantages), self.loss_cfg,
-                                ref_logp=ref, rollout_logp=rollout, xp=torch)
+                                ref_logp=ref, rollout_logp=rollout, xp=torch,
+                                diag_logp=rollout if batch.old_logprobs is None else None)
         loss = (terms["loss"] * const(weights)).sum() * self.world_size
         with torch.no_grad():
             diff = (logp - rollout).abs()

@@ -37,7 +37,7 @@ def prime_config(lr: float, steps: int):
     """AdamW at a constant `lr`, no weight decay, no clipping: the fields `SFTLearner` reads."""
     return types.SimpleNamespace(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                                  grad_clip=float("inf"), lr_schedule="constant", warmup_steps=0,
-                                 steps=steps, min_lr_ratio=0.0, bf16=False)
+                                 steps=steps, updates_per_rollout=1, min_lr_ratio=0.0, bf16=False)
 
 
 def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float = 3e-3,

@@ -146,7 +146,7 @@ def make_reward(cfg, renderer):
         out = []
         for ids, gold, options in zip(completion_ids, answer, choices):
             text = renderer.decode(ids)
-            env = Geo3kEnv(gold, env_cfg, choices=options or None)
+            env = Geo3kEnv(gold, env_cfg, choices=options or None, source=reward_cfg.source)
             env.reset()
             _, _, info = env.step(text)
             out.append(score_episode([text], [info], gold, reward_cfg, options or None,

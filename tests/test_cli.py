@@ -34,3 +34,28 @@ def test_a_finished_run_exits_without_a_last_collection(tmp_path, fail):
     else:
         assert out.returncode == 0, out.stderr
         assert f"done: {tmp_path} reward 0.500" in out.stdout and "frozen True" in out.stdout
+
+
+EVAL_CHILD = """
+from common import cli
+
+def train(config, workdir):
+    return {"train/reward_mean": 0.5, "eval/greedy_first_try_accuracy": 0.5,
+            "eval/greedy_accuracy": 0.875, "eval/baseline_first_try": 0.25,
+            "eval/baseline_with_feedback": 0.75}
+
+cli.main(train, rank=lambda: 0)
+"""
+
+
+def test_the_last_evaluation_is_printed_beside_its_baselines(tmp_path):
+    """Both entry points (torch and JAX) end with the last evaluation's table, a no-skill
+    column beside every accuracy, also written to <workdir>/eval."""
+    args = [sys.executable, "-c", EVAL_CHILD, "--config=configs/cpu.py", f"--workdir={tmp_path}"]
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| | greedy | no skill |" in out.stdout
+    assert "| first try (turn 1) | 0.500 | 0.250 |" in out.stdout
+    assert "| with feedback (≤3 turns) | 0.875 | 0.750 |" in out.stdout
+    assert "eval 0.875 no-skill 0.750" in out.stdout
+    assert (tmp_path / "eval" / "eval.md").read_text() in out.stdout

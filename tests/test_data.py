@@ -82,7 +82,7 @@ def test_no_placeholder_puts_images_first_and_choices_can_be_hidden():
     p = row_to_prompt({"problem": "Find x.", "answer": "3", "images": [Image.new("RGB", (4, 5))],
                        "choices": ["3", "4"]}, uid="u", show_choices=False)
     assert user(p) == [{"type": "image"}, {"type": "text", "text": "Find x."}]
-    assert p.choices == ["3", "4"]
+    assert p.choices is None  # not shown: not there for the environment either
     assert build_messages("A<image>", 1, ["7"])[1]["content"] == [
         {"type": "text", "text": "A"}, {"type": "image"}, {"type": "text", "text": "Choices: A. 7"}]
 
@@ -247,3 +247,19 @@ def test_source_level_errors_name_the_path(tmp_path):
     (tmp_path / "h.parquet").write_bytes(b"garbage")
     with pytest.raises(DataError, match="h.parquet: not a readable parquet file"):
         load_split(tmp_path / "h.parquet")
+
+
+@pytest.mark.parametrize("shown,solved", [(True, True), (False, False)])
+def test_hidden_choices_give_a_blind_letter_nothing(renderer, shown, solved):
+    """Through the rollout: the label is choice A; a model that answers "A" solves it only when
+    the choices were in its prompt (before, hidden choices still resolved the letter)."""
+    from common.env import EnvConfig
+    from common.rollout import RolloutConfig, rollout
+    from tests.conftest import Reply, ScriptedEngine
+
+    p = row_to_prompt({"problem": "<image>Find x.", "answer": "3", "choices": ["3", "4"],
+                       "images": [Image.new("RGB", (4, 5))]}, uid="u", show_choices=shown)
+    answer = '<tool_call>{"name": "calc_score", "arguments": {"answer": "A"}}</tool_call>'
+    traj, = rollout([p], ScriptedEngine({"0-0": [Reply(answer)]}), renderer,
+                    RolloutConfig(n_samples=1), EnvConfig(max_turns=1))
+    assert traj.correct is solved and traj.reward == float(solved)

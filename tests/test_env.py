@@ -33,7 +33,8 @@ def test_correct_answer_ends_episode():
     obs, done, info = env.step("I think x = 12. " + call("12"))
     assert done and obs == {}
     assert info == {"turn": 1, "reason": "correct", "tool_score": 1.0, "parsed_answer": "12",
-                    "tool_name": "calc_score"}
+                    "tool_name": "calc_score", "answer_kind": "tool", "answer": "12",
+                    "correct": True, "source": "tool_or_boxed"}
     assert env.first_correct_turn == 1
 
 
@@ -69,9 +70,13 @@ def test_correct_on_later_turn_is_recorded():
 
 def test_no_tool_call_ends_episode_by_default():
     env = make()
-    obs, done, info = env.step("The answer is \\boxed{12}.")
+    obs, done, info = env.step("The answer is \\boxed{7}.")
     assert done and info["reason"] == "no_tool_call" and info["tool_score"] is None
-    assert info["parsed_answer"] is None
+    assert info["parsed_answer"] is None and info["answer"] == "7" and not info["correct"]
+    # a correct box answers the turn (the reward reads this very verdict)
+    obs, done, info = make().step("The answer is \\boxed{12}.")
+    assert done and info["reason"] == "correct" and info["tool_score"] is None
+    assert info["answer_kind"] == "boxed" and info["correct"]
 
 
 def test_no_tool_call_gets_a_reminder_when_configured():

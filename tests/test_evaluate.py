@@ -91,3 +91,61 @@ def test_table_and_chart(renderer, tmp_path):
     assert (out / "eval.md").read_text() == table
     png = (out / "eval.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+A = Reply(fail="abort")  # three of them (max_retries=2): the episode is aborted
+PERCEPTION_TEXT = "<image>How many sides does the polygon have?"
+
+
+def mixed_prompts():
+    """p0 a perception problem, p1 a geometry one (4 choices each, label 12 = choice A), p2 a
+    free-form one (label 12)."""
+    import types
+    choices = ["12", "7", "3", "5"]
+    make = lambda uid, problem, ch: types.SimpleNamespace(  # noqa: E731
+        uid=uid, answer="12", messages=make_prompt(uid=uid).messages, images=["img0"],
+        choices=ch, problem=problem)
+    return [make("p0", PERCEPTION_TEXT, choices), make("p1", "<image>Find x.", choices),
+            make("p2", "<image>Find y.", None)]
+
+
+def test_aborted_episodes_are_failures_and_baselines_stand_beside(renderer, tmp_path):
+    """Aborted episodes count as failures in every accuracy (before, first try and with
+    feedback left them out while pass@k counted them: 1/2 and 2/5 here, and pass@1 != first
+    try); the no-skill baselines come with the metrics, per kind too."""
+    script = {"0-0": [A, A, A, R], "0-1": [W, R], "1-0": [R, W, W, W], "1-1": [W, W, W],
+              "2-0": [W, W, W, A, A, A], "2-1": [R]}
+    m = evaluate(mixed_prompts(), ScriptedEngine(script), renderer,
+                 RolloutConfig(n_samples=8), EnvConfig(max_turns=3), n_samples=2)
+    assert m["greedy_first_try_accuracy"] == pytest.approx(1 / 3)  # p0 aborted, p1 R, p2 W W W
+    assert m["greedy_accuracy"] == pytest.approx(1 / 3)
+    assert m["sampled_first_try_accuracy"] == pytest.approx(2 / 6)  # one of six aborted
+    assert m["sampled_pass_at_1"] == pytest.approx(m["sampled_first_try_accuracy"])
+    assert m["sampled_accuracy"] == pytest.approx(3 / 6)
+    # chance 1/4 and elimination 3/4 for the choice problems, 1 for the free-form one (its
+    # answer is the split's only free-form answer: a constant guesser gets it)
+    assert m["baseline_first_try"] == pytest.approx((0.25 + 0.25 + 1) / 3)
+    assert m["baseline_with_feedback"] == pytest.approx((0.75 + 0.75 + 1) / 3)
+    assert m["baseline_solved_by_turn_2"] == pytest.approx((0.5 + 0.5 + 1) / 3)
+    assert m["baseline_pass_at_2"] == pytest.approx((2 * (1 - 0.75 ** 2) + 1) / 3)
+    assert m["polygon_sides/baseline_first_try"] == m["perception/baseline_first_try"] == 0.25
+    assert m["perception/greedy_first_try_accuracy"] == 0.0  # p0's greedy episode aborted
+    assert m["perception/sampled_first_try_accuracy"] == 0.5
+    assert m["geometry/greedy_first_try_accuracy"] == 0.5  # p1 yes, p2 no
+    assert m["geometry/baseline_with_feedback"] == pytest.approx((0.75 + 1) / 2)
+    table = markdown(m, 3, "mixed")
+    assert "| | greedy | sampled | no skill |" in table
+    assert "| first try (turn 1) | 0.333 | 0.333 | 0.500 |" in table
+    assert "| with feedback (≤3 turns) | 0.333 | 0.500 | 0.833 |" in table
+    assert "*perception problems*" in table and "*geometry problems*" in table
+    write_report(m, tmp_path / "mixed", "mixed", 3)
+
+
+def test_a_report_of_only_aborted_episodes(renderer, tmp_path):
+    """Every episode aborted: accuracies 0 (not missing), and the report is written (it
+    divided by zero)."""
+    m = evaluate([make_prompt(uid="p0")], ScriptedEngine({"0-0": [A] * 6}), renderer,
+                 RolloutConfig(), EnvConfig(max_turns=3), n_samples=0)
+    assert m["greedy_first_try_accuracy"] == 0.0 and m["greedy_accuracy"] == 0.0
+    out = write_report(m, tmp_path, "aborted", 3)
+    assert "| first try (turn 1) | 0.000 |" in (out / "eval.md").read_text()

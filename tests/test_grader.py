@@ -272,3 +272,16 @@ def test_import_is_cheap():
             "set(m.split('.')[0] for m in sys.modules); "
             "assert not bad, bad; assert r._POOL is None")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=grader._ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("answer", ["25\\%", "25%", "25 \\%", "25 percent"])
+def test_a_percentage_is_its_number_of_percent(answer):
+    """math-verify takes `25\\%` for 25 AND for 0.25; here percent is a unit, so an environment
+    step (the path training grades through) accepts it for the label 25 only."""
+    from common.env import Geo3kEnv
+    call = '<tool_call>{"name": "calc_score", "arguments": {"answer": "%s"}}</tool_call>'
+    assert grade_answer(answer, "25") and not grade_answer(answer, "0.25")
+    assert not grade_answer("0.25", answer) and grade_answer(answer, "25\\%")
+    for label, ok in (("25", True), ("0.25", False)):
+        info = Geo3kEnv(label).step(call % answer.replace("\\", "\\\\"))[2]
+        assert info["correct"] is ok, label

@@ -81,6 +81,16 @@ def test_first_step_loss_is_the_numpy_reference(make_learner, tiny):
     assert m["loss"] == pytest.approx(expected, abs=1e-6)
     assert m["tis_mean"] == pytest.approx(metrics["tis_mean"], rel=1e-5)
     assert m["skipped"] == 0.0 and m["grad_norm"] > 0
+    # one update: clip_frac and approx_kl compare the policy with the behaviour (rollout)
+    # log-probs, which differ here; against the current policy they were 0 by construction
+    rollout = np.concatenate([x.rollout_logprobs for x in b])
+    _, behaviour = policy_loss(
+        logp, logp, np.concatenate([x.advantages for x in b]), mask.astype(np.float32), LOSS,
+        rollout_logp=rollout, seq_ids=seq_ids, n_tokens=tiny["n_tokens"],
+        n_seqs=tiny["n_seqs"], diag_logp=rollout)
+    assert behaviour["approx_kl"] > 1e-3 and behaviour["clip_frac"] > 0
+    assert m["approx_kl"] == pytest.approx(behaviour["approx_kl"], rel=1e-4)
+    assert m["clip_frac"] == pytest.approx(behaviour["clip_frac"], abs=1e-6)
 
 
 @LEARNERS
@@ -141,13 +151,34 @@ def test_several_updates_per_rollout_use_the_behaviour_policy(make_learner, tiny
     assert got["clip_frac"] > 0 and got["approx_kl"] > 1e-4  # later updates: off-policy
 
 
+@LEARNERS
+def test_the_schedule_spans_every_optimizer_step_of_the_run(make_learner, tiny):
+    """2 rollouts x 3 updates (common.step.update, as the loop trains), linear decay to 0: the
+    LR falls over all 6 optimizer steps, 1, 5/6, ... 1/6 of lr. Before, the horizon was
+    train.steps = 2 optimizer steps: 1, 1/2, then 0 from the first rollout's third update on
+    (means 0.5 and 0 where they are 5/6 and 1/3)."""
+    from common.step import update
+
+    lr = 1e-3
+    learner = make_learner(tiny, train_config(lr=lr, lr_schedule="linear", warmup_steps=0,
+                                              steps=2, min_lr_ratio=0.0, updates_per_rollout=3))
+    minis = [list(m) for m in np.array_split(np.array(tiny["batches"], object), 3)]
+    assert all(minis)
+    got = [update(learner, minis)["lr"] for _ in range(2)]
+    assert got == pytest.approx([lr * (1 + 5 / 6 + 4 / 6) / 3, lr * (3 / 6 + 2 / 6 + 1 / 6) / 3])
+    # warmup counts rollouts too: 1 rollout of warmup is 3 optimizer steps
+    learner = make_learner(tiny, train_config(lr=lr, lr_schedule="constant", warmup_steps=1,
+                                              steps=2, updates_per_rollout=3))
+    assert update(learner, minis)["lr"] == pytest.approx(lr * (1 / 3 + 2 / 3 + 1) / 3)
+
+
 @pytest.mark.parametrize("make_learner", [torch_learner], ids=["torch"])
 def test_one_update_per_rollout_is_the_plain_step(make_learner, tiny):
-    """common.step.update with updates=1 is train_step itself, bit for bit."""
+    """common.step.update with one mini-batch is train_step itself, bit for bit."""
     from common.step import update
 
     a, b = make_learner(tiny), make_learner(tiny)
-    ma = update(a, tiny["batches"], tiny["n_tokens"], tiny["n_seqs"], updates=1)
+    ma = update(a, [tiny["batches"]])
     mb = step(b, tiny)
     assert ma == mb
     for (k, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from common.env import EnvConfig, Geo3kEnv, REPEATED, WRONG
-from common.reward import RewardConfig, score_episode, turn_answer
+from common.env import (CORRECT, MALFORMED, UNKNOWN_TOOL, EnvConfig, Geo3kEnv, REPEATED, WRONG,
+                        turn_answer)
+from common.reward import RewardConfig, score_episode
 
 CHOICES = ["3", "5", "7", "9"]  # the label is 7 = choice C
 
@@ -21,9 +22,13 @@ def call(answer):
 def episode(texts, cfg=RewardConfig(), choices=CHOICES, label="7", **env):
     """Run `texts` through the real environment (exact grader), then score them."""
     env_cfg = EnvConfig(max_turns=len(texts), end_on_no_tool_call=False, **env)
-    e = Geo3kEnv(label, env_cfg, choices=choices)
-    infos = [e.step(t)[2] for t in texts]
-    return score_episode(texts, infos, label, cfg, e.choices, env_cfg)
+    e = Geo3kEnv(label, env_cfg, choices=choices, source=cfg.source)
+    infos = []
+    for t in texts:  # as the rollout does: no turn after the environment says done
+        infos.append(e.step(t)[2])
+        if e.done:
+            break
+    return score_episode(texts[:len(infos)], infos, label, cfg, e.choices, env_cfg)
 
 
 @pytest.mark.parametrize("discount", [1.0, 0.5])
@@ -91,11 +96,36 @@ def test_environment_and_reward_agree_for_every_tolerance(rel_tol, value):
 
 
 def test_turn_answer():
-    info = {"tool_score": 0.0, "parsed_answer": "9"}
-    assert turn_answer("\\boxed{7}", info, "tool_or_boxed") == ("tool", "9")
-    assert turn_answer("\\boxed{7}", info, "boxed") == ("boxed", "7")
-    assert turn_answer("\\boxed{7}", {"tool_score": None}, "tool_or_boxed") == ("boxed", "7")
-    assert turn_answer("no answer", {"tool_score": None}, "tool_or_boxed") is None
+    wrong_call = "\\boxed{7} " + call("9")
+    assert turn_answer(wrong_call, "tool_or_boxed")[1] == ("tool", "9")
+    assert turn_answer(wrong_call, "boxed")[1] == ("boxed", "7")
+    assert turn_answer("\\boxed{7}", "tool_or_boxed")[1] == ("boxed", "7")
+    assert turn_answer("\\boxed{7}", "tool")[1] is None
+    assert turn_answer("no answer", "tool_or_boxed")[1] is None
+
+
+BROKEN = ['<tool_call>{"name": "calc_score", "arguments": {"answer": "7"</tool_call>',  # JSON
+          '<tool_call>{"name": "grade", "arguments": {"answer": "7"}}</tool_call>']  # unknown
+
+
+@pytest.mark.parametrize("broken,reason", list(zip(BROKEN, [MALFORMED, UNKNOWN_TOOL])))
+def test_a_box_beside_a_broken_call_is_one_verdict_for_environment_and_reward(broken, reason):
+    """A malformed or unknown tool call plus a correct box: the reward calls turn 1 correct, so
+    the environment must end the episode there (before, it answered "malformed", asked again,
+    and the later turns were trained with the positive advantage). With source=tool the box is
+    no answer for either: the episode goes on and the reward is 0."""
+    env = Geo3kEnv("7", EnvConfig(max_turns=3), choices=CHOICES)
+    obs, done, info = env.step(broken + " so \\boxed{C}")
+    assert done and info["reason"] == CORRECT and info["answer_kind"] == "boxed"
+    s = score_episode([broken], [info], "7", RewardConfig(), env.choices)
+    assert (s.reward, s.correct_turn) == (1.0, 1)
+    env = Geo3kEnv("7", EnvConfig(max_turns=3), choices=CHOICES, source="tool")
+    obs, done, info = env.step(broken + " so \\boxed{C}")
+    assert not done and info["reason"] == reason and not info["correct"]
+    s = score_episode([broken], [info], "7", RewardConfig(source="tool"), env.choices)
+    assert s.reward == 0.0
+    with pytest.raises(ValueError, match="reward.source"):  # built with another source
+        score_episode([broken], [info], "7", RewardConfig(), env.choices)
 
 
 def test_repeats_are_found_by_equivalence():

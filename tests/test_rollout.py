@@ -51,9 +51,11 @@ def test_two_turn_episode_exact_tokens(renderer):
     assert t0.reward == 1.0 and t0.correct and t0.correct_turn == 2
     assert t0.turns[0].text == r1  # the stop token is not part of the text
 
-    # sample 1 answered without the tool: the episode ends, the boxed answer is scored
+    # sample 1 answered without the tool: its box is the turn's answer, correct: the episode
+    # ends there, and the reward reads the environment's verdict
     assert t1.token_ids.tolist() == p + generated("\\boxed{12}")[0]
-    assert t1.turns[0].info["reason"] == "no_tool_call"
+    assert t1.turns[0].info["reason"] == "correct"
+    assert t1.turns[0].info["answer_kind"] == "boxed"
     assert t1.reward == 1.0 and t1.correct_turn == 1
     assert (t0.group_id, t0.sample_idx, t1.sample_idx) == (0, 0, 1)
 

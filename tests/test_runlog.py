@@ -27,7 +27,7 @@ def test_metrics_tensorboard_and_curve(tmp_path):
     assert [(s.step, round(s.value, 6)) for s in scalars] == [(i, i / 10) for i in range(1, 6)]
     assert "train/grad_norm" not in events.Tags()["scalars"]  # non-finite values are not plotted
     png = log.plot()
-    assert Image.open(png).size == (700, 400)
+    assert Image.open(png).size == (800, 550)
     log.truncate_after(3)
     assert [r["step"] for r in log.rows()] == [1, 2, 3]
 

@@ -3,6 +3,7 @@ drawn (re-derived from the `meta` column), numbers only in the image, four disti
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import re
@@ -12,8 +13,8 @@ import pytest
 from PIL import Image
 
 from common.data import load_split
-from common.synthetic import (FAMILIES, fmt_num, fmt_sqrt, generate, main, parse_image_size,
-                              write_split)
+from common.synthetic import (FAMILIES, GEOMETRY, PERCEPTION, fmt_num, fmt_sqrt, generate, main,
+                              parse_image_size, problem_kind, write_split)
 
 ROWS = generate(120, seed=3, image_size="64,160")
 
@@ -60,6 +61,17 @@ def expected_answer(meta: dict) -> str:
         a, b = meta["sides"]
         assert g == [a, b]
         return fmt_num(a * b)
+    # perception: nothing given as a number, the answer is what the figure shows
+    if fam == "polygon_sides":
+        return str(meta["sides"])
+    if fam == "right_angle":  # exactly one right angle; the others at least 25 degrees off
+        angles = meta["angles"]
+        assert angles.count(90) == 1 and all(abs(a - 90) >= 25 for a in angles if a != 90)
+        return str(angles.index(90) + 1)
+    if fam == "longest_segment":  # the longest is clearly so: the others at most 0.7 of it
+        n = meta["lengths"]
+        assert sorted(n)[-2] <= 0.7 * max(n)
+        return "abcd"[n.index(max(n))]
     raise AssertionError(fam)
 
 
@@ -106,8 +118,22 @@ def test_text_never_holds_the_given_numbers_and_choices_are_sound():
         choices = row["choices"]
         assert len(choices) == 4 and len(set(choices)) == 4 and row["answer"] in choices
         assert all(c and not c.startswith("-") for c in choices)
-    positions = {r["choices"].index(r["answer"]) for r in ROWS}
+    geometry = [r for r in ROWS if json.loads(r["meta"])["family"] in GEOMETRY]
+    positions = {r["choices"].index(r["answer"]) for r in geometry}
     assert positions == {0, 1, 2, 3}  # shuffled
+
+
+def test_perception_problems_name_their_kind_and_keep_their_choices_in_order():
+    rows = generate(60, seed=5, image_size=112, families=PERCEPTION)
+    order = {"polygon_sides": ["3", "4", "5", "6"], "right_angle": ["1", "2", "3", "4"],
+             "longest_segment": ["a", "b", "c", "d"]}
+    answers = collections.defaultdict(set)
+    for row in rows:
+        fam = json.loads(row["meta"])["family"]
+        assert problem_kind(row["problem"]) == fam and row["choices"] == order[fam]
+        answers[fam].add(row["answer"])
+    assert all(answers[f] == set(order[f]) for f in PERCEPTION)  # every choice is an answer
+    assert problem_kind("<image>Find x.") == "geometry"
 
 
 def test_images_are_pngs_of_the_requested_sizes():

@@ -92,9 +92,11 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
                 "train/packing_efficiency", "train/grader_calls", "train/grader_timeouts"):
         assert key in rows[0], key
     trained = [r for r in rows if "train/loss" in r]
-    for key in ("train/grad_norm", "train/clip_frac", "train/approx_kl", "train/entropy",
-                "train/logp_diff_mean", "train/logp_diff_max", "train/lr"):
+    for key in ("train/grad_norm", "train/entropy", "train/logp_diff_mean",
+                "train/logp_diff_max", "train/lr"):
         assert all(key in r for r in trained), key
+    # one update on rollouts of the current weights: these would compare the policy with itself
+    assert not any("train/clip_frac" in r or "train/approx_kl" in r for r in trained)
     assert "eval/greedy_accuracy" in rows[1] and "eval/greedy_accuracy" not in rows[0]
     assert last["train/trajectories"] == 6.0
     assert (full / "curve.png").stat().st_size > 1000
@@ -191,6 +193,16 @@ def test_micro_batch_smaller_than_an_episode_is_refused_up_front(shared, tmp_pat
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_staleness_without_a_correction_is_refused_up_front(shared, tmp_path):
+    """max_staleness=1 with loss.tis_cap None used to train on stale rollouts as if on-policy
+    (with one update per rollout the ratio is 1 by construction): now it does not start."""
+    cfg = small_config(shared, 1)
+    cfg.train.max_staleness, cfg.loss.tis_cap = 1, None
+    with pytest.raises(ValueError, match="loss.tis_cap"):
+        train_main.train(cfg, str(tmp_path))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def load_payload(raw: bytes) -> list:
     """A /update_weights_from_tensor payload's [(name, tensor)] (CPU tensors: shared memory)."""
     import pickle
@@ -273,7 +285,9 @@ def test_bounded_staleness_overlaps_and_corrects(shared, tmp_path):
     """max_staleness=1: rollouts are generated ahead (the engine on its own copy of the
     weights) and every trained trajectory is at most one update old; from step 2 on they are
     exactly one old, so the learner's log-probs differ from the rollout's and the truncated
-    importance weights act (tis_mean != 1)."""
+    importance weights act (tis_mean != 1); clip_frac and approx_kl, which compare the policy
+    with the behaviour one, are reported (a synchronous run drops them: see
+    test_workdir_layout_and_exact_resume)."""
     cfg = small_config(shared, 4)
     cfg.train.max_staleness = 1
     cfg.loss.kl_coef = 0.0
@@ -286,6 +300,10 @@ def test_bounded_staleness_overlaps_and_corrects(shared, tmp_path):
     for r in rows[1:]:
         assert r["train/staleness_1"] == 6 and r["train/staleness_mean"] == 1.0
         assert r["train/logp_diff_mean"] > 1e-6 and r["train/tis_mean"] != 1.0
+        # reported (off-policy: against the behaviour log-probs, pinned to the numpy reference
+        # in tests/test_learners.py); here the policies differ by ~1e-4 a token, and float32's
+        # k3 of that rounds to 0
+        assert r["train/approx_kl"] >= 0.0 and "train/clip_frac" in r
     dump = [json.loads(x) for x in (tmp_path / "rollouts" / "step_3.jsonl").read_text()
             .splitlines()]
     assert len(dump) == 6

@@ -14,6 +14,13 @@ prefixed `greedy_` / `sampled_`:
     tool_call_rate, response_len_mean, turns_mean, solved_turn_k, ...
                          everything `common.metrics.rollout_metrics` reports
 
+Every accuracy counts an aborted episode as a failure (the denominator is every episode run).
+Beside them stand the no-skill baselines of the same prompts (`common.evaluation.baselines`):
+`baseline_first_try` (chance) and `baseline_with_feedback` (elimination within max_turns for
+choice problems, a constant guesser for free-form ones). When the split mixes kinds of problem
+(the synthetic set's perception families and geometry), each kind's outcome metrics and
+baselines come again under `<kind>/` (`perception/greedy_first_try_accuracy`, ...).
+
 `accuracy - first_try_accuracy` is what the feedback buys; comparing first-try pass@k with the
 with-feedback accuracy tells whether K tries with feedback beat K independent tries. The training
 loop's periodic evaluation (`common.train`) logs these keys as `eval/*`; the torch CLI
@@ -29,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from common.env import EnvConfig
+from common.evaluation.baselines import Problem, baselines, kind_groups
 from common.metrics import rollout_metrics
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.reward import RewardConfig
@@ -51,13 +59,13 @@ def pass_ks(n: int) -> list[int]:
 
 
 def outcome_metrics(trajs: Sequence[Trajectory], max_turns: int) -> dict[str, float]:
-    """first_try_accuracy, accuracy, solved_by_turn_k over non-aborted episodes, plus (when every
-    prompt has the same number n > 1 of episodes) pass_at_k / final_pass_at_k for k in
-    `pass_ks(n)`; aborted episodes count as failures there."""
-    done = [t for t in trajs if t.status != ABORTED]
-    if not done:
+    """first_try_accuracy, accuracy, solved_by_turn_k over all episodes, plus (when every prompt
+    has the same number n > 1 of episodes) pass_at_k / final_pass_at_k for k in `pass_ks(n)`;
+    an aborted episode counts as a failure everywhere. {} for no episodes."""
+    if not trajs:
         return {}
-    turn = np.array([t.correct_turn if t.correct else 0 for t in done])  # 0: never solved
+    turn = np.array([t.correct_turn if t.correct and t.status != ABORTED else 0
+                     for t in trajs])  # 0: never solved
     out = {"first_try_accuracy": float(np.mean(turn == 1)),
            "accuracy": float(np.mean(turn > 0))}
     for k in range(1, max_turns + 1):
@@ -81,7 +89,9 @@ def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
              n_samples: int = 1, gather: Callable[[object], list] = lambda x: [x]) -> dict:
     """Greedy and sampled metrics of `prompts` (see the module docstring). `gather` collects
     every rank's trajectories (data parallel); prompts of one uid must stay on one rank."""
-    out = {}
+    split = [q for part in gather([Problem.of(p) for p in prompts]) for q in part]
+    out = baselines(split, env_cfg.max_turns, pass_ks(n_samples) if n_samples > 1 else ())
+    kinds = {k: {split[i].uid for i in idx} for k, idx in kind_groups(split).items()}
     modes = [("greedy", dataclasses.replace(roll_cfg, n_samples=1, temperature=0.0))]
     if n_samples > 0:
         modes.append(("sampled", dataclasses.replace(roll_cfg, n_samples=n_samples)))
@@ -91,4 +101,7 @@ def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
         metrics = rollout_metrics(merged, env_cfg.max_turns)
         metrics.update(outcome_metrics(merged, env_cfg.max_turns))
         out.update({f"{name}_{k}": v for k, v in metrics.items()})
+        for kind, uids in kinds.items():
+            part = outcome_metrics([t for t in merged if t.uid in uids], env_cfg.max_turns)
+            out.update({f"{kind}/{name}_{k}": v for k, v in part.items()})
     return out

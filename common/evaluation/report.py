@@ -5,7 +5,11 @@
 The chart answers one question at a glance: how much of the accuracy is first-try geometry and
 how much is retrying with feedback. One bar group per mode (greedy, sampled); bars from left to
 right: first try, solved by turn 2..K, with feedback (final), and sampled pass@k (first try over
-k independent samples, the fair comparison for K tries with feedback).
+k independent samples, the fair comparison for K tries with feedback). A black line over each
+bar group is what a policy with no skill gets there (`common.evaluation.baselines`): chance on
+the first try, elimination within k turns; the table has it as its last column. A split with
+several kinds of problem (`<kind>/` keys) gets one table per kind and a panel each for
+perception and geometry.
 """
 
 from __future__ import annotations
@@ -15,14 +19,27 @@ import os
 from pathlib import Path
 
 MODES = ("greedy", "sampled")
+BASELINE = "no skill"  # the column (and chart line) of `common.evaluation.baselines`
 
 
 def _passes(m: dict, prefix: str) -> list[int]:
     return sorted(int(k[len(prefix):]) for k in m if k.startswith(prefix))
 
 
+def kinds(m: dict) -> list[str]:
+    """The problem kinds with their own metrics (`<kind>/greedy_accuracy`), perception first."""
+    found = sorted({k.split("/")[0] for k in m if k.endswith("/greedy_accuracy")})
+    return sorted(found, key=lambda k: (k != "perception", k == "geometry", k))
+
+
+def part(m: dict, kind: str) -> dict:
+    """One kind's metrics with the `<kind>/` prefix taken off."""
+    return {k[len(kind) + 1:]: v for k, v in m.items() if k.startswith(kind + "/")}
+
+
 def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
-    """(label, {mode: value}) rows of the table and chart, in reading order."""
+    """(label, {mode: value, BASELINE: value}) rows of the table and chart, in reading order;
+    a row's baseline is there when `m` has it (`baseline_<key>`)."""
     out = [("first try (turn 1)", "first_try_accuracy")]
     out += [(f"solved by turn {k}", f"solved_by_turn_{k}") for k in range(2, max_turns)]
     out += [(f"with feedback (≤{max_turns} turns)", "accuracy")]
@@ -30,22 +47,34 @@ def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
             if k > 1]  # pass@1 is the sampled first-try accuracy
     out += [("tool-call rate", "tool_call_rate"), ("turns per episode", "turns_mean"),
             ("response tokens", "response_len_mean")]
+    baseline = {"first_try_accuracy": "baseline_first_try", "accuracy": "baseline_with_feedback"}
     table = []
     for label, key in out:
         vals = {mode: m[f"{mode}_{key}"] for mode in MODES if f"{mode}_{key}" in m}
+        b = baseline.get(key, "baseline_" + key)
+        if vals and b in m:
+            vals[BASELINE] = m[b]
         if vals:
             table.append((label, vals))
     return table
 
 
 def markdown(m: dict, max_turns: int, title: str = "") -> str:
-    """The metrics as a markdown table: one row per quantity, one column per mode."""
-    modes = [mode for mode in MODES if f"{mode}_accuracy" in m]
+    """The metrics as markdown tables (all problems, then each kind): one row per quantity, one
+    column per mode, and the no-skill baseline."""
     lines = [f"**{title}**", ""] if title else []
-    lines += ["| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
-    for label, vals in rows(m, max_turns):
-        cells = [_fmt(vals[mode]) if mode in vals else "" for mode in modes]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for kind in ["", *kinds(m)]:
+        sub = part(m, kind) if kind else m
+        modes = [mode for mode in MODES if f"{mode}_accuracy" in sub]
+        if not modes:
+            continue
+        cols = modes + ([BASELINE] if "baseline_first_try" in sub else [])
+        if kind:
+            lines += ["", f"*{kind} problems*", ""]
+        lines += ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        for label, vals in rows(sub, max_turns):
+            cells = [_fmt(vals[c]) if c in vals else "" for c in cols]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -60,25 +89,35 @@ def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    bars = [(label, vals) for label, vals in rows(m, max_turns)
-            if label.startswith(("first try", "solved by", "with feedback", "pass@"))]
-    modes = [mode for mode in MODES if f"{mode}_accuracy" in m]
+    # all problems, then perception and geometry apart (each family is in the table only)
+    panels = [("", m)] + [(k, part(m, k)) for k in kinds(m) if k in ("perception", "geometry")]
     colors = {"greedy": "tab:blue", "sampled": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=90)
-    x = np.arange(len(bars))
-    width = 0.8 / len(modes)
-    for j, mode in enumerate(modes):
-        xs = [i + (j - (len(modes) - 1) / 2) * width for i, (_, v) in enumerate(bars) if mode in v]
-        ys = [v[mode] for _, v in bars if mode in v]
-        drawn = ax.bar(xs, ys, width, color=colors[mode], label=mode)
-        ax.bar_label(drawn, fmt="%.2f", fontsize=8, padding=2)
-    ax.set_xticks(x, [label.replace(", ", "\n").replace(" (", "\n(") for label, _ in bars],
-                  fontsize=9)
-    ax.set_ylim(0, 1.1)
-    ax.set_ylabel("share of test problems")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper left", fontsize=9)
-    ax.set_title(title or "first-try vs with-feedback accuracy", fontsize=10)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.4 * len(panels)), dpi=90,
+                             squeeze=False)
+    for ax, (kind, sub) in zip(axes[:, 0], panels):
+        bars = [(label, vals) for label, vals in rows(sub, max_turns)
+                if label.startswith(("first try", "solved by", "with feedback", "pass@"))]
+        modes = [mode for mode in MODES if f"{mode}_accuracy" in sub]
+        width = 0.8 / max(len(modes), 1)
+        for j, mode in enumerate(modes):
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i, (_, v) in enumerate(bars)
+                  if mode in v]
+            ys = [v[mode] for _, v in bars if mode in v]
+            drawn = ax.bar(xs, ys, width, color=colors[mode], label=mode)
+            ax.bar_label(drawn, fmt="%.2f", fontsize=8, padding=2)
+        base = [(i, v[BASELINE]) for i, (_, v) in enumerate(bars) if BASELINE in v]
+        for n, (i, y) in enumerate(base):
+            ax.hlines(y, i - 0.45, i + 0.45, colors="black", lw=2,
+                      label="no skill (chance / elimination)" if n == 0 else None)
+        ax.set_xticks(np.arange(len(bars)),
+                      [label.replace(", ", "\n").replace(" (", "\n(") for label, _ in bars],
+                      fontsize=9)
+        ax.set_ylim(0, 1.1)
+        ax.set_ylabel("share of test problems")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+        head = title or "first-try vs with-feedback accuracy"
+        ax.set_title(f"{head}: {kind} problems" if kind else head, fontsize=10)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

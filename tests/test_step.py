@@ -1,0 +1,95 @@
+"""common.step.learn on real rollouts (scripted engine): what each optimizer step is given.
+
+A recording learner stands in for the model: these tests pin what `learn` hands a learner (the
+mini-batches, their counts, the aggregation weights the learners compute from them), not a
+learner's numerics (tests/test_learners.py pins those against the numpy reference)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from common.env import EnvConfig
+from common.grpo import token_weights
+from common.reward import RewardConfig
+from common.rollout import RolloutConfig, rollout
+from common.step import StepConfig, learn
+from tests.conftest import Reply, ScriptedEngine, make_prompt
+
+
+def call(answer):
+    return ('<tool_call>{"name": "calc_score", "arguments": {"answer": ' + json.dumps(answer)
+            + '}}</tool_call>')
+
+
+class Recorder:
+    """A learner that records each optimizer step's micro-batches and counts."""
+
+    def __init__(self):
+        self.steps = []
+
+    def logprobs(self, batches):
+        return [np.zeros(b.num_tokens, np.float32) for b in batches]
+
+    def train_step(self, batches, n_tokens, n_seqs):
+        self.steps.append((list(batches), n_tokens, n_seqs))
+        return {"loss": 0.0, "grad_norm": 0.0, "lr": 0.0, "skipped": 0.0, "clip_frac": 0.0,
+                "approx_kl": 0.0}
+
+
+def trajectories(groups: int, renderer):
+    """`groups` prompts x 4 episodes: two solve it at once (one short turn), two never do
+    (three long turns): wrong answers are long, right ones short, as in a real run."""
+    right, wrong = Reply(call("12")), Reply("let me think it over " + call("7"))
+    script = {f"{g}-{k}": ([right] if k < 2 else [wrong] * 3)
+              for g in range(groups) for k in range(4)}
+    prompts = [make_prompt(uid=f"p{g}") for g in range(groups)]
+    return rollout(prompts, ScriptedEngine(script), renderer,
+                   RolloutConfig(n_samples=4, max_response_tokens=2000,
+                                 max_context_tokens=4000), EnvConfig(max_turns=3))
+
+
+def step_config(updates=1, export="concat", budget=1000):
+    return StepConfig(RolloutConfig(n_samples=4, export_style=export), EnvConfig(max_turns=3),
+                      RewardConfig(), micro_batch_tokens=budget, updates_per_rollout=updates)
+
+
+def test_each_update_of_a_rollout_sees_whole_groups(renderer):
+    """Two updates on one rollout of 4 groups: each mini-batch holds 2 whole groups, so both
+    signs of the advantage and a zero advantage sum. Before, the mini-batches were consecutive
+    slices of length-sorted micro-batches: here one update got all 8 right episodes and 4 wrong
+    ones, the other only 4 wrong ones (every advantage negative)."""
+    trajs = trajectories(4, renderer)
+    learner = Recorder()
+    learn(trajs, learner, step_config(updates=2)).settle()
+    assert len(learner.steps) == 2
+    for batches, n_tokens, n_seqs in learner.steps:
+        adv = np.array([b.advantages[b.cu_seqlens[s]:b.cu_seqlens[s + 1]].max()
+                        + b.advantages[b.cu_seqlens[s]:b.cu_seqlens[s + 1]].min()
+                        for b in batches for s in range(len(b.seq_index))])
+        assert (adv > 0).sum() == 4 and (adv < 0).sum() == 4  # 2 groups: 2 right, 2 wrong each
+        assert n_seqs == 8 and n_tokens == sum(b.loss_mask.sum() for b in batches)
+        assert abs(adv.sum()) < 1e-5
+    # every trajectory trained exactly once over the two updates
+    seen = sorted(int(i) for batches, _, _ in learner.steps for b in batches for i in b.seq_index)
+    assert len(seen) == 16
+
+
+def test_turns_exported_apart_weigh_each_episode_once(renderer):
+    """The individual export cuts a 3-turn episode into 3 sequences: with seq-mean-token-mean
+    each episode must still weigh 1 / episodes (before: a 3-turn episode weighed 3x a 1-turn
+    one, 3/8 against 1/8 of the loss here, and the counts said 8 sequences)."""
+    trajs = trajectories(1, renderer)
+    learner = Recorder()
+    learn(trajs, learner, step_config(export="individual", budget=2000)).settle()
+    (batches, n_tokens, n_seqs), = learner.steps
+    assert n_seqs == pytest.approx(4.0)  # episodes, however they are cut
+    traj_of = np.repeat(np.arange(4), [len(t.turns) for t in trajs])  # sequences in order
+    assert list(traj_of) == [0, 1, 2, 2, 2, 3, 3, 3]  # 2 one-turn, 2 three-turn episodes
+    weight = np.zeros(4)
+    for b in batches:  # the weights both learners compute (geo3k_torch.learner, geo3k_jax.batch)
+        w = token_weights(b.loss_mask, "seq-mean-token-mean", seq_ids=b.seq_ids,
+                          n_tokens=n_tokens, n_seqs=n_seqs, mean_over=b.mean_over)
+        for s, i in enumerate(b.seq_index):
+            weight[traj_of[i]] += w[b.cu_seqlens[s]:b.cu_seqlens[s + 1]].sum()
+    assert weight == pytest.approx([0.25] * 4)
