@@ -10,7 +10,6 @@ process (the tests do).
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 from typing import Callable
 
@@ -25,8 +24,7 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
          suffix: str = "") -> None:
     """Parse the flags and run `train(config, workdir)`; process 0 prints the last evaluation
     beside its baselines (and writes it to <workdir>/eval, `common.evaluation.report`) and the
-    summary. A run
-    that returns skips the interpreter's final garbage collection (see below)."""
+    summary."""
     config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
@@ -44,10 +42,5 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
                 write_report(final, os.path.join(workdir, "eval"), title, turns)
                 print(markdown(final, turns, title))
             print(f"done: {workdir} " + summary(metrics))
-        # Everything the run wrote is closed (checkpoints, logs, writers) and the exit handlers
-        # still run; what is left is the interpreter's last collection over every object the
-        # run made, which the process ending frees anyway: 0.8 s of a CPU-default torch run's
-        # exit, 1.5 s of a JAX one's. Frozen objects are not collected.
-        gc.freeze()
 
     app.run(run)
