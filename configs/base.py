@@ -183,8 +183,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.slice = ml_collections.ConfigDict(
         {"targets": 0, "patches": 0, "window": 0, "prefix_window": 0})
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
-    # keep the big functions' traced programs in <compilation_cache_dir>/programs (one process)
-    c.jax.store_programs = True
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any
     c.jax.check = ml_collections.ConfigDict()
