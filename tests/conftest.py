@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Sequence
 
 import pytest
 
 from common.engine import ABORT, LENGTH, STOP, Completion, Request
+
+# The tests run on the CPU. libtpu (a test requirement: the TPU compiler of tests/test_jax_aot.py)
+# would otherwise make JAX's first call probe for a TPU, log an error and take a host-wide lock
+# that a second test process then fails to take. JAX_PLATFORMS=cuda (or tpu) runs them there.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 TURN_END, EOS, IMAGE = 1000, 1001, 2000
 IMAGE_TOKENS = 3  # placeholder ids per image
