@@ -1,7 +1,7 @@
 """GRPO math in numpy: group advantages, the dynamic-sampling filter and the reference policy loss.
 
 The numpy `policy_loss` is THE reference: the torch and JAX learners implement the same formulas
-and are pinned to this function by tests. Notation, per token t of a sequence (REFERENCE §4):
+and are pinned to this function by tests. Notation, per token t of a sequence:
 
     rho_t   = exp(logp_t - old_logp_t)
     pg_t    = max(-A * rho_t, -A * clip(rho_t, 1 - clip_low, 1 + clip_high))

@@ -6,7 +6,7 @@ patches take (start + i_t, start + i_h, start + i_w), and the text after it resu
 start + max(h, w) (t is 1 for still images; both models agree on images).
 
 transformers only computes these positions when no position ids are passed, so a packed batch
-with plain 0..n positions silently trains with wrong image positions (REFERENCE §5). The learners
+with plain 0..n positions silently trains with wrong image positions. The learners
 therefore compute them here, per sequence, and pass them explicitly: `packed_position_ids` returns
 the (4, T) layout whose first row is the plain text position (restarting at 0 at every sequence)
 followed by the three M-RoPE rows. A segment that continues a shared prefix

@@ -17,12 +17,20 @@ environment's own setting (`EnvConfig.rel_tol`, `grade_timeout_s`), so the envir
 and the reward can never disagree. Binary by default (discount 1, bonus 0): fractional rewards
 made equal-reward groups produce non-zero advantages in one anchor; `common.grpo` also zeroes
 such groups exactly.
+
+Your own reward: `reward.fn="my_package.my_module:my_reward"` names a function with
+`score_episode`'s signature (texts, infos, answer, cfg, choices, env_cfg). It returns an
+`EpisodeScore`, or a number: then that number is the reward and correctness (what the accuracy
+metrics count) stays the built-in grader's. `episode_reward(cfg)` gives the function in force.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+import importlib
+import math
+from typing import Callable, Sequence
 
 from common.env import EnvConfig, resolve_choice
 from common.grader import extract_last_boxed, grade_answer
@@ -35,12 +43,15 @@ class RewardConfig:
     source: str = "tool_or_boxed"
     turn_discount: float = 1.0
     format_bonus: float = 0.0
+    fn: str = ""  # "package.module:function" replaces score_episode; empty: the built-in
 
     def __post_init__(self):
         if self.source not in SOURCES:
             raise ValueError(f"reward source must be one of {SOURCES}, got {self.source!r}")
         if not 0 < self.turn_discount <= 1:
             raise ValueError(f"turn_discount must be in (0, 1], got {self.turn_discount}")
+        if self.fn:
+            load_reward_fn(self.fn)  # a bad name stops the run here, before any rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +98,45 @@ def score_episode(texts: Sequence[str], infos: Sequence[dict], answer: str,
     if cfg.format_bonus and any(i.get("tool_score") is not None for i in infos):
         reward += cfg.format_bonus
     return EpisodeScore(float(reward), correct, turn)
+
+
+@functools.lru_cache(maxsize=None)
+def load_reward_fn(spec: str) -> Callable:
+    """The function `spec` ("package.module:function") names, imported once."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module.strip() or not name.strip():
+        raise ValueError(f"reward.fn={spec!r} must read 'package.module:function'")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"reward.fn={spec!r}: cannot import {module!r} ({e}); is its folder on "
+                         "PYTHONPATH?") from e
+    fn = mod
+    for part in name.split("."):
+        fn = getattr(fn, part, None)
+    if not callable(fn):
+        raise ValueError(f"reward.fn={spec!r}: {module!r} has no function {name!r}")
+    return fn
+
+
+def episode_reward(cfg: RewardConfig) -> Callable[..., EpisodeScore]:
+    """`score_episode`, or the user's `cfg.fn` wrapped to return an `EpisodeScore`."""
+    if not cfg.fn:
+        return score_episode
+    user = load_reward_fn(cfg.fn)
+
+    def scored(texts, infos, answer, cfg=cfg, choices=None, env_cfg=EnvConfig()):
+        out = user(texts, infos, answer, cfg, choices, env_cfg)
+        if isinstance(out, EpisodeScore):
+            value = out.reward
+        elif isinstance(out, (int, float)) and not isinstance(out, bool):
+            value = float(out)
+            out = dataclasses.replace(score_episode(texts, infos, answer, cfg, choices, env_cfg),
+                                      reward=value)
+        else:
+            raise TypeError(f"reward.fn={cfg.fn!r} returned {type(out).__name__}: it must return "
+                            "a number or common.reward.EpisodeScore")
+        if not math.isfinite(value):
+            raise ValueError(f"reward.fn={cfg.fn!r} returned a non-finite reward {value}")
+        return out
+    return scored

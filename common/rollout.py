@@ -32,7 +32,7 @@ import numpy as np
 from common.engine import (ABORT, LENGTH, AsyncEngine, Completion, Engine, FatalEngineError,
                            Request, SamplingParams)
 from common.env import EnvConfig, Geo3kEnv
-from common.reward import RewardConfig, score_episode
+from common.reward import RewardConfig, episode_reward
 
 COMPLETED, TRUNCATED, ABORTED = "completed", "truncated", "aborted"
 ABORT_REASONS = ("engine", "placeholder")
@@ -337,8 +337,9 @@ def _per_episode(episodes: list[_Episode], engine: AsyncEngine, step: _Stepper,
 def _trajectory(ep: _Episode, reward_config: RewardConfig, env_config: EnvConfig) -> Trajectory:
     """The finished episode, scored."""
     prompt = ep.prompt
-    score = score_episode([t.text for t in ep.turns], [t.info for t in ep.turns],
-                          prompt.answer, reward_config, ep.env.choices, env_config)
+    score = episode_reward(reward_config)([t.text for t in ep.turns], [t.info for t in ep.turns],
+                                          prompt.answer, reward_config, ep.env.choices,
+                                          env_config)
     aborted = ep.status == ABORTED
     return Trajectory(
         uid=prompt.uid, group_id=ep.group, sample_idx=ep.sample, answer=prompt.answer,

@@ -1,4 +1,4 @@
-"""The anchor recipe on NVIDIA GPUs: Qwen3-VL-2B-Instruct, multi-turn Geometry3K (REFERENCE §3).
+"""slime's multi-turn recipe on NVIDIA GPUs: Qwen3-VL-2B-Instruct, multi-turn Geometry3K.
 
     torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100.py \
         --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k

@@ -5,7 +5,7 @@
     ... --config=configs/h100_areal.py:individual      # one training sequence per turn
     python -m geo3k_torch.main --config=configs/h100_areal.py:cpu   # tiny, CPU, 3 steps
 
-Settings (REFERENCE §3, AReaL PR): Qwen3-VL-4B, up to 4 turns, turn discount 0.95 (reward
+Settings (AReaL's multi-turn VLM pull request): Qwen3-VL-4B, up to 4 turns, turn discount 0.95 (reward
 0.95^(k-1) for a first correct answer on turn k: the max over turns of r_t * 0.95^t with t
 counted from 0), feedback as a user message, lr 1e-6, n = 4 samples, temperature 0.8, 1,024 new
 tokens, `concat` export (`individual` with the argument). Anchor figure: none (the pull request

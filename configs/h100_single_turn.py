@@ -5,8 +5,8 @@ the last `\boxed{}` of the answer.
         --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
     python -m geo3k_torch.main --config=configs/h100_single_turn.py:cpu    # tiny, CPU, 3 steps
 
-Anchor figure (REFERENCE §3, slime single-turn): train reward 0.3 -> 0.45-0.6 (a user reproduced
-about 0.55). Everything else is the multi-turn anchor (`configs/h100.py`): 64 prompts x 8
+Published figure (slime single-turn): train reward 0.3 -> 0.45-0.6 (a user reproduced
+about 0.55). Everything else is the multi-turn recipe (`configs/h100.py`): 64 prompts x 8
 samples, lr 1e-6, clip 0.2 / 0.28, no KL; here temperature 0.8 and evaluation every 20 steps on
 the whole 601-problem test split. `:cpu` shrinks it to the tiny checkpoint and synthetic set.
 """

@@ -1,5 +1,5 @@
-"""The anchor recipe on a TPU slice with the JAX learner: Qwen3-VL-2B-Instruct, multi-turn
-Geometry3K (REFERENCE §3), the same settings as configs/h100.py.
+"""slime's multi-turn recipe on a TPU slice with the JAX learner: Qwen3-VL-2B-Instruct, multi-turn
+Geometry3K, the same settings as configs/h100.py.
 
     python -m geo3k_jax.train --config=configs/tpu.py \
         --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k \

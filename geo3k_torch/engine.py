@@ -10,7 +10,7 @@ Requests with the same tokens and images and no cache (the samples of a GRPO gro
 first turn) are prefilled once: their row's KV cache and first logits are copied to each of them
 (`share_prefill`).
 Each sampled token's log-prob is read from the raw logits at the request's temperature,
-log_softmax(logits / T), before any top-p truncation (REFERENCE §7: `generate`'s scores are
+log_softmax(logits / T), before any top-p truncation (`generate`'s scores are
 processed). Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its
 last token) or at its `max_new_tokens`.
 """

@@ -1,7 +1,7 @@
 """A fake SGLang server for CPU tests: SGLang 0.5.23's native HTTP API on 127.0.0.1, scripted.
 
 It speaks the wire format documented in common/sglang/engine.py and is no kinder than the
-released server (REFERENCE.md section 8, read from the 0.5.23 wheel) where the client depends on it:
+released server (read from the 0.5.23 wheel's source) where the client depends on it:
   * start-up: /health, /health_generate and /generate answer 503 for `loading_s` seconds; after
     that a health call sleeps `health_delay_s` (1 s, as SGLang's handler does) and generates.
   * /generate: each image placeholder is expanded to `tokens_per_image` pads, and a prompt whose

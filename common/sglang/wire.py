@@ -41,7 +41,7 @@ greedy (T = 0) requests: exactly `Completion.logprobs`. Two server settings chan
 `SGLANG_RETURN_ORIGINAL_LOGPROB=1` returns pre-temperature log-probs (leave it unset), and
 `--rl-on-policy-target` computes them in bf16 with log_softmax to match a trainer.
 
-Image tokens (REFERENCE §5, the double expansion): our ids hold one `<|image_pad|>` per merged
+Image tokens (the double expansion other frameworks shipped): our ids hold one `<|image_pad|>` per merged
 patch; SGLang expects ONE pad per image and expands it itself. Its Qwen-VL processor
 (multimodal/processors/qwen_vl.py `QwenVLImageProcessor.process_mm_data_async`) runs the HF
 processor of the model directory on the image and the prompt (0.5.23 resizes only videos
