@@ -26,6 +26,7 @@ def get_config():
     c.jax.distributed = True
     c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
     c.jax.compute_dtype = "bfloat16"
+    c.engine.slots = 128  # local JAX engine: 28 GiB of KV cache a v5p chip (docs/tpu_engine.md)
     c.jax.remat = True
     c.jax.row_rungs, c.jax.reuse_slack = 2, 2.0  # a compile takes minutes here: fewer shapes
     return c

@@ -25,18 +25,6 @@ from geo3k_jax.layers import apply_rotary, scatter_rows, wide_dtype
 from geo3k_jax.model import QwenVL
 
 
-SLOT_AXIS = (3, 2)  # the slot axis of a layer's (keys, values)
-
-
-def empty_cache(model: QwenVL, rows: int, length: int, dtype) -> tuple:
-    """A cache of `rows` rows of `length` zero slots."""
-    lm = model.model.language_model
-    attn = lm.layers[0].self_attn
-    kv = (rows, attn.kv_heads)
-    return tuple((jnp.zeros(kv + (attn.head_dim, length), dtype),
-                  jnp.zeros(kv + (length, attn.head_dim), dtype)) for _ in lm.layers)
-
-
 def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      scale: float) -> jax.Array:
     """`geo3k_jax.layers.attention` over a cache, batched. q: (B, T, H, D); keys (B, Hkv, D, L)

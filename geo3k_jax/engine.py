@@ -63,6 +63,7 @@ from geo3k_jax.buckets import PATCH_UNITS, bucket
 from geo3k_jax.decode import extend
 from geo3k_jax.kv_budget import (CacheShape, allocate, cache_shardings, cache_specs,
                                  check_kv_budget)
+from geo3k_jax.sharding import make_mesh
 from geo3k_jax.vision_grid import vision_aux
 
 LENGTH_UNIT = 128  # the cache's capacity and the attention bound are buckets of this
@@ -194,7 +195,10 @@ class JaxEngine:
                  memory_fraction: float = 0.9, memory: int | None = None):
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
-        self.keep_cache, self.mesh = keep_cache, mesh
+        # without a mesh, a one-device one: the cache keeps one sharding from call to call
+        # (one the programs' outputs would otherwise pick anew: traced again)
+        self.keep_cache = keep_cache
+        self.mesh = mesh or make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
         if slots < 1 or context < 2:
             raise ValueError(f"engine.slots ({slots}) must be >= 1 and the context ({context}) "
                              ">= 2 tokens")
@@ -203,7 +207,7 @@ class JaxEngine:
         some = params()
         self.dtype = compute_dtype or next(iter(some.values())).dtype
         weight_bytes = sum(a.size for a in some.values()) * np.dtype(self.dtype).itemsize
-        self.cache_bytes = check_kv_budget(self.shape, slots, self.capacity, self.dtype, mesh,
+        self.cache_bytes = check_kv_budget(self.shape, slots, self.capacity, self.dtype, self.mesh,
                                            weight_bytes, memory, memory_fraction)
         # the key lives on the host between calls (a device array coming back from a call is
         # placed differently from a fresh one, and would trace the programs again)
@@ -216,7 +220,7 @@ class JaxEngine:
         self.decode_steps = 0  # decode steps run, summed over calls
         self.prefilled = 0  # tokens prefilled (real ones, not padding)
         self.evictions = 0  # parked sessions whose slot another request took
-        self._shardings = cache_shardings(mesh, self.shape, slots)
+        self._shardings = cache_shardings(self.mesh, self.shape, slots)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("bound", "nucleus"))
         self._insert = jax.jit(self._insert_fn, donate_argnums=0,
                                out_shardings=self._shardings)
@@ -501,7 +505,7 @@ class JaxEngine:
         model = self._model(params)
         source, lengths, batch = self._by_slot((source, lengths, batch))
         at = jnp.maximum(source, 0)
-        rows = tuple((k[at][..., :bound], v[at][:, :, :bound]) for k, v in cache)
+        rows = tuple((k[..., :bound][at], v[:, :, :bound][at]) for k, v in cache)
         logits, rows = extend(model, rows, lengths, batch)
         keys = row_keys(key, seeds, jnp.zeros_like(seeds))
         tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned, nucleus)
@@ -553,15 +557,11 @@ class JaxEngine:
                  st["count"], jnp.zeros(n, bool), jnp.zeros((n, DECODE_CHUNK), jnp.int32),
                  jnp.zeros((n, DECODE_CHUNK), jnp.float32))
         i, cache, *_, toks, lps = jax.lax.while_loop(go, body, state)
-        if self._shardings is not None:
-            cache = jax.lax.with_sharding_constraint(cache, self._shardings)
-        return toks, lps, i, cache
+        return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
 
     def _by_slot(self, tree):
         """Arrays of rows (slots, or a prefill's work rows) split over the mesh's data axes like
-        the cache, where their count allows (unchanged without a mesh)."""
-        if self.mesh is None:
-            return tree
+        the cache, where their count allows."""
         spec = cache_specs(self.mesh, self.shape, self.n_slots)[0]
         split = math.prod(self.mesh.shape[a] for a in spec)
 
