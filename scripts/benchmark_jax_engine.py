@@ -1,6 +1,6 @@
 """The JAX engine's slots against static batches, on the tiny test checkpoint (CPU).
 
-    nice python scripts/benchmark_jax_engine.py [--requests=48 --slots=16 --mix=tail]
+    PYTHONPATH=. nice python scripts/benchmark_jax_engine.py [--requests=48 --slots=16 --mix=tail]
 
 `--requests` requests (one image each, different prompts) with budgets and no stop token, so
 each runs exactly its budget: `--mix=even` gives every request `--median` tokens, `--mix=tail`
@@ -65,7 +65,7 @@ def main(_):
                        context=1024)
     s = _SLOTS.value
     static = [reqs[i:i + s] for i in range(0, len(reqs), s)]
-    result = {"mix": _MIX.value, "requests": len(reqs), "slots": s, "device":
+    result = {"mix": _MIX.value, "requests": len(reqs), "n_slots": s, "device":
               jax.devices()[0].platform}
     for name, batches in (("static", static), ("slots", [reqs])):
         timed(engine, batches)  # warm-up: every shape compiled

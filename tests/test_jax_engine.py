@@ -374,7 +374,8 @@ def test_a_request_prefilled_before_continues_its_slot(tiny):
 
 def test_decode_reads_only_the_bound(tiny):
     """`extend` with attention over the first `bound` slots of a larger cache equals it over the
-    whole cache (garbage past every row's length), logits and cache; the engine's capacity
+    whole cache (garbage past every row's length: read, it would move the logits by far more
+    than 1e-5), logits and cache; the engine's capacity
     does not change what it samples (its decode reads the live bound, not the capacity)."""
     from geo3k_jax.decode import extend
     from geo3k_jax.kv_budget import CacheShape, allocate
@@ -390,10 +391,10 @@ def test_decode_reads_only_the_bound(tiny):
                                           (2, 3, 2)).astype(np.int32)}
     full = extend(model, cache, lengths, batch)
     bounded = extend(model, cache, lengths, batch, bound=128)
-    np.testing.assert_allclose(bounded[0], full[0], rtol=0, atol=1e-6)
-    for (a, b), (c, d) in zip(bounded[1], full[1]):
-        np.testing.assert_array_equal(a, c)
-        np.testing.assert_array_equal(b, d)
+    np.testing.assert_allclose(bounded[0], full[0], rtol=0, atol=1e-5)
+    for (a, b), (c, d) in zip(bounded[1], full[1]):  # a later layer's keys: rounding apart
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b, d, rtol=0, atol=1e-5)
     big = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config, seed=9,
                     slots=SLOTS, context=4096)
     req = one_request(tiny.processor, 4, SamplingParams(1.0, 1.0, 12))
@@ -473,6 +474,7 @@ def test_sampling_without_top_p_skips_the_sort_and_draws_the_same():
         [32, 32, 64, 128, 512, 1024]
 
 
+@pytest.mark.timeout(1800)  # two engines compiled in a subprocess
 def test_engine_sharded_on_8_devices_samples_what_one_device_does():
     """6 sessions x 2 turns on 4 slots over a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU
     devices (a subprocess: the device count is fixed at startup): the same tokens as on one
