@@ -407,7 +407,7 @@ class JaxEngine:
             expand.append(len(work))
             work.append((r, s, kept))
         batch, source, lengths, first_pos, real = self._work_arrays(work)
-        n_rows, n_req = len(source), power_of_two(len(admitted), 1)
+        n_req = power_of_two(len(admitted), 1)
         bound = min(self.capacity, bucket(int((lengths + batch["count"]).max()), LENGTH_UNIT))
         jobs = [a[0] for a in admitted]
         pad = n_req - len(jobs)
