@@ -32,12 +32,9 @@ setup(
     extras_require={
         # The torch learner. On CPU machines install the pinned CPU wheel (requirements-cpu.txt).
         "torch": ["torch>=2.6"],
-        # The JAX learner on CPU; TPUs use the `tpu` extra instead. flatbuffers: jax.export's
-        # serialization (geo3k_jax.programs).
-        "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
-                "flatbuffers>=24.3"],
-        "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
-                "flatbuffers>=24.3"],
+        # The JAX learner on CPU; TPUs use the `tpu` extra instead.
+        "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
+        "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
         # GPU rollouts: SGLang brings its own CUDA torch build. 0.5.15 is the first release
         # that keeps our token ids verbatim around images (SGLANG_MM_AVOID_RETOKENIZE on by
         # default); the client is checked against the source of 0.5.15 and 0.5.23.

@@ -10,7 +10,6 @@ process (the tests do).
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 from typing import Callable
 
@@ -22,8 +21,7 @@ from common.train import summary
 
 def main(train: Callable[[object, str], dict], rank: Callable[[], int],
          suffix: str = "") -> None:
-    """Parse the flags and run `train(config, workdir)`; process 0 prints the summary. A run
-    that returns skips the interpreter's final garbage collection (see below)."""
+    """Parse the flags and run `train(config, workdir)`; process 0 prints the summary."""
     config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
@@ -35,10 +33,5 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
         metrics = train(flags.FLAGS.config, workdir)
         if rank() == 0:
             print(f"done: {workdir} " + summary(metrics))
-        # Everything the run wrote is closed (checkpoints, logs, writers) and the exit handlers
-        # still run; what is left is the interpreter's last collection over every object the
-        # run made, which the process ending frees anyway: 0.8 s of a CPU-default torch run's
-        # exit, 1.5 s of a JAX one's. Frozen objects are not collected.
-        gc.freeze()
 
     app.run(run)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -75,7 +74,6 @@ def train(cfg, workdir: str | Path, run: Run) -> dict:
     try:
         return _loop(cfg, workdir, run)
     finally:
-        gc.unfreeze()  # what the loop froze is collectable again (a process that goes on)
         run.backend.close()
         run.shutdown()
 
@@ -122,10 +120,6 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         if comm.rank == 0:
             checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
 
-    # What exists now (model, programs, data, the libraries' caches) lives for the whole run:
-    # the loop's full collections skip it (CPU default: 0.7 -> 0.5 s of them in a torch run,
-    # 1.15 -> 0.7 s in a JAX one, whose libraries keep more objects).
-    gc.freeze()
     progress = _progress(comm.rank == 0)
     task = progress.add_task("train", total=cfg.train.steps, completed=start, info="")
     metrics: dict = {}

@@ -177,8 +177,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.row_rungs = 4
     c.jax.reuse_slack = 1.5
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
-    # keep the big functions' traced programs in <compilation_cache_dir>/programs (one process)
-    c.jax.store_programs = True
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any
     c.jax.check = ml_collections.ConfigDict()

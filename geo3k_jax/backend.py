@@ -28,8 +28,7 @@ class JaxBackend:
         self.own_copy = own_copy
         self.params = None
         self.engine = JaxEngine(learner.merge, lambda: self.params, processor, config,
-                                seed=seed, compute_dtype=learner.compute_dtype,
-                                programs=learner.programs)
+                                seed=seed, compute_dtype=learner.compute_dtype)
         self.sync(learner, 0)
 
     def sync(self, learner, step: int) -> None:

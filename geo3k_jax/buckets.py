@@ -49,10 +49,8 @@ SHAPE_KEYS = ("length", "targets", "patches", "window", "prefix_window")  # a sl
 class Ladder:
     """How finely row lengths follow the data: `row_rungs` lengths an octave (`bucket`'s
     per_octave, a power of two), and a compiled shape serves slices whose rows need at least
-    1 / `reuse_slack` of its length. Finer and tighter pad less and compile more: the CPU
-    default's 4 and 1.5 left 0.92 of the learner's tokens real with 4 gradient shapes, 2 and 2
-    left 0.73 with 2 (docs/benchmarks.md); where a compile takes minutes (a large model on TPU),
-    2 and 2 compile least."""
+    1 / `reuse_slack` of its length. Finer and tighter pad less and compile more; where a
+    compile takes minutes (a large model on TPU), 2 and 2 compile least."""
 
     row_rungs: int = 4
     reuse_slack: float = 1.5

@@ -52,7 +52,6 @@ from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
 from geo3k_jax.buckets import PATCH_UNITS, bucket
 from geo3k_jax.decode import SLOT_AXIS, empty_cache, extend
-from geo3k_jax.programs import ProgramStore, describe
 from geo3k_jax.vision_grid import vision_aux
 
 LENGTH_UNIT = 128  # cache lengths are buckets of this
@@ -93,7 +92,7 @@ def draw(key: jax.Array, scaled: jax.Array, block: int = DRAW_BLOCK) -> jax.Arra
     cumulative sums at one uniform per row and level: first a block of `block` consecutive ids
     by the blocks' masses, then a token of that block by its own. (The same law as
     `jax.random.categorical`, whose Gumbel-max costs V uniforms, two logarithms each and a
-    two-operand argmax per row: 1.4 ms of a 4 ms decode step of 32 x 2048 on XLA:CPU.) Two
+    two-operand argmax per row.) Two
     levels keep fp32 exact enough for any vocabulary: one cumulative sum over 152k ids would
     place every boundary to within the rounding of the running total (about 1e-7 of it, as much
     as a rare token's own probability), where here only the block boundaries see that rounding
@@ -136,7 +135,7 @@ class JaxEngine:
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
                  seed: int = 0, compute_dtype=None, share_prefill: bool = True,
-                 keep_cache: bool = True, programs: ProgramStore | None = None):
+                 keep_cache: bool = True):
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
         self.keep_cache = keep_cache
@@ -149,16 +148,8 @@ class JaxEngine:
         self.banned = jnp.asarray(sorted(placeholders), jnp.int32)
         self.compiles = 0  # traces of the prefill and decode functions
         self.decode_steps = 0  # tokens the decode loop sampled per row, summed over calls
-
-        def jit(fn, name, **kw):  # through the program store, when there is one
-            if programs is None:
-                return jax.jit(fn, **kw)
-            context = describe((config, compute_dtype, merge, self.banned))  # what fn reads
-            return programs.jit(fn, name, context, **kw)
-        self._prefill = jit(self._prefill_fn, "engine-prefill",
-                            static_argnames=("cache_len", "nucleus"))
-        self._decode = jit(self._decode_fn, "engine-decode", donate_argnums=1,
-                           static_argnames="nucleus")
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("cache_len", "nucleus"))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="nucleus")
         self._kept: dict[str, _Kept] = {}  # session -> its row of the latest call's cache
         self._prompts: dict[tuple, _Kept] = {}  # (tokens, images) -> a whole request's row
         self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing

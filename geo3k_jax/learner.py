@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -41,9 +40,7 @@ from common.learner import Collectives, Deferred, SingleProcess
 from common.schedule import lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
-from geo3k_jax.compiler import compiler_options
 from geo3k_jax.model import token_logprobs
-from geo3k_jax.programs import ProgramStore, describe, register_namedtuples
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
 STATE_DIR = "jax_state"  # the orbax learner state inside a checkpoint directory
@@ -127,8 +124,7 @@ class Learner:
                  compute_dtype=None, ref_params: dict | None = None, chunk: int = 0,
                  remat: bool = False, rows_per_slice: int | None = None,
                  row_len: int | None = None, ladder: Ladder = Ladder(),
-                 comm: Collectives = SingleProcess(), model_dir: str | None = None,
-                 programs: ProgramStore | None = None):
+                 comm: Collectives = SingleProcess(), model_dir: str | None = None):
         if loss_cfg.kl_coef and ref_params is None:
             raise ValueError("kl_coef > 0 needs reference parameters")
         self.merge, self.loss_cfg, self.cfg = merge, loss_cfg, train_cfg
@@ -142,11 +138,7 @@ class Learner:
                              f"mesh's data-parallel size {data}")
         self.row_len, self.ladder = row_len, ladder
         self.compiles = 0  # traces of the compiled functions: each one compilation
-        self.xla_options = compiler_options(
-            None if mesh is None else mesh.devices.flat[0].platform)
-        self.programs = programs
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
-        self._noted = []  # the (kind, slice arrays) kept in the program store's notes
         self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
@@ -236,7 +228,6 @@ class Learner:
                              "runs a filler: common.step.even_out)")
         total = None
         for sl in slices:
-            self._note("grad", sl)
             grad_fn, shardings = self._compiled("grad", sl)
             out = grad_fn(self.params, self._global(sl, shardings), self.ref_params)
             total = out if total is None else _accumulate(total, out)
@@ -244,7 +235,7 @@ class Learner:
             kw = {} if self.mesh is None else dict(
                 in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
                 out_shardings=(self.param_sh, self.opt_sh, None))
-            self._steps["apply"] = self._jit(self._apply, "apply", donate_argnums=(0, 1), **kw)
+            self._steps["apply"] = jax.jit(self._apply, donate_argnums=(0, 1), **kw)
         self.params, self.opt_state, metrics = self._steps["apply"](self.params, self.opt_state,
                                                                     *total)
         return Deferred(metrics, {"compiles": float(self.compiles)})
@@ -256,7 +247,6 @@ class Learner:
         local = len(slices[0]["input_ids"])  # this process's rows per slice
         out = []
         for sl in slices:
-            self._note("logprobs", sl)
             fn, shardings = self._compiled("logprobs", sl)
             rows = fn(self.params, self._global(sl, shardings))  # (R, T)
             if not rows.is_fully_addressable:  # this process's rows only
@@ -303,74 +293,8 @@ class Learner:
                           out_shardings=(self.param_sh, None)) if kind == "grad" else dict(
                     in_shardings=(self.param_sh, sl_sh))
             fn = self._slice_grad if kind == "grad" else self._logprobs
-            self._steps[key] = (self._jit(fn, kind, **kw), sl_sh)
+            self._steps[key] = (jax.jit(fn, **kw), sl_sh)
         return self._steps[key]
-
-    def _jit(self, fn: Callable, name: str, **kw):
-        """jax.jit(fn) with the learner's compiler options; through the program store when
-        there is one, its context every setting of this learner that `fn` reads."""
-        kw["compiler_options"] = self.xla_options
-        if self.programs is None:
-            return jax.jit(fn, **kw)
-        register_namedtuples(self.opt_state)  # the update takes and returns optax's state
-        return self.programs.jit(fn, f"learner-{name}", self._context, **kw)
-
-    @functools.cached_property
-    def _context(self) -> str:
-        """Every setting of this learner that its compiled functions read (the store's key)."""
-        return describe((self.loss_cfg, self.cfg, self.temperature, self.chunk, self.remat,
-                         self.compute_dtype, self.config, self.merge, self.mesh,
-                         self.param_sh, self.opt_sh))
-
-    # ---- warm-up -----------------------------------------------------------------------
-    def _note(self, kind: str, sl: dict) -> None:
-        """Keep the arrays (shape, dtype) of a slice this learner runs in the program store's
-        notes, once: a later run's `warm_up` loads its program ahead."""
-        if self.programs is None:
-            return
-        record = {"kind": kind, "arrays": _spec(sl)}
-        if record not in self._noted:
-            self._noted.append(record)
-            self.programs.note("learner-slices", self._context, record)
-
-    def warm_up(self) -> threading.Thread | None:
-        """Load, in a background thread, the compiled gradients (and log-probs) of the slices
-        that earlier runs of this learner met (same code, settings and model: the program
-        store's notes), while this run does other work (builds its engine, samples its first
-        rollouts): a first call of a stored program otherwise spends 0.2-0.3 s reading XLA's
-        executable from the compilation cache (the CPU default meets four gradient shapes).
-        Only stored programs are loaded (nothing is traced), the parameters are only described
-        (their shapes and shardings), and the step's choices (which shapes, `buckets.reuse`)
-        do not change. Returns the thread, or None without a store or notes, or without a
-        mesh (uncommitted parameters are another input to jit than their description)."""
-        if self.programs is None or self.mesh is None:
-            return None
-        try:
-            slices = [(r["kind"], _zeros(r["arrays"]))
-                      for r in self.programs.notes("learner-slices", self._context)
-                      if r.get("kind") in ("grad", "logprobs")]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a foreign notes file
-            logging.warning("learner warm-up: unreadable notes (%s: %s)", type(e).__name__, e)
-            return None
-        if not slices:
-            return None
-        like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        params = jax.tree.map(like, self.params)
-        ref = None if self.ref_params is None else jax.tree.map(like, self.ref_params)
-        # the jitted functions are made here, in this thread: the step finds the same ones
-        calls = [(kind, sl, *self._compiled(kind, sl)) for kind, sl in slices]
-
-        def load():
-            try:
-                for kind, sl, fn, shardings in calls:
-                    extra = (ref,) if kind == "grad" else ()
-                    fn.prepare(params, self._global(sl, shardings), *extra)
-            except Exception as e:  # noqa: BLE001  the step loads what was not loaded here
-                logging.warning("learner warm-up stopped (%s: %s)", type(e).__name__, e)
-
-        thread = threading.Thread(target=load, name="learner-warm-up")
-        thread.start()
-        return thread
 
     def _logprobs(self, params, sl):
         self.compiles += 1  # runs while tracing only
@@ -421,18 +345,6 @@ class _OrbaxInfo(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno > logging.INFO or "orbax" not in record.pathname
-
-
-def _spec(arrays: dict) -> dict:
-    """A slice's (nested) dict of arrays as JSON: each array its [shape, dtype name]."""
-    return {k: _spec(v) if isinstance(v, dict) else [list(v.shape), str(v.dtype)]
-            for k, v in sorted(arrays.items())}
-
-
-def _zeros(spec: dict) -> dict:
-    """Zero arrays of a `_spec`: a slice of the same shapes (one of padding only)."""
-    return {k: _zeros(v) if isinstance(v, dict) else np.zeros(v[0], np.dtype(v[1]))
-            for k, v in spec.items()}
 
 
 def _quiet_orbax() -> None:

@@ -33,7 +33,6 @@ from geo3k_jax.buckets import Ladder
 from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
-from geo3k_jax.programs import ProgramStore
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.splash import resolve_attention
 from geo3k_jax.weights import load_model
@@ -67,11 +66,8 @@ def build(cfg, workdir: str) -> loop.Run:
         raise SystemExit(f"this config needs {cfg.jax.platform.upper()} devices "
                          f"(jax.platform={cfg.jax.platform!r}) and JAX sees {platform}; use "
                          "--config=configs/cpu.py on a CPU machine")
-    programs = None
     if cfg.jax.compilation_cache_dir:
         use_compilation_cache(cfg.jax.compilation_cache_dir)
-        if cfg.jax.store_programs and jax.process_count() == 1:
-            programs = ProgramStore(os.path.join(cfg.jax.compilation_cache_dir, "programs"))
     if cfg.jax.compute_dtype not in DTYPES:
         raise ValueError(f"jax.compute_dtype must be one of {sorted(DTYPES)}, got "
                          f"{cfg.jax.compute_dtype!r}")
@@ -90,9 +86,7 @@ def build(cfg, workdir: str) -> loop.Run:
                       compute_dtype=DTYPES[cfg.jax.compute_dtype],
                       ref_params=params if loss_cfg.kl_coef else None,
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
-                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
-                      programs=programs)
-    learner.warm_up()  # the gradients an earlier run met, loaded while the engine starts
+                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir)
     backend = make_backend(
         cfg, own_kind="jax", model_dir=model_dir, processor=processor, workdir=workdir,
         comm=comm, own=lambda: JaxBackend(learner, processor, config, seed=cfg.seed,

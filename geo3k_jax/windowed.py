@@ -9,16 +9,14 @@ says which keys of the two windows each query sees.
 backward pass, in the manner of flash attention: a block runs with only the windows it reads
 (`block_classes`: none for padding, the prefix window alone for a prompt's blocks); the
 forward keeps only the output and each query's log-sum-exp, the backward recomputes one
-block's probabilities at a time and adds its key and value gradients into place. Left to autodiff, the same computation stores every block's (Wp + W)-wide
-probabilities and walks them several times more in memory; this way a block's scores stay
-in cache (on a CPU-default row of 2,048 tokens, forward 40 -> 10 ms and forward + backward
-56-70 -> 30 ms a layer, docs/benchmarks.md).
+block's probabilities at a time and adds its key and value gradients into place. Left to
+autodiff, the same computation stores every block's (Wp + W)-wide probabilities and walks them
+several times more in memory; this way a block's scores are used while they are at hand.
 
 Scores, exponentials and the log-sum-exp are in (at least) fp32; masked scores are -inf, so
 that their exponentials are 0 without a second mask. The forward multiplies V by the
 unnormalized exponentials (cast to v's dtype) and divides the D-wide output by their sum, one
-pass fewer over the (Wp + W)-wide block than normalizing first (the gradient of a CPU-default
-row, both layers: 131-147 -> 127-132 ms, docs/benchmarks.md). A query that sees no key
+pass fewer over the (Wp + W)-wide block than normalizing first. A query that sees no key
 (padding) gets a zero output and passes no gradient.
 """
 
@@ -100,12 +98,9 @@ def windowed_attention(q: jax.Array, k: jax.Array, v: jax.Array, windows: dict,
     arrays, mask: (B, nb, block, Wp + W) (`window_mask` of each row). Returns (B, T, H * D).
 
     Query block i of every row runs with class `block_classes(mask)[i]` (`lax.switch`: only
-    that branch runs): a prompt's blocks skip the own window, padding blocks everything (on
-    the CPU default's recorded steps, 164 gradients: 17.1-17.8 -> 16.1-16.9 s). The rows of a
-    batch share a block's class, so that the switch runs once per block, not once per row
-    (under `jax.vmap` it would run every branch). Finer classes, windows cut to multiples of
-    64 or 128 keys, read fewer scores (0.69-0.73 of the whole windows') but ran no faster:
-    a block's fixed costs stay, and each class is one more branch to compile."""
+    that branch runs): a prompt's blocks skip the own window, padding blocks everything. The
+    rows of a batch share a block's class, so that the switch runs once per block, not once
+    per row (under `jax.vmap` it would run every branch)."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     _, nb, block, _ = mask.shape

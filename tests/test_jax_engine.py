@@ -236,29 +236,6 @@ def test_the_same_call_again_is_not_traced_again(tiny):
     assert engine.compiles == 2
 
 
-def test_stored_programs_sample_the_same_and_a_later_run_traces_nothing(tiny, tmp_path):
-    """With a program store (`geo3k_jax.programs`) the engine samples what it samples without
-    one, over several turns with kept caches; a later engine on the same directory (another
-    run) loads its prefill and decode instead of tracing them."""
-    from geo3k_jax.programs import ProgramStore
-
-    def fresh(programs=None):  # not the shared engine: its caches have grown
-        return JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
-                         seed=5, programs=programs)
-
-    want = episodes(fresh(), tiny.processor, seed=2, turns=2)
-    for expect_loaded in (False, True):
-        store = ProgramStore(tmp_path)
-        engine = fresh(store)
-        got = episodes(engine, tiny.processor, seed=2, turns=2)
-        assert [[(c.token_ids, c.logprobs, c.finish_reason) for c in outs] for _, outs in got] \
-            == [[(c.token_ids, c.logprobs, c.finish_reason) for c in outs] for _, outs in want]
-        if expect_loaded:
-            assert engine.compiles == 0 and store.exported == 0 and store.loaded >= 2
-        else:
-            assert engine.compiles >= 2 and store.exported == engine.compiles
-
-
 def test_backend_reads_the_learners_params(tiny):
     """Sync is free: the engine samples from the learner's own arrays; with `own_copy` (rollouts
     while the learner's step donates its buffers) from equal arrays of its own."""

@@ -183,28 +183,6 @@ def test_a_run_compiles_once_per_bucket(setup):
     assert learner.compiles == 3
 
 
-def test_stored_programs_train_the_same_and_a_later_run_traces_nothing(setup, tmp_path):
-    """With a program store (`geo3k_jax.programs`), two steps give the metrics and parameters of
-    a learner without one; a later learner on the same directory (another run) loads the
-    gradient, the update and the log-probs instead of tracing them."""
-    from geo3k_jax.programs import ProgramStore
-    plain = setup.learner(LossConfig(), train_config())
-    want = [dict(setup.step(plain)) for _ in range(2)]
-    want_logp = plain.logprobs(setup.batches)
-    runs = [setup.learner(LossConfig(), train_config(), programs=ProgramStore(tmp_path))
-            for _ in range(2)]
-    for learner in runs:
-        got = [dict(setup.step(learner)) for _ in range(2)]
-        assert [(m["loss"], m["grad_norm"]) for m in got] == \
-            [(m["loss"], m["grad_norm"]) for m in want]
-        assert all(np.array_equal(a, b) for a, b in zip(learner.logprobs(setup.batches),
-                                                        want_logp))
-        assert all(np.array_equal(learner.params[k], plain.params[k]) for k in plain.params)
-    assert (runs[0].programs.exported, runs[0].programs.loaded) == (3, 0)
-    assert (runs[1].programs.exported, runs[1].programs.loaded) == (0, 3)
-    assert runs[1].compiles == 0
-
-
 def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
     """A slice's rows are its longest micro-batch rounded up to a bucket of ROW_UNIT tokens, at
     most the row length: a short micro-batch never pays for the whole budget, nor for a longer
@@ -427,33 +405,3 @@ def test_two_processes_equal_one(setup, tmp_path):
     mine = {k: np.asarray(v) for k, v in single.params.items()}
     assert weights.keys() == mine.keys()
     assert max(float(np.abs(weights[k] - mine[k]).max()) for k in mine) <= 1e-4
-
-
-def test_a_warm_up_loads_the_gradients_an_earlier_run_met(setup, tmp_path):
-    """A learner with a program store notes the slices it trains on; a later one on the same
-    store and settings loads their gradients in a background thread (`warm_up`), then trains
-    the same step, loading only its update and compiling nothing else."""
-    from geo3k_jax.programs import ProgramStore
-    from geo3k_jax.sharding import make_mesh
-    mesh = make_mesh({"fsdp": -1}, jax.devices()[:1])
-    first = setup.learner(LossConfig(), train_config(), mesh=mesh,
-                          programs=ProgramStore(tmp_path))
-    assert first.warm_up() is None  # nothing noted yet
-    want = dict(setup.step(first))
-    assert setup.learner(LossConfig(), train_config(),  # no mesh: nothing to describe
-                         programs=ProgramStore(tmp_path)).warm_up() is None
-    store = ProgramStore(tmp_path)
-    later = setup.learner(LossConfig(), train_config(), mesh=mesh, programs=store)
-    thread = later.warm_up()
-    thread.join()
-    assert store.loaded == 1 and later.compiles == 0  # the step's one gradient shape
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: events.append(name) if "/compile/" in name else None)
-    got = dict(setup.step(later))
-    assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"])
-    assert all(np.array_equal(later.params[k], first.params[k]) for k in first.params)
-    assert store.loaded == 2 and later.compiles == 0  # and the update
-    events.clear()
-    setup.step(later)
-    assert not events  # everything the step runs was loaded

@@ -113,23 +113,3 @@ def test_default_engine_is_jax_no_torch_model_bounded_compiles(shared, tmp_path,
     compiles = [r["train/engine_compiles"] for r in rows]
     print("engine compiles per step", compiles)
     assert compiles == sorted(compiles) and 2 <= compiles[-1] <= 12
-
-
-def test_a_second_run_loads_its_programs_and_trains_the_same(shared, tmp_path):
-    """With the compilation cache on (the default), the first run keeps its traced programs
-    (`geo3k_jax.programs`); a second run of the same config loads them: it traces no learner
-    function (train/compiles 0) and no engine function (engine_compiles 0), and trains as the
-    first did."""
-    cfg = jax_config(shared, 2)
-    cfg.jax.compilation_cache_dir = str(tmp_path / "cache")
-    run(cfg, tmp_path / "first")
-    first = [json.loads(x) for x in (tmp_path / "first" / "metrics.jsonl").read_text()
-             .splitlines()]
-    assert first[-1]["train/compiles"] >= 2 and first[-1]["train/engine_compiles"] >= 2
-    assert len(list((tmp_path / "cache" / "programs").glob("*.exported"))) >= 3
-    _, pieces = run(cfg, tmp_path / "second")
-    second = [json.loads(x) for x in (tmp_path / "second" / "metrics.jsonl").read_text()
-              .splitlines()]
-    assert second[-1]["train/compiles"] == 0 and second[-1]["train/engine_compiles"] == 0
-    assert pieces.learner.programs.exported == 0 and pieces.learner.programs.loaded >= 3
-    assert_same_metrics(first, tmp_path / "second")

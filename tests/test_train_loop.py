@@ -139,24 +139,6 @@ def test_checkpoint_is_an_hf_model_directory(shared, tmp_path):
     assert checkpoints.latest(tmp_path / "checkpoints").name == "step_1"
 
 
-def test_the_loop_freezes_its_setup_and_a_process_gets_it_back(shared, tmp_path, monkeypatch):
-    """The loop's full collections skip what the run built before it (gc.freeze); once the run
-    returns, nothing stays frozen."""
-    import gc
-    import common.train as loop
-    frozen, learn = [], loop.learn
-
-    def counting_learn(*args, **kwargs):
-        frozen.append(gc.get_freeze_count())
-        return learn(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "learn", counting_learn)
-    cfg = small_config(shared, 1)
-    cfg.eval.every = 0
-    train_main.train(cfg, str(tmp_path))
-    assert len(frozen) == 1 and frozen[0] > 1000 and gc.get_freeze_count() == 0
-
-
 def test_gpu_recipe_without_cuda_stops_with_a_clear_message(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "geo3k_torch.main", "--config=configs/h100.py",
                            f"--workdir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
