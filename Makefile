@@ -23,11 +23,13 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q -c requirements-cpu.txt -c requirements-test.txt -r requirements-test.txt
 	touch $(TEST_STAMP)
 
+# Two workers (pytest-xdist), one test file each at a time: the suite's modules build their own
+# fixtures, so a file never splits across workers.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
 train: install
 	$(PY) -m geo3k_torch.main --config=configs/cpu.py

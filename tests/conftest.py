@@ -14,6 +14,8 @@ from common.engine import ABORT, LENGTH, STOP, Completion, Request
 # would otherwise make JAX's first call probe for a TPU, log an error and take a host-wide lock
 # that a second test process then fails to take. JAX_PLATFORMS=cuda (or tpu) runs them there.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Two test workers may each load libtpu for a TPU compile (tests/test_jax_aot.py).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 TURN_END, EOS, IMAGE = 1000, 1001, 2000
 IMAGE_TOKENS = 3  # placeholder ids per image
