@@ -126,11 +126,6 @@ def get_config() -> ml_collections.ConfigDict:
     # Compare SGLang's expanded prompt ids with ours exactly: off | first (the run's first
     # request, and on demand) | every request (costs a prompt-sized list per answer).
     c.engine.sglang_check_prompt_ids = "first"
-    # The in-process JAX engine: requests decoding at once (rows of its KV cache, each of
-    # rollout.max_context_tokens), and the share of a device's memory its cache and weights may
-    # take (checked at start: a cache that would not fit stops the run with the numbers).
-    c.engine.slots = 32
-    c.engine.kv_memory_fraction = 0.9
 
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()
@@ -201,18 +196,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.rules = JAX_RULES
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
-    c.jax.remat = False  # recompute each decoder layer and vision block in the backward pass
-    c.jax.attention = "auto"  # auto | splash | windowed (auto: splash on TPU; geo3k_jax.splash)
+    c.jax.remat = False  # recompute each decoder layer in the backward pass (less memory)
     # Learner row lengths (geo3k_jax.buckets.Ladder): lengths an octave (a power of two) and how
     # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
     c.jax.row_rungs = 4
     c.jax.reuse_slack = 1.5
-    # Or one slice shape for the whole run (a TPU compile takes minutes): rows of the micro-batch
-    # budget with room for `targets` trained tokens, `patches` image patches, `window` own keys
-    # per query block (0: the whole row) and `prefix_window` shared-prompt keys; a slice that
-    # needs more is an error naming the setting. targets = 0: shapes follow the data (above).
-    c.jax.slice = ml_collections.ConfigDict(
-        {"targets": 0, "patches": 0, "window": 0, "prefix_window": 0})
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any

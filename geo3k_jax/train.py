@@ -29,12 +29,11 @@ from common.prepare import check_config, prepare_data
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
 from geo3k_jax.backend import JaxBackend
-from geo3k_jax.buckets import Ladder, one_shape
+from geo3k_jax.buckets import Ladder
 from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
-from geo3k_jax.splash import resolve_attention
 from geo3k_jax.weights import load_model
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
@@ -78,22 +77,18 @@ def build(cfg, workdir: str) -> loop.Run:
     train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
     processor = load_processor(model_dir)
     mesh = make_mesh(dict(cfg.jax.mesh))
-    model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules,
-                               attention=resolve_attention(cfg.jax.attention, platform, mesh))
+    model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules)
     merge, params = split_params(model)
     learner = Learner(merge, params, loss_cfg, cfg.train, cfg.rollout.temperature,
                       processor=processor, config=config, mesh=mesh, rules=cfg.jax.rules,
                       compute_dtype=DTYPES[cfg.jax.compute_dtype],
                       ref_params=params if loss_cfg.kl_coef else None,
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
-                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
-                      shape=one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens))
+                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir)
     backend = make_backend(
         cfg, own_kind="jax", model_dir=model_dir, processor=processor, workdir=workdir,
-        comm=comm, own=lambda: JaxBackend(
-            learner, processor, config, seed=cfg.seed, slots=cfg.engine.slots,
-            context=cfg.rollout.max_context_tokens,
-            memory_fraction=cfg.engine.kv_memory_fraction))
+        comm=comm, own=lambda: JaxBackend(learner, processor, config, seed=cfg.seed,
+                                          own_copy=cfg.train.max_staleness > 0))
     counters = backend.metrics if isinstance(backend, JaxBackend) else dict
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 

@@ -286,7 +286,7 @@ def test_a_sampled_placeholder_aborts_the_episode(checkpoint, token):
     assert placeholder in r.placeholder_ids and len(r.placeholder_ids) == 4
     prompt = row_to_prompt(generate(1, seed=3, image_size="112")[0], uid="p0")
     enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
-    engine = IdEngine(r.turn_end_id, {"0-0": [enc(call("1")), enc("so") + [placeholder]],
+    engine = IdEngine(r.turn_end_id, {"0-0": [enc(call("999")), enc("so") + [placeholder]],
                                       "0-1": [enc(call(prompt.answer))]})
     t0, t1 = rollout([prompt], engine, r, RolloutConfig(n_samples=2, max_response_tokens=4000,
                                                         max_context_tokens=8000))
