@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install test test-fast train train-jax clean
+.PHONY: install test test-fast test-all train train-jax clean
 
 install: $(STAMP)
 
@@ -23,12 +23,17 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	touch $(TEST_STAMP)
 
 # Two workers (pytest-xdist), one test file each at a time: the suite's modules build their own
-# fixtures, so a file never splits across workers.
+# fixtures, so a file never splits across workers. `test` leaves out the `heavy` end-to-end runs
+# (minutes each, their code covered by smaller tests); `test-all` runs them too; `test-fast`
+# leaves out every test over a few seconds.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not heavy" tests
 
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not heavy" tests
+
+test-all: $(TEST_STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 train: install
 	$(PY) -m geo3k_torch.main --config=configs/cpu.py

@@ -102,6 +102,7 @@ MEASURED = ("tokens_per_s", "seconds", "tflops_per_s", "mfu", "peak_memory_gb", 
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # two minutes; the runs, steps and engines it times have their own tests
 @pytest.mark.timeout(1800)
 def test_tiny_check_runs_every_section(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--tiny",
