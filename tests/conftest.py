@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
+import tempfile
 from typing import Sequence
 
 import pytest
@@ -16,6 +19,16 @@ from common.engine import ABORT, LENGTH, STOP, Completion, Request
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two test workers may each load libtpu for a TPU compile (tests/test_jax_aot.py).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# JAX's persistent compilation cache (geo3k_jax.compiler, as a run uses it), in a folder of this
+# test process that starts empty: a program that several tests build again (a fresh learner or
+# engine on the same model and shapes) compiles once per process. Set here, before any test
+# module compiles anything; the folder goes when the process ends.
+_JAX_CACHE = tempfile.mkdtemp(prefix="geo3k-test-jax-cache-")
+atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+from geo3k_jax.compiler import use_compilation_cache  # noqa: E402
+
+use_compilation_cache(_JAX_CACHE)
 
 TURN_END, EOS, IMAGE = 1000, 1001, 2000
 IMAGE_TOKENS = 3  # placeholder ids per image
