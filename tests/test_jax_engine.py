@@ -20,7 +20,17 @@ from tests.test_jax_model import jax_copy
 from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Every test compiles the engine or its sampling (seconds each on CPU): all of them are slow.
+pytestmark = pytest.mark.slow
 ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+# Scheduling, caches, stops and seeds are the engine's own, the same for both architectures:
+# such a test runs on one of them (the two alternate); numerics against the learner and the
+# torch engine, and what reads the checkpoint's keys, run on both.
+
+
+def one_arch(arch):
+    """Runs the test on the module's `tiny` of `arch` only."""
+    return pytest.mark.parametrize("tiny", [arch], indirect=True)
 
 
 @dataclasses.dataclass
@@ -126,6 +136,7 @@ def one_request(processor, seed=0, sampling=SamplingParams(1.0, 1.0, 10), sessio
     return Request(tuple(prompt_ids(processor, imgs, rng)), imgs, sampling, session)
 
 
+@one_arch("qwen3_vl")
 def test_stop_tokens_and_budgets(tiny):
     """In one batch: a request stops at the first of its stop tokens (kept as its last token,
     finish 'stop'), another runs to its own max_new_tokens ('length'), a third of a different
@@ -168,6 +179,7 @@ def test_placeholders_never_sampled(tiny):
         assert not {IMG, tiny.hf.config.video_token_id} & set(o.token_ids)
 
 
+@one_arch("qwen2_5_vl")
 def test_seeded_rng_state_and_top_p(tiny):
     """Same seed, same samples; the RNG state round-trips through JSON and replays the same
     samples; greedy ignores the seed; a tiny top_p keeps only the likeliest token (= greedy)."""
@@ -189,6 +201,7 @@ def test_seeded_rng_state_and_top_p(tiny):
     assert tiny.engine(seed=3).generate([nucleus])[0].token_ids == g.token_ids
 
 
+@one_arch("qwen2_5_vl")
 def test_a_small_call_reuses_compiled_rows_and_samples_the_same(tiny):
     """After a call of 8 requests, a call of 1 pads its rows to 8 (within ROW_SLACK) instead
     of compiling new shapes, and samples, with the same key, what a fresh engine sampling it
@@ -219,6 +232,7 @@ def test_a_small_call_reuses_compiled_rows_and_samples_the_same(tiny):
     assert fresh._length(500) == 512 and fresh._length(120) == 128
 
 
+@one_arch("qwen3_vl")
 def test_the_same_call_again_is_not_traced_again(tiny):
     """With the parameters on a mesh, as the learner holds them, a second call of the same
     shapes reuses the compiled prefill and decode: the key that came back from the first is
@@ -254,6 +268,7 @@ def test_backend_reads_the_learners_params(tiny):
     assert shared.rng_state() == np.asarray(jax.random.PRNGKey(0)).tolist()
 
 
+@one_arch("qwen3_vl")
 def test_shared_group_prefill_equals_separate_prefills(tiny):
     """A group's identical requests (own image copies) are prefilled in one row and give the
     tokens and log-probs of separate prefills, sampled from the same key."""
@@ -277,6 +292,7 @@ def test_shared_group_prefill_equals_separate_prefills(tiny):
     assert len({tuple(o.token_ids) for o in shared[:2] + shared[3:]}) > 1  # samples differ
 
 
+@one_arch("qwen3_vl")
 def test_kept_cache_equals_whole_prefills(tiny):
     """Turns 2 and 3 continue each session's kept KV cache (only the last generated token and
     the feedback are prefilled) and sample what prefilling the whole conversation samples:
@@ -306,6 +322,7 @@ def test_kept_cache_equals_whole_prefills(tiny):
     assert all(entry is None for entry, _, _ in engine._plan(nxt, engine._kept)[0])
 
 
+@one_arch("qwen2_5_vl")
 def test_a_request_prefilled_before_continues_its_row(tiny):
     """Requests equal to ones an earlier call prefilled whole (new sessions: an evaluation's
     sampled episodes after its greedy ones) continue those rows, prefilling their last token
