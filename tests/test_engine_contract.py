@@ -16,8 +16,9 @@ every episode goes on until its third turn, a correct answer or a limit.
 
     python -m pytest -q tests/test_engine_contract.py  # about a minute on two CPU cores
 
-Each test runs per engine kind and per architecture (qwen3_vl, qwen2_5_vl); the JAX engine
-compiles once per shape for the whole module.
+Each test runs per engine kind and per architecture (qwen3_vl, qwen2_5_vl), the retries' JAX
+run on Qwen2.5-VL only; the JAX engine compiles once per shape for the whole module, so every
+test here is `slow` (the first of each architecture pays for the checkpoint and compiles).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from tests.conftest import FakePrompt
 # weights) and one compiled JaxEngine per architecture.
 from tests.test_jax_engine import Tiny, tiny  # noqa: F401
 from tests.tiny_models import END, IMG, START, image
+
+pytestmark = pytest.mark.slow
 
 TURN_END, TOOL, ASSISTANT = 254, 255, 256  # the chat template's markers (not placeholders)
 STOPS = (TURN_END,) + tuple(range(9, 250, 9))  # 28 text ids stop a turn too
@@ -339,7 +342,10 @@ def test_placeholders_are_never_sampled(kind, tiny, renderer):
                 assert p_img > 0.99
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# The retries are the rollout's; the JAX engine meets them (a request sent again while it
+# keeps that session's cache) on one architecture: the other takes 15 s more for nothing new.
+@pytest.mark.parametrize("tiny,kind", [("qwen3_vl", "torch"), ("qwen2_5_vl", "torch"),
+                                       ("qwen2_5_vl", "jax")], indirect=["tiny"])
 def test_failed_requests_are_retried_then_abort_only_their_episode(kind, tiny, renderer):
     """Greedy, max_retries=2: the whole first call raises; one request then aborts once more
     (two failures: retried, it goes on); one fails three times in its first turn and one in
