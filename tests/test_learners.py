@@ -58,8 +58,9 @@ def jax_learner(tiny, train_cfg=None):
                    model_dir=tiny["path"])
 
 
-LEARNERS = pytest.mark.parametrize("make_learner", [torch_learner, jax_learner],
-                                   ids=["torch", "jax"])
+# The JAX learner compiles its step (seconds on CPU): slow.
+LEARNERS = pytest.mark.parametrize("make_learner", [
+    torch_learner, pytest.param(jax_learner, marks=pytest.mark.slow)], ids=["torch", "jax"])
 
 
 def step(learner, tiny) -> dict:
@@ -93,6 +94,7 @@ def test_first_step_loss_is_the_numpy_reference(make_learner, tiny):
     assert m["clip_frac"] == pytest.approx(behaviour["clip_frac"], abs=1e-6)
 
 
+@pytest.mark.slow
 @LEARNERS
 def test_resumed_step_equals_uninterrupted(make_learner, tiny, tmp_path):
     comm = SingleProcess()
@@ -151,6 +153,7 @@ def test_several_updates_per_rollout_use_the_behaviour_policy(make_learner, tiny
     assert got["clip_frac"] > 0 and got["approx_kl"] > 1e-4  # later updates: off-policy
 
 
+@pytest.mark.slow
 @LEARNERS
 def test_the_schedule_spans_every_optimizer_step_of_the_run(make_learner, tiny):
     """2 rollouts x 3 updates (common.step.update, as the loop trains), linear decay to 0: the
