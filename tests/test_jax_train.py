@@ -1,5 +1,6 @@
 """The JAX learner through the shared loop (`python -m geo3k_jax.train`): the workdir, an HF
-export that transformers reads as the JAX model, exact resume, and a bounded number of compiles."""
+export that transformers reads as the JAX model, exact resume, the JAX engine without a torch
+model, and a bounded number of compiles (one run checks them all: a run compiles for a minute)."""
 
 import json
 from pathlib import Path
@@ -38,30 +39,49 @@ def run(cfg, workdir):
 
 @pytest.mark.slow
 def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
+    """Also: with the default `engine.backend=local` the JAX trainer samples with the JAX
+    engine: no torch module is constructed once the tiny checkpoint exists (a reloading torch
+    engine would build one at once), and the engine's compilations, logged every step, stop
+    growing once the run's shape buckets are met (a shape that followed the data would compile
+    at every step: prompt lengths, image sizes and response lengths all vary)."""
     from transformers import AutoModelForImageTextToText
 
     from common.processor import load_processor
+    from geo3k_jax.backend import JaxBackend
     from geo3k_jax.batch import device_batch
     from geo3k_jax.check_batch import check_batches
     from geo3k_torch.model import packed_inputs
+    from geo3k_torch.prepare import prepare_model_dir
 
     full = tmp_path / "full"
-    last, pieces = run(jax_config(shared, 4), full)
+    cfg = jax_config(shared, 3)
+    prepare_model_dir(cfg)  # setup, not training: the tiny checkpoint is built with torch once
+
+    def no_torch_model(self, *args, **kwargs):
+        raise AssertionError(f"a torch {type(self).__name__} was built during JAX training")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.Module, "__init__", no_torch_model)
+        last, pieces = run(cfg, full)
+    assert isinstance(pieces.backend, JaxBackend)
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    compiles = [r["train/engine_compiles"] for r in rows]
+    assert compiles == sorted(compiles) and 2 <= compiles[-1] <= 12, compiles
     assert "eval/greedy_accuracy" in rows[1]
     assert (full / "curve.png").stat().st_size > 1000 and list(full.glob("events.out.*"))
     assert len((full / "rollouts" / "step_1.jsonl").read_text().splitlines()) == 6
-    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    assert (full / "checkpoints" / "step_4" / "jax_state").is_dir()
+    # every 2 steps, and the last
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert (full / "checkpoints" / "step_3" / "jax_state").is_dir()
     # one shape bucket covers the run: compiled once, then reused
     assert [r["train/compiles"] for r in rows if "train/compiles" in r][-1] <= 2
     w0 = load_file(str(shared / "tiny" / "model.safetensors"))
-    w4 = load_file(str(full / "checkpoints" / "step_4" / "model.safetensors"))
-    assert max(float(np.abs(w4[k] - w0[k]).max()) for k in w4) > 1e-4  # it trained
+    w3 = load_file(str(full / "checkpoints" / "step_3" / "model.safetensors"))
+    assert max(float(np.abs(w3[k] - w0[k]).max()) for k in w3) > 1e-4  # it trained
 
     # the final export, read by transformers, is the learner's model
-    ckpt = full / "checkpoints" / "step_4"
+    ckpt = full / "checkpoints" / "step_3"
     processor = load_processor(ckpt)
     hf = AutoModelForImageTextToText.from_pretrained(ckpt).eval()
     batches, n_tokens, n_seqs = check_batches(processor, prompts=2, samples=1, images=[1, 2],
@@ -81,35 +101,11 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
     # the run interrupted right after its step-2 checkpoint, then resumed
     part = tmp_path / "part"
     with crash_after_checkpoint(2, monkeypatch), pytest.raises(KeyboardInterrupt):
-        run(jax_config(shared, 4), part)
-    cfg = jax_config(shared, 4)
+        run(jax_config(shared, 3), part)
+    cfg = jax_config(shared, 3)
     cfg.train.resume = True
     run(cfg, part)
     assert_same_metrics(rows, part)
-    w_part = load_file(str(part / "checkpoints" / "step_4" / "model.safetensors"))
-    assert max(float(np.abs(w4[k] - w_part[k]).max()) for k in w4) == 0.0
-    assert checkpoints.latest(part / "checkpoints") == Path(part / "checkpoints" / "step_4")
-
-
-def test_default_engine_is_jax_no_torch_model_bounded_compiles(shared, tmp_path, monkeypatch):
-    """With the default `engine.backend=local` the JAX trainer samples with the JAX engine: no
-    torch module is constructed once the tiny checkpoint exists (a reloading torch engine would
-    build one at once), and the engine's compilations, logged every step, stop growing once
-    the run's shape buckets are met (a shape that followed the data would compile at every
-    step: prompt lengths, image sizes and response lengths all vary)."""
-    from geo3k_jax.backend import JaxBackend
-    from geo3k_torch.prepare import prepare_model_dir
-
-    cfg = jax_config(shared, 4)
-    prepare_model_dir(cfg)  # setup, not training: the tiny checkpoint is built with torch once
-
-    def no_torch_model(self, *args, **kwargs):
-        raise AssertionError(f"a torch {type(self).__name__} was built during JAX training")
-
-    monkeypatch.setattr(torch.nn.Module, "__init__", no_torch_model)
-    _, pieces = run(cfg, tmp_path)
-    assert isinstance(pieces.backend, JaxBackend)
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    compiles = [r["train/engine_compiles"] for r in rows]
-    print("engine compiles per step", compiles)
-    assert compiles == sorted(compiles) and 2 <= compiles[-1] <= 12
+    w_part = load_file(str(part / "checkpoints" / "step_3" / "model.safetensors"))
+    assert max(float(np.abs(w3[k] - w_part[k]).max()) for k in w3) == 0.0
+    assert checkpoints.latest(part / "checkpoints") == Path(part / "checkpoints" / "step_3")
