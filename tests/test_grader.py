@@ -201,6 +201,7 @@ def test_fast_path_needs_no_process():
     assert verify_answer(r"\sqrt{4}", "2") == Verdict(True, "slow")
 
 
+@pytest.mark.slow
 def test_exponent_tower_times_out_from_worker_threads():
     before = STATS.snapshot()
     start = time.monotonic()

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 FORBIDDEN = {"torch", "jax", "jaxlib", "flax", "optax", "orbax"}
 COMMON = pathlib.Path(__file__).resolve().parents[1] / "common"
 
@@ -35,6 +37,7 @@ def test_whole_common_package_imports_without_frameworks():
     assert len(modules) >= 9
 
 
+@pytest.mark.slow
 def test_jax_learner_needs_no_torch():
     """The JAX learner and its engine run where torch is absent (TPU hosts); only the
     cross-backend check (numerics, main) imports torch, inside the functions that compare

@@ -35,6 +35,7 @@ def dense(q, k, v, seg):
     return attention(q, k, v, jnp.asarray(mask), 0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths,length", [
     ([[100, 300, 50], [512], [7, 1, 200]], 512),      # a sequence filling the row: W = T
     ([[130, 60, 70], [20] * 12, []], 384),            # many short ones, an empty row
@@ -85,6 +86,7 @@ def shared_rows(layout, length):
 LONG_GROUP = ([400] + [60] * 10 + [30, 100], [-1] + [0] * 10 + [-1, 11])  # 1,130 tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,length", [
     # (segment lengths, parents) per row: prompts with several continuations, plain sequences
     ([([300, 40, 90, 25], [-1, 0, 0, 0]), ([50, 200, 10, 10, 60], [-1, -1, 1, 1, -1])], 512),
@@ -162,6 +164,7 @@ def _losses(layout, length, dtype=jnp.float32):
     return windowed_loss, dense_loss, (q, k, v), seg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,length", GRAD_LAYOUTS)
 def test_windowed_gradients_equal_dense(layout, length):
     """The hand-written backward pass (per block, key and value gradients added into place
@@ -174,6 +177,7 @@ def test_windowed_gradients_equal_dense(layout, length):
                                    err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 def test_blocks_run_with_the_windows_they_need():
     """On one row (a CPU-default slice), a prompt's blocks run without the own window and a
     block of padding with no keys at all; with two rows a block takes the larger of their
@@ -200,6 +204,7 @@ def test_blocks_run_with_the_windows_they_need():
                                    err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 def test_windowed_bfloat16_follows_float32():
     """bf16 inputs: scores and softmax in fp32, gradients in the inputs' dtype, close to the
     fp32 ones (within bf16 rounding)."""
@@ -214,6 +219,7 @@ def test_windowed_bfloat16_follows_float32():
         assert err.max() <= 0.05 * np.abs(np.asarray(w)).max()
 
 
+@pytest.mark.slow
 def test_a_query_that_sees_nothing_gives_zero_and_no_gradient():
     """A query whose mask row is all False (padding's, or made so) outputs 0 and its output's
     gradient reaches nothing: not NaN, not a uniform average of its window."""

@@ -3,7 +3,10 @@ process loads it."""
 
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_cache_keeps_even_a_fast_compile(tmp_path):
     """A one-add function compiles in milliseconds, far under JAX's default 1 s threshold:
     it is written to the cache all the same, and a second process loads it from there."""

@@ -110,6 +110,7 @@ def test_no_weights_is_an_error(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers_with_the_same_logits(ckpt, tmp_path):
     """Change the JAX weights, export, load with transformers: its logits are the JAX ones."""
     model, config = load_model(ckpt)

@@ -24,6 +24,7 @@ def shared(tmp_path_factory):
     return tmp_path_factory.mktemp("sft")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, vocab", [("qwen3_vl", "small"), ("qwen2_5_vl", "qwen")])
 def test_only_the_reply_is_in_the_mask(arch, vocab, tmp_path):
     build_tiny_checkpoint(tmp_path, arch=arch, vocab=vocab, hidden_size=64)

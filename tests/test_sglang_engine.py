@@ -567,6 +567,7 @@ def launch(tmp_path, n=1, extra_args=(), command=(sys.executable, FAKE), **kw):
                           extra_args=extra_args, command=command, **{**args, **kw})
 
 
+@pytest.mark.slow
 def test_launch_serve_and_shutdown(tmp_path):
     with launch(tmp_path, n=2, extra_args=["--disable-cuda-graph"]) as group:
         port = int(group.urls[1].rsplit(":", 1)[1])

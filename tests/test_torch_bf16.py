@@ -104,6 +104,7 @@ def test_shared_prefix_step_in_bf16_is_the_fp32_step(data, group):
                    if v.dim())
 
 
+@pytest.mark.slow
 def test_kl_against_a_bf16_reference_is_the_fp32_kl(data, group):
     _, _, batches, n_tokens, n_seqs = data
     fp32, bf16 = learners(data, dataclasses.replace(LOSS, kl_coef=0.1), lr=0.05,
@@ -115,6 +116,7 @@ def test_kl_against_a_bf16_reference_is_the_fp32_kl(data, group):
     assert b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL)
 
 
+@pytest.mark.slow
 def test_several_updates_per_rollout_in_bf16(data, group):
     _, _, batches, n_tokens, n_seqs = data
     fp32, bf16 = learners(data, lr=0.05, lr_schedule="constant", warmup_steps=0)
