@@ -30,9 +30,10 @@ def run(tmp_path, nproc, arch, agg, layout="strided"):
     return json.loads(out.read_text())
 
 
+# FSDP2's collectives are the same for both architectures: Qwen2.5-VL and seq-mean-token-mean
+# here, Qwen3-VL and token-mean on two processes in the empty-rank test below.
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,agg", [("qwen3_vl", "token-mean"),
-                                      ("qwen2_5_vl", "seq-mean-token-mean")])
+@pytest.mark.parametrize("arch,agg", [("qwen2_5_vl", "seq-mean-token-mean")])
 def test_two_processes_equal_one(tmp_path, arch, agg):
     one = run(tmp_path, 1, arch, agg)
     two = run(tmp_path, 2, arch, agg)
@@ -53,6 +54,7 @@ def test_a_rank_with_nothing_to_train_takes_part(tmp_path):
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
     assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
+    assert one["sync_exact"] and two["sync_exact"]  # Qwen3-VL's bf16 sync buckets, sharded
     # global token means: the empty rank adds no tokens (a mean of rank means would halve them)
     for key in ("entropy", "logp_diff_mean", "tis_mean"):
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
