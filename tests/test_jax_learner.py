@@ -79,6 +79,7 @@ def test_loss_equals_numpy_reference(setups, cfg):
             assert float(sums[key]) / n == pytest.approx(metrics[key], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_model_loss_equals_reference(setup):
     """The learner's loss on real log-probs (old = current, as one step per rollout does)."""
     merge, params, batch = setup.merge, setup.params, setup.batch
@@ -92,6 +93,7 @@ def test_model_loss_equals_reference(setup):
     assert float(loss) == pytest.approx(want, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_first_step_loss_through_the_protocol_is_the_numpy_reference(setup):
     """train_step(micro-batches, global counts), as the shared loop calls it."""
     cfg = LossConfig(tis_cap=2.0)
@@ -113,6 +115,7 @@ def capture_gradients():
         lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
 
 
+@pytest.mark.slow
 def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
     """One micro-batch per slice (a loop of 3+ gradients inside the compiled step, each slice
     padded to its own length) against every micro-batch in one slice: the same gradient."""
@@ -138,6 +141,7 @@ def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
     assert max(np.abs(g).max() for g in one.values()) > 1e-4  # a real gradient
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_and_remat_change_nothing(setup):
     batch = setup.batch
     fn = lambda **kw: jax.jit(lambda p: token_logprobs(setup.merge(p), batch, **kw))  # noqa
@@ -163,6 +167,7 @@ def test_chunked_logprobs_and_remat_change_nothing(setup):
         assert worst <= 2e-6, (kw, worst)
 
 
+@pytest.mark.slow
 def test_a_run_compiles_once_per_bucket(setup):
     """Steps whose slices fall in the same buckets reuse the compiled gradient (4 micro-batches
     in any order, or 3: how many slices a step has is no shape), the update compiles once; a
@@ -206,6 +211,7 @@ def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
     assert [s["length"] for s in coarse] == [128, 128, 128, 32]  # powers of two
 
 
+@pytest.mark.slow
 def test_a_coarse_ladder_compiles_less(setup, monkeypatch):
     """`Ladder(row_rungs, reuse_slack)`: lengths on a coarser ladder and a looser reuse meet
     fewer shapes; a ladder that cannot be built says why."""
@@ -278,6 +284,7 @@ def test_bucket_ladder():
         bucket(10, 1, 3)
 
 
+@pytest.mark.slow
 def test_schedule_and_skip(setup):
     tc = train_config(warmup_steps=2, steps=5, lr_schedule="linear", min_lr_ratio=0.2)
     learner = setup.learner(LossConfig(), tc)
@@ -295,6 +302,7 @@ def test_schedule_and_skip(setup):
     assert all(np.isfinite(np.asarray(v)).all() for v in setup.params.values())  # not donated
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_state(setup):
     """Mixed precision: the step runs in bf16, parameters and moments stay fp32, and the loss
     and gradient norm are those of fp32 to bf16 accuracy."""
@@ -314,31 +322,12 @@ def test_kl_needs_reference(setup):
         setup.learner(LossConfig(kl_coef=0.1), train_config())
 
 
-def test_orbax_resume_is_exact(setup, tmp_path):
-    tc, cfg = train_config(), LossConfig(tis_cap=2.0)
-    straight = setup.learner(cfg, tc)
-    for _ in range(4):
-        setup.step(straight)
-
-    first = setup.learner(cfg, tc)
-    for _ in range(2):
-        setup.step(first)
-    first.save(tmp_path)
-    setup.step(first)  # donates the buffers saved, while orbax may still be writing them
-    first.wait_saved()
-    resumed = setup.learner(cfg, tc)  # fresh state, then restored
-    resumed.restore(tmp_path)
-    for _ in range(2):
-        setup.step(resumed)
-    for k, v in straight.params.items():
-        np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(v), err_msg=k)
-    with pytest.raises(FileNotFoundError, match="not a JAX learner checkpoint"):
-        resumed.restore(tmp_path / "elsewhere")
-
-
+@pytest.mark.slow
 def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     """A step after a restore pads as the uninterrupted run does: the shapes compiled before
-    the checkpoint (`buckets.reuse`) come back with it."""
+    the checkpoint (`buckets.reuse`) come back with it, and its weights are the uninterrupted
+    run's exactly (the step after `save` donated the buffers orbax was still writing).
+    tests/test_learners.py resumes through the loop's checkpoints.start as well."""
     tc, cfg = train_config(), LossConfig(tis_cap=2.0)
     straight = setup.learner(cfg, tc)
     row_len = straight.row_len
@@ -354,11 +343,14 @@ def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     assert resumed._shapes == straight._shapes and len(straight._shapes) == 1
     for k, v in straight.params.items():
         np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(v), err_msg=k)
+    with pytest.raises(FileNotFoundError, match="not a JAX learner checkpoint"):
+        resumed.restore(tmp_path / "elsewhere")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
-def test_sharded_step_equals_single_device(arch):
+def test_sharded_step_equals_single_device(arch="qwen2_5_vl"):
+    """8 fake devices against one, on Qwen2.5-VL (the two-process test below runs Qwen3-VL):
+    the mesh, the shardings and the per-device rows are the same code for both."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "tests.jax_sharded_worker", arch], cwd=ROOT,
