@@ -36,13 +36,20 @@ def checkpoint(request, tmp_path_factory):
     return out
 
 
-@pytest.fixture(params=["own", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["own", "qwen2_5_vl", "qwen3_vl"])
 def processor(request, checkpoint):
-    """The checkpoint's processor with its own template or one of Qwen's published ones."""
+    """The checkpoint's processor with its own template or one of Qwen's published ones (loaded
+    once per module: a test that changes a template loads a processor of its own)."""
     processor = load_processor(checkpoint)
     if request.param != "own":
         processor.chat_template = published_template(request.param)
     return processor
+
+
+@pytest.fixture(scope="module")
+def own_processor(checkpoint):
+    """The checkpoint's processor with its own template, loaded once per checkpoint."""
+    return load_processor(checkpoint)
 
 
 def call(answer):
@@ -279,9 +286,8 @@ class IdEngine:
 
 @pytest.mark.parametrize("token", ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                    "<|vision_end|>"])
-def test_a_sampled_placeholder_aborts_the_episode(checkpoint, token):
-    processor = load_processor(checkpoint)
-    r, tok = ChatRenderer(processor), processor.tokenizer
+def test_a_sampled_placeholder_aborts_the_episode(own_processor, token):
+    r, tok = ChatRenderer(own_processor), own_processor.tokenizer
     placeholder = tok.convert_tokens_to_ids(token)
     assert placeholder in r.placeholder_ids and len(r.placeholder_ids) == 4
     prompt = row_to_prompt(generate(1, seed=3, image_size="112")[0], uid="p0")
