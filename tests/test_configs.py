@@ -38,23 +38,13 @@ def test_misspelled_key_is_an_error():
         to_dataclass(EnvConfig, {**cfg.env.to_dict(), "max_turn": 2})
 
 
-def test_h100_recipe():
-    cfg = h100.get_config()
-    assert (cfg.rollout.n_samples, cfg.train.prompts_per_step) == (8, 64)
-    assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.kl_coef) == (0.2, 0.28, 0.0)
-    assert cfg.rollout.max_response_tokens == 4096 and cfg.env.max_turns == 3
-    assert cfg.engine.backend == "sglang" and cfg.loss.tis_cap == 2.0  # TIS on for SGLang
-    assert cfg.train.device == "cuda" and cpu.get_config().engine.backend == "local"
-
-
 def test_tpu_recipe_is_the_anchor_on_the_jax_learner():
     cfg, gpu = tpu.get_config(), h100.get_config()
     for section in ("rollout", "env", "loss", "reward", "advantage"):
         assert cfg[section].to_dict() == gpu[section].to_dict(), section
-    assert (cfg.train.lr, cfg.train.prompts_per_step) == (1e-6, 64)
-    assert (cfg.jax.platform, cfg.jax.compute_dtype, cfg.jax.remat) == ("tpu", "bfloat16", True)
 
 
+@pytest.mark.slow
 def test_tpu_recipe_without_a_tpu_stops_with_a_clear_message(tmp_path):
     for extra in ([], ["--config.jax.distributed=False"]):  # as shipped, and on one host
         proc = subprocess.run([sys.executable, "-m", "geo3k_jax.train", "--config=configs/tpu.py",
