@@ -19,6 +19,12 @@ from common.engine import ABORT, LENGTH, STOP, Completion, Request
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Two test workers may each load libtpu for a TPU compile (tests/test_jax_aot.py).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# Under pytest-xdist the workers share the machine's cores: each computes on its share of them
+# (torch would otherwise start a thread per core in every worker, and the workers' threads would
+# preempt each other's spin-waits). Subprocesses of a test inherit the setting.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
 # JAX's persistent compilation cache (geo3k_jax.compiler, as a run uses it), in a folder of this
 # test process that starts empty: a program that several tests build again (a fresh learner or
