@@ -57,8 +57,9 @@ def test_check_batch_is_multi_turn_multi_image(ckpt):
     assert max(runs) >= 2 and n_tokens == sum(b.loss_mask.sum() for b in batches)
 
 
-# A check takes a minute on 2 CPU cores: each architecture and each dtype runs once, Qwen2.5-VL
-# in fp32 here (with the tight log-prob bound) and Qwen3-VL in bf16 through the command line.
+# A check takes a minute or two on 2 CPU cores: each architecture and each dtype runs once,
+# Qwen2.5-VL in fp32 here (with the tight log-prob bound; `make test`) and Qwen3-VL in bf16
+# through the command line (`make test-all`: the same `run_check`, reached through absl flags).
 @pytest.mark.slow
 @pytest.mark.parametrize("ckpt,dtype", [("qwen2_5_vl", "float32")], indirect=["ckpt"])
 def test_check_passes_on_other_shapes(ckpt, dtype):
@@ -71,7 +72,7 @@ def test_check_passes_on_other_shapes(ckpt, dtype):
         assert next(r for r in rows if r.quantity == "log-probs").abs_err <= 1e-5
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("ckpt", ["qwen3_vl"], indirect=True)
 def test_main_runs_and_prints_the_table(ckpt):
     """The command line, in bf16: every row passes within bf16's tolerances."""
