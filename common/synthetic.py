@@ -38,13 +38,9 @@ from PIL import Image, ImageDraw, ImageFont
 
 GEOMETRY = ("triangle_angles", "parallel_lines", "circle_angles", "right_triangle", "isosceles",
             "rectangle_area")
-# Answerable from the pixels alone, with the four choices in their natural order.
+# Answerable from the pixels alone, with the four choices in their natural order (the CPU
+# default's tiny model can learn these in a minute; it cannot learn geometry).
 PERCEPTION = ("polygon_sides", "right_angle", "longest_segment")
-# Their strokes, as a share of the shorter side (8 pixels at 112): a random vision tower's
-# patch features barely change for a 1-pixel line (a 16-pixel patch of one shade normalises to the
-# same vector whatever the shade), and the tiny model could not even tell 8 such training images
-# apart after 100 supervised steps; with 8-pixel strokes it fits them in 40.
-BOLD = 1 / 14
 FAMILIES = GEOMETRY + PERCEPTION
 QUESTIONS = {"polygon_sides": "How many sides does the polygon have?",
              "right_angle": "Which of the numbered angles is a right angle?",
@@ -111,15 +107,14 @@ def _label_dist(angle_deg: float) -> float:
 class _Canvas:
     """A white image plus a map from figure coordinates (math axes, y up) to pixels: the figure
     is rotated by `rot` degrees (mirrored first if `flip`) and scaled to fit `points` inside
-    margins that leave room for labels (`pad` font sizes). Strokes are `stroke` of the shorter
-    side wide (at least 1 pixel)."""
+    margins that leave room for labels (`pad` font sizes)."""
 
     def __init__(self, w: int, h: int, points, rot: float = 0.0, flip: bool = False,
-                 pad: float = 1.6, stroke: float = 1 / 112):
+                 pad: float = 1.6):
         self.w, self.h = w, h
         s = min(w, h)
         self.fs = max(7, round(s / 12))
-        self.lw = max(1, round(s * stroke))
+        self.lw = max(1, round(s / 112))
         self.img = Image.new("RGB", (w, h), "white")
         self.draw = ImageDraw.Draw(self.img)
         self.font = _font(self.fs)
@@ -383,7 +378,7 @@ def _polygon_sides(rng, w, h):
     start = rng.uniform(0, 360)
     p = [_polar(start + 360 * k / n + rng.uniform(-8, 8), rng.uniform(0.85, 1.0))
          for k in range(n)]
-    cv = _Canvas(w, h, [(-1, -1), (1, 1)], pad=0.5, stroke=BOLD)
+    cv = _Canvas(w, h, [(-1, -1), (1, 1)], pad=0.5)
     cv.draw.polygon([tuple(cv.pt(q)) for q in p], fill=(200, 200, 200), outline="black",
                     width=cv.lw)
     meta = {"sides": n, "given": []}
@@ -397,21 +392,20 @@ def _right_angle(rng, w, h):
     angles = [90 if k == right else int(others[k - (k > right)]) for k in range(4)]
     cells = [np.array([x, y]) for y in (1.3, 0.0) for x in (0.0, 1.6)]  # reading order
     pts = [c + d for c in cells for d in ((0, 0), (1, 0), (0, 1), (-0.4, 1))]
-    cv = _Canvas(w, h, pts, pad=0.6, stroke=BOLD)
+    cv = _Canvas(w, h, pts, pad=0.6)
     for k, (c, a) in enumerate(zip(cells, angles)):
         v = c + (0.45 if a > 90 else 0.0, 0.0)
         ray = _polar(a, 0.95)
         cv.line(v, v + (0.95, 0.0))
         cv.line(v, v + ray)
-        o, s = cv.pt(v), max(cv.fs * 0.5, 3 * cv.lw)  # the marks clear the strokes
+        o, s = cv.pt(v), cv.fs * 0.5
         if a == 90:  # the right-angle square
             ex, ey = cv.dir([1, 0]) * s, cv.dir([0, 1]) * s
             cv.line(o + ex, o + ex + ey, pixels=True)
             cv.line(o + ey, o + ex + ey, pixels=True)
         else:
             r = s
-            cv.draw.arc([o[0] - r, o[1] - r, o[0] + r, o[1] + r], -a, 0, fill="black",
-                        width=max(1, cv.lw // 2))
+            cv.draw.arc([o[0] - r, o[1] - r, o[0] + r, o[1] + r], -a, 0, fill="black", width=1)
         cv.text(cv.pt(v + _polar(a / 2, 0.35)), str(k + 1))
     meta = {"angles": angles, "given": []}
     return cv, QUESTIONS["right_angle"], str(right + 1), ["1", "2", "3", "4"], meta
@@ -421,12 +415,12 @@ def _longest_segment(rng, w, h):
     longest = int(rng.integers(4))
     lengths = [1.0 if k == longest else float(rng.uniform(0.3, 0.7)) for k in range(4)]
     starts = [float(rng.uniform(0.0, 0.1)) for _ in range(4)]
-    cv = _Canvas(w, h, [(-0.2, 0.0), (1.15, 1.2)], pad=0.6, stroke=BOLD)
+    cv = _Canvas(w, h, [(-0.2, 0.0), (1.15, 1.2)], pad=0.6)
     for k, (x0, n) in enumerate(zip(starts, lengths)):
         y = 1.2 - 0.4 * k  # a at the top, d at the bottom
         cv.line((x0, y), (x0 + n, y))
         for x in (x0, x0 + n):  # end points
-            q, d = cv.pt((x, y)), max(1.5, cv.lw * 0.75)
+            q, d = cv.pt((x, y)), max(1.5, cv.lw * 1.5)
             cv.draw.ellipse([q[0] - d, q[1] - d, q[0] + d, q[1] + d], fill="black")
         cv.text(cv.pt((x0 - 0.12, y)), "abcd"[k])
     meta = {"lengths": [round(n, 3) for n in lengths], "given": []}
