@@ -58,9 +58,11 @@ def test_check_batch_is_multi_turn_multi_image(ckpt):
 
 
 # A check takes a minute or two on 2 CPU cores: each architecture and each dtype runs once,
-# Qwen2.5-VL in fp32 here (with the tight log-prob bound; `make test`) and Qwen3-VL in bf16
-# through the command line (`make test-all`: the same `run_check`, reached through absl flags).
-@pytest.mark.slow
+# Qwen2.5-VL in fp32 here (with the tight log-prob bound) and Qwen3-VL in bf16 through the
+# command line, both in `make test-all`. `make test` keeps what they add up from:
+# tests/test_jax_model.py (logits, log-probs and gradients against transformers, four variants)
+# and the learner's loss against the numpy reference (tests/test_learners.py).
+@pytest.mark.heavy
 @pytest.mark.parametrize("ckpt,dtype", [("qwen2_5_vl", "float32")], indirect=["ckpt"])
 def test_check_passes_on_other_shapes(ckpt, dtype):
     arch, path = ckpt
