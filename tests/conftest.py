@@ -26,15 +26,22 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
-# JAX's persistent compilation cache (geo3k_jax.compiler, as a run uses it), in a folder of this
-# test process that starts empty: a program that several tests build again (a fresh learner or
-# engine on the same model and shapes) compiles once per process. Set here, before any test
-# module compiles anything; the folder goes when the process ends.
-_JAX_CACHE = tempfile.mkdtemp(prefix="geo3k-test-jax-cache-")
-atexit.register(shutil.rmtree, _JAX_CACHE, ignore_errors=True)
+# The tests check numbers, never XLA's optimised code: JAX compiles with most optimisations off
+# (about a third less compile time, which is most of the JAX tests' time; results agree within
+# the tests' tolerances). Subprocesses inherit it. tests/test_jax_aot.py turns it back on: its
+# figures are the optimised program's.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
+# JAX's persistent compilation cache (geo3k_jax.compiler, as a run uses it), in one folder for the
+# whole session that starts empty: a program that several tests build again (a fresh learner or
+# engine on the same model and shapes), in any test worker, compiles once. The first process
+# (pytest itself) makes the folder and removes it at exit; its workers inherit the variable.
+if "GEO3K_TEST_JAX_CACHE" not in os.environ:
+    os.environ["GEO3K_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="geo3k-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["GEO3K_TEST_JAX_CACHE"], ignore_errors=True)
 from geo3k_jax.compiler import use_compilation_cache  # noqa: E402
 
-use_compilation_cache(_JAX_CACHE)
+use_compilation_cache(os.environ["GEO3K_TEST_JAX_CACHE"])
 
 TURN_END, EOS, IMAGE = 1000, 1001, 2000
 IMAGE_TOKENS = 3  # placeholder ids per image
