@@ -201,6 +201,12 @@ def get_config() -> ml_collections.ConfigDict:
     # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
     c.jax.row_rungs = 4
     c.jax.reuse_slack = 1.5
+    # Or one slice shape for the whole run (a TPU compile takes minutes): rows of the micro-batch
+    # budget with room for `targets` trained tokens, `patches` image patches, `window` own keys
+    # per query block (0: the whole row) and `prefix_window` shared-prompt keys; a slice that
+    # needs more is an error naming the setting. targets = 0: shapes follow the data (above).
+    c.jax.slice = ml_collections.ConfigDict(
+        {"targets": 0, "patches": 0, "window": 0, "prefix_window": 0})
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any

@@ -27,5 +27,13 @@ def get_config():
     c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
     c.jax.compute_dtype = "bfloat16"
     c.jax.remat = True
-    c.jax.row_rungs, c.jax.reuse_slack = 2, 2.0  # a compile takes minutes here: fewer shapes
+    # A compile takes minutes here: one slice shape for the run (geo3k_jax.buckets.one_shape).
+    # Rows of 16,384 tokens, any of them trained; 2,048 image patches (a row holds a few groups,
+    # each prompt's image encoded once); a sequence is at most rollout.max_context_tokens
+    # (8,192) long, so a query block sees at most 8,192 + 128 of its own keys; prompts up to
+    # 2,048 tokens.
+    c.jax.slice.targets = c.train.micro_batch_tokens
+    c.jax.slice.patches = 2048
+    c.jax.slice.window = c.rollout.max_context_tokens + 128
+    c.jax.slice.prefix_window = 2048
     return c

@@ -100,6 +100,32 @@ def row_sizes(rows: Sequence[HostRow], config, *, row_len: int,
             if prefix_window else 0}
 
 
+def one_shape(slice_cfg, row_len: int) -> dict[str, int] | None:
+    """The one slice shape of a run from `config.jax.slice` (targets, patches, window,
+    prefix_window; rows `row_len` tokens, a window of 0 = the whole row), or None when
+    slice_cfg.targets is 0 (shapes follow the data)."""
+    if not slice_cfg.targets:
+        return None
+    shape = {"length": row_len, "targets": slice_cfg.targets, "patches": slice_cfg.patches,
+             "window": slice_cfg.window or row_len, "prefix_window": slice_cfg.prefix_window}
+    unit = math.gcd(row_len, BLOCK)
+    if shape["window"] > row_len or shape["window"] % unit:
+        raise ValueError(f"jax.slice.window={shape['window']} must be a multiple of {unit} and "
+                         f"at most the row length {row_len} (train.micro_batch_tokens)")
+    return shape
+
+
+def fit(need: dict[str, int], shape: dict[str, int]) -> dict[str, int]:
+    """`shape`, checked to hold a slice that needs `need` (`row_sizes`): a bigger slice is an
+    error naming the setting to raise."""
+    over = [k for k in SHAPE_KEYS if need[k] > shape[k]]
+    if over:
+        name = {"length": "train.micro_batch_tokens"}
+        raise ValueError("a slice needs " + ", ".join(
+            f"{k}={need[k]} > {shape[k]} (raise {name.get(k, 'jax.slice.' + k)})" for k in over))
+    return dict(shape)
+
+
 def slice_sizes(rows: Sequence[HostRow], config, *, rows_per_slice: int, row_len: int,
                 row_rungs: int = Ladder.row_rungs) -> list[dict[str, int]]:
     """The sizes (`row_sizes`) of each slice of this process's rows, `rows_per_slice` rows a

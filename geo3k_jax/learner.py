@@ -3,7 +3,9 @@
     for each slice of micro-batches (one compiled gradient per slice shape):
         log-probs of the trained tokens (fp32, from logits / temperature, in chunks)
         -> per-token loss (common.grpo, xp=jax.numpy) -> sum(weight_t * loss_t) -> grad
-    the slices' gradients summed on device, then (one compiled update) clip the global norm ->
+    each slice's gradient added, inside its compiled program, into one fp32 accumulator that
+    the program takes and donates (one gradient tree alive, never two), then (one compiled
+    update, which donates the accumulator too) clip the global norm ->
     AdamW (optax) with the schedule of common.schedule, unless the gradient norm is not finite
     (then nothing changes: a `lax.cond`, no second copy of state)
 
@@ -39,7 +41,7 @@ from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, Deferred, SingleProcess
 from common.schedule import horizon, lr_table
 from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import Ladder, agree, reuse, slice_sizes, step_slices
+from geo3k_jax.buckets import Ladder, agree, fit, reuse, slice_sizes, step_slices
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
@@ -120,7 +122,9 @@ class Learner:
     (its own copies: the caller's `params` stay valid). `chunk`: log-probs computed that many
     trained tokens of a row at a time (0: all at once); `remat`: decoder layers recomputed in
     the backward pass; `rows_per_slice` overrides the slice size (a multiple of the data axes);
-    `ladder`: how finely slice lengths follow the data (`geo3k_jax.buckets.Ladder`).
+    `ladder`: how finely slice lengths follow the data (`geo3k_jax.buckets.Ladder`), or
+    `shape`: every slice of the run that one shape (`geo3k_jax.buckets.one_shape`: one compile
+    of each program, where a compile takes minutes).
     """
 
     def __init__(self, merge: Callable, params: dict, loss_cfg: LossConfig, train_cfg,
@@ -128,6 +132,7 @@ class Learner:
                  compute_dtype=None, ref_params: dict | None = None, chunk: int = 0,
                  remat: bool = False, rows_per_slice: int | None = None,
                  row_len: int | None = None, ladder: Ladder = Ladder(),
+                 shape: dict | None = None,
                  comm: Collectives = SingleProcess(), model_dir: str | None = None):
         if loss_cfg.kl_coef and ref_params is None:
             raise ValueError("kl_coef > 0 needs reference parameters")
@@ -140,7 +145,7 @@ class Learner:
         if self.rows_per_slice % data:
             raise ValueError(f"rows_per_slice={self.rows_per_slice} must be a multiple of the "
                              f"mesh's data-parallel size {data}")
-        self.row_len, self.ladder = row_len, ladder
+        self.row_len, self.ladder, self.shape = row_len, ladder, shape
         self.compiles = 0  # traces of the compiled functions: each one compilation
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
         self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
@@ -158,15 +163,22 @@ class Learner:
 
     # ---- state -------------------------------------------------------------------------
     def _place(self, params: dict) -> dict:
-        """A copy of `params` in the learner's shardings (the caller's arrays are never donated)."""
+        """A copy of `params` in the learner's shardings (the caller's arrays are never donated);
+        ShapeDtypeStructs stay shapes, given the learner's shardings."""
+        if _abstract(params):
+            return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=(
+                None if self.param_sh is None else self.param_sh[k])) for k, v in params.items()}
         if self.mesh is None:
             return jax.tree.map(jnp.copy, params)
         return jax.device_put(params, self.param_sh, may_alias=False)
 
     def reset(self, params: dict) -> None:
-        """Start from `params` (copied into place) with a fresh optimizer state."""
+        """Start from `params` (copied into place) with a fresh optimizer state. Parameters given
+        as ShapeDtypeStructs make a learner of shapes alone, which only `lower`s its programs."""
         self.params = self._place(params)
-        self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_sh)(self.params)
+        init = jax.jit(self.tx.init, out_shardings=self.opt_sh)
+        self.opt_state = (jax.eval_shape(init, self.params) if _abstract(params)
+                          else init(self.params))
 
     def export_hf(self, out_dir: Path) -> None:
         from geo3k_jax.weights import save_hf
@@ -230,18 +242,13 @@ class Learner:
         if not slices:
             raise ValueError("a step needs at least one slice (a process with no micro-batch "
                              "runs a filler: common.step.even_out)")
-        total = None
+        acc, sums = self._program("zeros")(), None  # the gradient accumulator (fp32, sharded)
         for sl in slices:
             grad_fn, shardings = self._compiled("grad", sl)
-            out = grad_fn(self.params, self._global(sl, shardings), self.ref_params)
-            total = out if total is None else _accumulate(total, out)
-        if "apply" not in self._steps:
-            kw = {} if self.mesh is None else dict(
-                in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
-                out_shardings=(self.param_sh, self.opt_sh, None))
-            self._steps["apply"] = jax.jit(self._apply, donate_argnums=(0, 1), **kw)
-        self.params, self.opt_state, metrics = self._steps["apply"](self.params, self.opt_state,
-                                                                    *total)
+            acc, new = grad_fn(self.params, acc, self._global(sl, shardings), self.ref_params)
+            sums = new if sums is None else _add_sums(sums, new)
+        self.params, self.opt_state, metrics = self._program("apply")(
+            self.params, self.opt_state, acc, sums)
         return Deferred(metrics, {"compiles": float(self.compiles)})
 
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
@@ -273,7 +280,8 @@ class Learner:
                       self.comm)  # every process pads its slice i to the same shape
         shapes = []
         for need in sizes:  # the same on every process: the same history
-            shape = reuse(need, self._shapes, self.ladder.reuse_slack)
+            shape = fit(need, self.shape) if self.shape else reuse(need, self._shapes,
+                                                                    self.ladder.reuse_slack)
             if shape not in self._shapes:
                 self._shapes.append(shape)
             shapes.append(shape)
@@ -284,6 +292,40 @@ class Learner:
         its part of global arrays."""
         return sl if shardings is None else jax.tree.map(_global_array, sl, shardings)
 
+    def lower(self, sl: dict) -> dict[str, jax.stages.Lowered]:
+        """The step's programs for slices shaped like `sl` (the global slice: arrays or
+        ShapeDtypeStructs), lowered for the mesh's devices and not run: "grad" (one slice's
+        gradient added into the donated accumulator) and "apply" (the update, which donates the
+        parameters, optimizer state and accumulator). All a learner of shapes alone can do:
+        `geo3k_jax.aot` compiles them for a TPU slice on a host without one."""
+        like = lambda x, sh=None: jax.ShapeDtypeStruct(  # noqa: E731
+            x.shape, x.dtype, sharding=sh if sh is not None else getattr(x, "sharding", None))
+        params, opt_state = (jax.tree.map(like, t) for t in (self.params, self.opt_state))
+        ref = None if self.ref_params is None else jax.tree.map(like, self.ref_params)
+        grad_fn, shardings = self._compiled("grad", sl)
+        sl = jax.tree.map(like, sl) if shardings is None else jax.tree.map(like, sl, shardings)
+        acc = jax.eval_shape(self._program("zeros"))
+        grad = grad_fn.lower(params, acc, sl, ref)
+        sums = jax.eval_shape(grad_fn, params, acc, sl, ref)[1]
+        return {"grad": grad, "apply": self._program("apply").lower(params, opt_state, acc, sums)}
+
+    def _program(self, kind: str):
+        """The jitted step-wide function `kind`: "zeros" (a fresh accumulator, fp32 zeros in
+        the parameters' shardings) or "apply" (the update)."""
+        if kind not in self._steps:
+            sh = {} if self.mesh is None else dict(out_shardings=self.param_sh)
+            if kind == "zeros":
+                fn = lambda: {k: jnp.zeros(v.shape, jnp.float32)  # noqa: E731
+                              for k, v in self.params.items()}
+                self._steps[kind] = jax.jit(fn, **sh)
+            else:
+                kw = {} if self.mesh is None else dict(
+                    in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
+                    out_shardings=(self.param_sh, self.opt_sh, None))
+                self._steps[kind] = jax.jit(self._apply, donate_argnums=(0, 1, 2),
+                                              **kw)
+        return self._steps[kind]
+
     def _compiled(self, kind: str, sl: dict):
         """The jitted `kind` function ("grad" or "logprobs") for slices with these keys, and
         their shardings (fixed per key set; jit compiles once per shape)."""
@@ -293,9 +335,11 @@ class Learner:
             if self.mesh is not None:
                 sl_sh = batch_shardings(self.mesh, sl, processes=self.comm.world)
                 ref_sh = None if self.ref_params is None else self.param_sh
-                kw = dict(in_shardings=(self.param_sh, sl_sh, ref_sh),
+                kw = dict(in_shardings=(self.param_sh, self.param_sh, sl_sh, ref_sh),
                           out_shardings=(self.param_sh, None)) if kind == "grad" else dict(
                     in_shardings=(self.param_sh, sl_sh))
+            if kind == "grad":  # the accumulator's buffers become the output's
+                kw["donate_argnums"] = (1,)
             fn = self._slice_grad if kind == "grad" else self._logprobs
             self._steps[key] = (jax.jit(fn, **kw), sl_sh)
         return self._steps[key]
@@ -306,14 +350,16 @@ class Learner:
             lambda a: a.astype(self.compute_dtype), params)
         return token_logprobs(self.merge(cast), sl, self.temperature, chunk=self.chunk)
 
-    def _slice_grad(self, params, sl, ref_params):
-        """(gradient, metric sums and the loss) of one slice."""
+    def _slice_grad(self, params, acc, sl, ref_params):
+        """(acc + the slice's gradient, the slice's metric sums and loss): acc is donated, so
+        its buffers hold the sum and the step keeps one fp32 gradient tree."""
         self.compiles += 1
         (loss, sums), grads = jax.value_and_grad(
             lambda p: grpo_loss(self.merge, p, sl, self.loss_cfg, self.temperature,
                                 self.compute_dtype, ref_params, self.chunk, self.remat),
             has_aux=True)(params)
-        return grads, dict(sums, loss=loss)
+        acc = {k: acc[k] + grads[k].astype(jnp.float32) for k in acc}
+        return acc, dict(sums, loss=loss)
 
     def _apply(self, params, opt_state, grads, sums):
         """Clip and AdamW unless the gradient norm is not finite; the step's metrics."""
@@ -334,13 +380,16 @@ class Learner:
         return params, opt_state, metrics
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _accumulate(total, new):
-    """(gradients, metric sums) of two slices added (the largest logp_diff_max kept)."""
-    grads = jax.tree.map(jnp.add, total[0], new[0])
-    sums = {k: jnp.maximum(v, new[1][k]) if k == "logp_diff_max" else v + new[1][k]
-            for k, v in total[1].items()}
-    return grads, sums
+@jax.jit
+def _add_sums(total: dict, new: dict) -> dict:
+    """The metric sums of two slices added (the largest logp_diff_max kept)."""
+    return {k: jnp.maximum(v, new[k]) if k == "logp_diff_max" else v + new[k]
+            for k, v in total.items()}
+
+
+def _abstract(params: dict) -> bool:
+    """Whether `params` are shapes (ShapeDtypeStructs) rather than arrays."""
+    return any(isinstance(v, jax.ShapeDtypeStruct) for v in jax.tree.leaves(params))
 
 
 class _OrbaxInfo(logging.Filter):
