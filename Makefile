@@ -19,7 +19,8 @@ $(STAMP): requirements-cpu.txt setup.py
 	$(PY) -m pip install -q --no-compile -c requirements-cpu.txt --no-build-isolation -e .
 	touch $(STAMP)
 
-# The tests also need requirements-test.txt (trl, for Qwen's published chat templates).
+# The tests also need requirements-test.txt (trl, for Qwen's published chat templates; libtpu, the
+# TPU compiler of `python -m geo3k_jax.aot`).
 $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q --no-compile -c requirements-cpu.txt -c requirements-test.txt -r requirements-test.txt
 	touch $(TEST_STAMP)

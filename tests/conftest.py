@@ -17,7 +17,7 @@ from common.engine import ABORT, LENGTH, STOP, Completion, Request
 # probe for a TPU, log an error and take a host-wide lock that a second test process then fails
 # to take. JAX_PLATFORMS=cuda (or tpu) runs them there.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Two test workers may each load libtpu (where it is installed).
+# Two test workers may each load libtpu (a test requirement: the TPU compiler of tests/test_jax_aot.py).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # Under pytest-xdist the workers share the machine's cores: each computes on its share of them
 # (torch would otherwise start a thread per core in every worker, and the workers' threads would

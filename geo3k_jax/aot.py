@@ -1,0 +1,227 @@
+"""Compile the JAX learner's step for a TPU slice on a host without one, from shapes alone.
+
+    python -m geo3k_jax.aot --config=configs/tpu.py --topology=v5p-8 --shapes=qwen3_vl_2b
+
+The TPU compiler (libtpu, a test requirement: `pip install libtpu==0.0.42`) builds the step's
+two programs for the chips of `--topology` — one slice's gradient added into the accumulator,
+and the update — with the parameters built abstractly from a model's published config
+(`configs/models`, or a checkpoint directory's config.json: no weights), the mesh and partition
+rules of `--config`, and one slice of its one shape (`config.jax.slice`, one row per
+data-parallel device). It prints, per device, the bytes of each program's arguments, outputs,
+temporaries and code against the chip's HBM, the compiler's flops and bytes accessed, and a
+roofline bound on the program's time (max of flops / peak and bytes / bandwidth); exits 1 when
+a program does not fit. Nothing runs on a TPU: a compile that fits is no proof of speed.
+
+This is MaxText's `train_compile` pattern. The figures in docs/tpu.md come from this command.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host's devices: never probe for a TPU
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks /tmp otherwise
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+GiB = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One TPU chip: the HBM the compiler lets a program use (its own figure, read from its
+    "exceeds available HBM" error) and the published peak bf16 flop/s and HBM bandwidth
+    (cloud.google.com/tpu/docs/v5p, /v6e, /v5e)."""
+
+    name: str
+    hbm: float  # bytes
+    peak_flops: float  # bf16 flop/s
+    hbm_bandwidth: float  # bytes/s
+
+
+CHIPS = {  # by the device_kind libtpu reports
+    "TPU v5": Chip("v5p", 95.74 * GiB, 459e12, 2765e9),
+    "TPU v6 lite": Chip("v6e", 31.25 * GiB, 918e12, 1638e9),
+    "TPU v5 lite": Chip("v5e", 15.75 * GiB, 197e12, 819e9),
+}
+# Cloud TPU slice names -> libtpu topologies. v5p names count TensorCores (2 a chip), v6e and
+# v5e chips. Any libtpu name ("v5p:2x2x1") is accepted as well.
+TOPOLOGIES = {
+    "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",
+    "v5p-128": "v5p:4x4x4",
+    "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-32": "v6e:4x8",
+    "v6e-64": "v6e:8x8", "v6e-256": "v6e:16x16",
+    "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4", "v5e-32": "v5e:4x8",
+    "v5e-64": "v5e:8x8", "v5e-256": "v5e:16x16",
+}
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of a TPU slice (`TOPOLOGIES` name or a libtpu topology), compile-only."""
+    from jax.experimental import topologies
+    name = TOPOLOGIES.get(topology, topology)
+    if ":" not in name:
+        raise SystemExit(f"--topology={topology!r}: use one of {', '.join(TOPOLOGIES)} or a "
+                         "libtpu topology such as v5p:2x2x1")
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except (ImportError, RuntimeError) as e:
+        raise SystemExit(f"no TPU compiler for --topology={topology!r} ({e}); install it with "
+                         "`pip install libtpu==0.0.42` (requirements-test.txt)") from None
+
+
+def model_config(shapes: str):
+    """The transformers config of `shapes`: a name in configs/models or a directory with a
+    config.json."""
+    from transformers import AutoConfig
+
+    from configs.models import NAMES, write_config_dir
+    if shapes in NAMES:
+        with tempfile.TemporaryDirectory() as d:
+            return AutoConfig.from_pretrained(str(write_config_dir(shapes, d)))
+    if not (Path(shapes) / "config.json").is_file():
+        raise SystemExit(f"--shapes={shapes!r}: name one of {', '.join(NAMES)} or a directory "
+                         "holding a config.json")
+    return AutoConfig.from_pretrained(shapes)
+
+
+def abstract_learner(cfg, config, devices):
+    """A `geo3k_jax.learner.Learner` of shapes alone (no weights) on a mesh of `devices`."""
+    from common.grpo import LossConfig
+    from configs import to_dataclass
+    from geo3k_jax.buckets import one_shape
+    from geo3k_jax.learner import Learner
+    from geo3k_jax.model import QwenVL, split_params
+    from geo3k_jax.sharding import make_mesh
+    from geo3k_jax.train import DTYPES
+
+    mesh = make_mesh(dict(cfg.jax.mesh), devices)
+    merge, params = split_params(nnx.eval_shape(
+        lambda: QwenVL(config, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    loss_cfg = to_dataclass(LossConfig, cfg.loss)
+    shape = one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens)
+    if shape is None:
+        raise SystemExit("the AOT compile needs the run's one slice shape: set "
+                         "jax.slice.targets (and patches, window, prefix_window) as "
+                         "configs/tpu.py does")
+    return Learner(merge, params, loss_cfg, cfg.train, cfg.rollout.temperature, config=config,
+                   mesh=mesh, rules=cfg.jax.rules, compute_dtype=DTYPES[cfg.jax.compute_dtype],
+                   ref_params=params if loss_cfg.kl_coef else None,
+                   chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, shape=shape)
+
+
+def abstract_slice(learner, config) -> dict:
+    """One global slice of the learner's shape: all padding, one row per data-parallel device."""
+    from geo3k_jax.batch import assemble
+    s = learner.shape
+    return assemble([], config, n_rows=learner.rows_per_slice, length=s["length"],
+                    n_targets=s["targets"], n_patches=s["patches"], min_window=s["window"],
+                    min_prefix_window=s["prefix_window"])
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def report(name: str, compiled, chip: Chip, resident: int, seconds: float) -> dict:
+    """One program's per-device figures. resident: bytes of the learner's state that stay in
+    HBM while it runs without being its arguments (the optimizer state, during a gradient)."""
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    out = {"program": name, "argument": mem.argument_size_in_bytes,
+           "output": mem.output_size_in_bytes, "alias": mem.alias_size_in_bytes,
+           "temp": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes,
+           "resident": resident, "flops": float(cost.get("flops", 0.0)),
+           "bytes_accessed": float(cost.get("bytes accessed", 0.0)), "compile_s": seconds}
+    out["peak"] = (out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
+                   + resident)
+    out["hbm"] = chip.hbm
+    out["fits"] = out["peak"] <= chip.hbm
+    out["roofline_s"] = max(out["flops"] / chip.peak_flops,
+                            out["bytes_accessed"] / chip.hbm_bandwidth)
+    return out
+
+
+def compile_step(cfg, topology: str, config) -> dict:
+    """Compile the learner's gradient and update for `topology`; their `report`s and the
+    run's figures (chips, slice shape, parameter count)."""
+    devices = topology_devices(topology)
+    chip = CHIPS.get(devices[0].device_kind)
+    if chip is None:
+        raise SystemExit(f"unknown chip {devices[0].device_kind!r}: add it to aot.CHIPS")
+    learner = abstract_learner(cfg, config, devices)
+    lowered = learner.lower(abstract_slice(learner, config))
+    resident = {"grad": device_bytes(learner.opt_state), "apply": 0}
+    programs = []
+    for name in ("grad", "apply"):
+        t0 = time.perf_counter()
+        try:
+            compiled = lowered[name].compile()
+        except jax.errors.JaxRuntimeError as e:  # the compiler's own "exceeds available HBM"
+            programs.append({"program": name, "refused": str(e).splitlines()[0], "fits": False,
+                             "compile_s": time.perf_counter() - t0})
+            continue
+        programs.append(report(name, compiled, chip, resident[name], time.perf_counter() - t0))
+    return {"topology": topology, "chip": chip.name, "devices": len(devices),
+            "params": sum(math.prod(v.shape) for v in learner.params.values()),
+            "slice": dict(learner.shape, rows=learner.rows_per_slice), "programs": programs,
+            "fits": all(p["fits"] for p in programs)}
+
+
+def format_report(r: dict) -> str:
+    """The report as a table, bytes in GiB per device."""
+    g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
+    lines = [f"{r['topology']} ({r['devices']} x {r['chip']}), {r['params'] / 1e9:.2f}B "
+             f"parameters, slice {r['slice']}",
+             "program   argument  output   alias    temp    code  +state    peak /  HBM GiB"
+             "   fits  TFLOP  GB accessed  roofline ms  compile s"]
+    for p in r["programs"]:
+        if "refused" in p:
+            lines.append(f"{p['program']:8s} refused by the compiler after {p['compile_s']:.0f} s: "
+                         f"{p['refused']}")
+            continue
+        lines.append(f"{p['program']:8s} {g(p['argument'])} {g(p['output'])} {g(p['alias'])} "
+                     f"{g(p['temp'])} {g(p['code'])} {g(p['resident'])} {g(p['peak'])} / "
+                     f"{p['hbm'] / GiB:6.2f}  {'yes' if p['fits'] else 'NO ':>5s} "
+                     f"{p['flops'] / 1e12:6.1f}  {p['bytes_accessed'] / 1e9:11.1f}  "
+                     f"{p['roofline_s'] * 1e3:11.1f}  {p['compile_s']:9.0f}")
+    lines.append("fits" if r["fits"] else "DOES NOT FIT")
+    return "\n".join(lines)
+
+
+def main(argv) -> None:
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", "configs/tpu.py", "a geo3k-rl config file")
+    flags.DEFINE_string("topology", "v5p-8", f"one of {', '.join(TOPOLOGIES)} or a libtpu "
+                        "topology (v5p:2x2x1)")
+    flags.DEFINE_string("shapes", "qwen3_vl_2b", "configs/models name or a checkpoint directory")
+    flags.DEFINE_string("json", "", "also write the report here")
+
+    def run(_):
+        f = flags.FLAGS
+        r = dict(compile_step(f.config, f.topology, model_config(f.shapes)), shapes=f.shapes)
+        print(format_report(r))
+        if f.json:
+            Path(f.json).write_text(json.dumps(r, indent=1))
+        sys.exit(0 if r["fits"] else 1)
+    app.run(run, argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
