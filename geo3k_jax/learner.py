@@ -5,7 +5,7 @@
         -> per-token loss (common.grpo, xp=jax.numpy) -> sum(weight_t * loss_t) -> grad
     each slice's gradient added, inside its compiled program, into one fp32 accumulator that
     the program takes and donates (one gradient tree alive, never two), then (one compiled
-    update, which donates the accumulator too) clip the global norm ->
+    update) clip the global norm ->
     AdamW (optax) with the schedule of common.schedule, unless the gradient norm is not finite
     (then nothing changes: a `lax.cond`, no second copy of state)
 
@@ -296,7 +296,7 @@ class Learner:
         """The step's programs for slices shaped like `sl` (the global slice: arrays or
         ShapeDtypeStructs), lowered for the mesh's devices and not run: "grad" (one slice's
         gradient added into the donated accumulator) and "apply" (the update, which donates the
-        parameters, optimizer state and accumulator). All a learner of shapes alone can do:
+        parameters and optimizer state). All a learner of shapes alone can do:
         `geo3k_jax.aot` compiles them for a TPU slice on a host without one."""
         like = lambda x, sh=None: jax.ShapeDtypeStruct(  # noqa: E731
             x.shape, x.dtype, sharding=sh if sh is not None else getattr(x, "sharding", None))
@@ -322,8 +322,7 @@ class Learner:
                 kw = {} if self.mesh is None else dict(
                     in_shardings=(self.param_sh, self.opt_sh, self.param_sh, None),
                     out_shardings=(self.param_sh, self.opt_sh, None))
-                self._steps[kind] = jax.jit(self._apply, donate_argnums=(0, 1, 2),
-                                              **kw)
+                self._steps[kind] = jax.jit(self._apply, donate_argnums=(0, 1), **kw)
         return self._steps[kind]
 
     def _compiled(self, kind: str, sl: dict):

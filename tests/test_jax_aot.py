@@ -26,6 +26,7 @@ def tiny_v5p():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the TPU compile took 286 s on 2 cores shared by 20 processes
 def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
     from geo3k_jax import aot
 
@@ -43,12 +44,12 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
                              + p["resident"])
         assert p["fits"] and p["peak"] < p["hbm"] == aot.CHIPS["TPU v5"].hbm
     # the parameters (fp32, sharded over 4 chips) are an argument of both programs; the
-    # accumulator (fp32, the parameters' shape) is donated to the gradient program, and the
-    # parameters, optimizer state and accumulator to the update: without the donations the
-    # aliased bytes would be 0 and a second gradient tree would live beside the first
+    # accumulator (fp32, the parameters' shape) is donated to the gradient program, the
+    # parameters and optimizer state to the update: without the donations the aliased bytes
+    # would be 0 and a second gradient tree would live beside the first
     per_chip = r["params"] * 4 / 4  # fp32 bytes over 4 chips (a few small ones replicated)
     assert grad["alias"] >= 0.9 * per_chip
-    assert apply["alias"] >= 0.9 * 4 * per_chip  # params, two Adam moments, accumulator
+    assert apply["alias"] >= 0.9 * 3 * per_chip  # params and the two Adam moments
     assert grad["resident"] >= 0.9 * 2 * per_chip  # the Adam moments wait in HBM meanwhile
     assert grad["flops"] > 10 * apply["flops"]  # forward and backward of 256 tokens a chip
 
