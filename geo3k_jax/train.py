@@ -29,7 +29,7 @@ from common.prepare import check_config, prepare_data
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
 from geo3k_jax.backend import JaxBackend
-from geo3k_jax.buckets import Ladder
+from geo3k_jax.buckets import Ladder, one_shape
 from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
@@ -84,7 +84,8 @@ def build(cfg, workdir: str) -> loop.Run:
                       compute_dtype=DTYPES[cfg.jax.compute_dtype],
                       ref_params=params if loss_cfg.kl_coef else None,
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
-                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir)
+                      ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
+                      shape=one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens))
     backend = make_backend(
         cfg, own_kind="jax", model_dir=model_dir, processor=processor, workdir=workdir,
         comm=comm, own=lambda: JaxBackend(learner, processor, config, seed=cfg.seed,
