@@ -368,7 +368,10 @@ class Learner:
 
         def apply(state):
             p, o = state
-            updates, o = self.tx.update(grads, o, p)
+            # the fp32 sum in the parameters' dtype: the optimizer state keeps theirs (bf16
+            # parameters have bf16 moments, as without an accumulator)
+            g = {k: v.astype(p[k].dtype) for k, v in grads.items()}
+            updates, o = self.tx.update(g, o, p)
             return optax.apply_updates(p, updates), o
 
         params, opt_state = jax.lax.cond(jnp.isfinite(grad_norm), apply, lambda s: s,

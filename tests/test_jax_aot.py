@@ -16,13 +16,21 @@ pytest.importorskip("libtpu", reason="the TPU compiler: pip install libtpu==0.0.
 
 @pytest.fixture(scope="module")
 def tiny_v5p():
+    import jax
+
     from configs import tpu
     from geo3k_jax import aot
 
     cfg = tpu.get_config()
     cfg.train.micro_batch_tokens = 256
     cfg.jax.slice.update(targets=128, patches=64, window=256, prefix_window=64)
-    return aot.compile_step(cfg, "v5p-8", config("qwen3_vl")[0])
+    # the figures are the optimised program's (tests/conftest.py turns most optimisations off)
+    optimise = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        return aot.compile_step(cfg, "v5p-8", config("qwen3_vl")[0])
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimise)
 
 
 @pytest.mark.slow
