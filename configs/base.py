@@ -196,7 +196,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.rules = JAX_RULES
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
-    c.jax.remat = False  # recompute each decoder layer in the backward pass (less memory)
+    c.jax.remat = False  # recompute each decoder layer and vision block in the backward pass
+    c.jax.attention = "auto"  # auto | splash | windowed (auto: splash on TPU; geo3k_jax.splash)
     # Learner row lengths (geo3k_jax.buckets.Ladder): lengths an octave (a power of two) and how
     # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
     c.jax.row_rungs = 4

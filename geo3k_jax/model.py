@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from geo3k_jax.layers import Linear, scatter_rows
+from geo3k_jax.sharding import BATCH_AXES
+from geo3k_jax.splash import Attention
 from geo3k_jax.text import ARCHS, TextModel
 from geo3k_jax.vision import build_vision_tower
 from geo3k_jax.windowed import WINDOW_AXES
@@ -28,19 +30,22 @@ from geo3k_jax.windowed import WINDOW_AXES
 class VLModel(nnx.Module):
     """transformers' `Qwen*VLModel`: the vision tower and the language model."""
 
-    def __init__(self, config, *, dtype, rngs: nnx.Rngs):
-        self.visual = build_vision_tower(config.vision_config, dtype=dtype, rngs=rngs)
+    def __init__(self, config, *, dtype, rngs: nnx.Rngs, attention: Attention):
+        self.visual = build_vision_tower(config.vision_config, dtype=dtype, rngs=rngs,
+                                         attention=attention)
         self.language_model = TextModel(config.text_config, config.model_type, dtype=dtype,
-                                        rngs=rngs)
+                                        rngs=rngs, attention=attention)
 
 
 class QwenVL(nnx.Module):
-    """A Qwen-VL model from its transformers config (`AutoConfig.from_pretrained(path)`)."""
+    """A Qwen-VL model from its transformers config (`AutoConfig.from_pretrained(path)`);
+    `attention`: windowed or splash (`geo3k_jax.splash.resolve_attention`)."""
 
-    def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention: Attention = Attention()):
         if config.model_type not in ARCHS:
             raise ValueError(f"model_type {config.model_type!r} is not one of {ARCHS}")
-        self.model = VLModel(config, dtype=dtype, rngs=rngs)
+        self.model = VLModel(config, dtype=dtype, rngs=rngs, attention=attention)
         self.tied = bool(tie_word_embeddings(config))
         self.lm_head = None if self.tied else Linear(
             config.text_config.hidden_size, config.text_config.vocab_size, bias=False,
@@ -49,14 +54,18 @@ class QwenVL(nnx.Module):
 
     def hidden_states(self, batch: dict, remat: bool = False) -> jax.Array:
         """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.batch`).
-        remat: recompute each decoder layer's activations in the backward pass."""
+        remat: recompute each decoder layer's and vision block's activations in the backward
+        pass."""
         lm = self.model.language_model
         embeds = lm.embed_tokens(batch["input_ids"])  # (B, T, hidden)
         deepstack, index = [], None
         if "pixel_values" in batch:
-            # each row's images, vmapped over rows: the row axis is the data-parallel one
-            image_embeds, deepstack = jax.vmap(self.model.visual)(batch["pixel_values"],
-                                                                  batch["vision"])
+            # each row's images, vmapped over rows: the row axis is the data-parallel one (the
+            # splash kernel's shard_map inside maps it over the mesh's data axes)
+            spmd = BATCH_AXES if self.model.visual.attention.mesh is not None else None
+            image_embeds, deepstack = jax.vmap(
+                lambda p, v: self.model.visual(p, v, remat=remat), spmd_axis_name=spmd)(
+                batch["pixel_values"], batch["vision"])
             index = batch["visual_index"]  # (B, N) positions of the row's image tokens
             embeds = scatter_rows(embeds, index, image_embeds.astype(embeds.dtype), "set")
         windows = {k: batch[k] for k in WINDOW_AXES}

@@ -35,6 +35,7 @@ from geo3k_jax.check_batch import batches_from_config
 from geo3k_jax.learner import Learner as JaxLearner, grpo_loss, make_optimizer
 from geo3k_jax.model import split_params, token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, make_mesh
+from geo3k_jax.stacking import to_hf
 from geo3k_jax.weights import load_model as load_jax_model
 
 # quantity -> (measure, tolerance) per dtype
@@ -149,7 +150,7 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
     logits, logp = np.asarray(logits, np.float32), np.asarray(logp)
     out = {"logits": [logits[r, :b.num_tokens] for r, b in enumerate(batches)],
            "logp": [logp[r, np.flatnonzero(b.loss_mask)] for r, b in enumerate(batches)],
-           "loss": float(loss), "grads": f32(grads), "params": f32(learner.params),
+           "loss": float(loss), "grads": f32(to_hf(grads)), "params": f32(to_hf(learner.params)),
            "step_s": step_s, "compile_s": compile_and_step - step_s}
     return out
 

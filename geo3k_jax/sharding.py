@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from geo3k_jax.batch import REPLICATED_KEYS
+from geo3k_jax.stacking import is_stacked, layer_key
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -54,7 +55,10 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.
 
 
 def spec_for(name: str, shape: tuple[int, ...], mesh, rules: Sequence) -> P:
-    """The PartitionSpec of parameter `name` (a checkpoint key) with `shape` under `rules`."""
+    """The PartitionSpec of parameter `name` (a checkpoint key) with `shape` under `rules`; a
+    stacked decoder key (`geo3k_jax.stacking`) as its layers' key, its layer axis unsharded."""
+    if is_stacked(name):
+        return P(None, *spec_for(layer_key(name, 0), tuple(shape[1:]), mesh, rules))
     for pattern, spec in rules:
         if re.search(pattern, name):
             spec = tuple(spec)

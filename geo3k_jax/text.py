@@ -10,10 +10,18 @@ Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. Th
 
 Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
 by segment ids; attention is causal within a segment, which is what transformers does when it is
-given packed text positions. Each block of queries reads two windows of keys, its shared prefix
-and its own segments (`geo3k_jax.windowed`), so a row costs T x (Wp + W) scores, Wp about
-the longest shared prompt and W the longest continuation, rather than T x T. Positions are the three M-RoPE rows
-(temporal, height, width) of `common.mrope`.
+given packed text positions. The attention is chosen by `geo3k_jax.splash.Attention`: windowed
+(`geo3k_jax.windowed`: each block of queries reads two windows of keys, its shared prefix and its
+own segments, so a row costs T x (Wp + W) scores, Wp about the longest shared prompt and W the
+longest continuation, rather than T x T) or the Pallas splash kernel with segment ids
+(`geo3k_jax.splash`, TPU). Positions are the three M-RoPE rows (temporal, height, width) of
+`common.mrope`.
+
+The decoder layers are one `DecoderStack`: each parameter holds all layers along a leading axis,
+and a forward is a `jax.lax.scan` over it, so a program compiles one layer whatever the depth.
+Checkpoint keys name layers one by one (`layers.3.mlp.up_proj.weight`); `geo3k_jax.stacking`
+maps them to the stacked keys (`layers.mlp.up_proj.weight`, row 3) when loading and back when
+exporting.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from flax import nnx
 
 from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, rope_inv_freq,
                               scatter_rows)
+from geo3k_jax.splash import Attention, text_attention
 from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
@@ -77,7 +86,9 @@ class TextAttention(nnx.Module):
         self.heads, self.kv_heads, self.head_dim = h, kv, d
         self.qk_norm = arch == "qwen3_vl"
 
-    def __call__(self, x, cos, sin, windows, mask):
+    def __call__(self, x, cos, sin, attend):
+        """x: (B, T, hidden); cos, sin: (B, T, head_dim); attend(q, k, v, scale): the packed
+        rows' attention of q (B, T, H, D) to k, v (B, T, Hkv, D) -> (B, T, H * D)."""
         rows = x.shape[:-1]
         q = self.q_proj(x).reshape(rows + (self.heads, self.head_dim))
         k = self.k_proj(x).reshape(rows + (self.kv_heads, self.head_dim))
@@ -85,7 +96,7 @@ class TextAttention(nnx.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(windowed_attention(q, k, v, windows, mask, self.head_dim ** -0.5))
+        return self.o_proj(attend(q, k, v, self.head_dim ** -0.5))
 
 
 class DecoderLayer(nnx.Module):
@@ -99,9 +110,57 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)
 
-    def __call__(self, x, cos, sin, windows, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, windows, mask)
+    def __call__(self, x, cos, sin, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nnx.Module):
+    """`n` decoder layers whose parameters are stacked along a leading layer axis (the keys of
+    one DecoderLayer, each array (n, ...)). `stack[i]` is layer i as a DecoderLayer (its
+    parameters sliced), `len(stack)` the depth; `run` scans layers over hidden states."""
+
+    LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+
+    def __init__(self, n: int, make):
+        layers = [make() for _ in range(n)]  # initialised in order: the unrolled model's draws
+        defs, states = zip(*(nnx.split(layer) for layer in layers))
+        self.layer_def = defs[0]
+        stacked = nnx.merge(defs[0], jax.tree.map(lambda *a: jnp.stack(a), *states))
+        for name in self.LAYER_PARTS:
+            setattr(self, name, getattr(stacked, name))
+
+    def __len__(self) -> int:
+        return int(self.input_layernorm.weight.shape[0])
+
+    def __getitem__(self, i) -> DecoderLayer:
+        return nnx.merge(self.layer_def, jax.tree.map(lambda a: a[i], nnx.state(self)))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool, after=None) -> jax.Array:
+        """x (B, T, hidden) through every layer in order (`DecoderLayer`'s inputs); after(i, x)
+        is applied to layer i's output for the first `after[0]` layers (DeepStack): `after` is
+        (count, fn) or None. remat: each layer's activations are recomputed in the backward
+        pass (memory of one layer's inputs per layer instead of all its intermediates)."""
+        state = nnx.state(self)
+
+        def step(fn):
+            def body(h, xs):
+                h = nnx.merge(self.layer_def, xs[0])(h, cos, sin, attend)
+                return (h if fn is None else fn(xs[1], h)), None
+            return jax.checkpoint(body) if remat else body
+
+        def scan(h, lo, hi, fn):  # layers [lo, hi) in one scan
+            part = jax.tree.map(lambda a: a[lo:hi], state)
+            return jax.lax.scan(step(fn), h, (part, jnp.arange(lo, hi)))[0]
+
+        count, fn = after if after is not None else (0, None)
+        count = min(count, len(self))
+        if count:
+            x = scan(x, 0, count, fn)
+        return scan(x, count, len(self), None) if count < len(self) else x
 
 
 def head_dim_of(cfg, arch: str) -> int:
@@ -114,17 +173,19 @@ def head_dim_of(cfg, arch: str) -> int:
 class TextModel(nnx.Module):
     """Embedding, decoder layers and final norm (transformers' `model.language_model`)."""
 
-    def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs,
+                 attention: Attention = Attention()):
         if arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise ValueError("sliding-window text attention is not supported (Qwen-VL "
                              "checkpoints set use_sliding_window=false)")
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, arch, dtype=dtype, rngs=rngs)
-                                for _ in range(cfg.num_hidden_layers)])
+        self.layers = DecoderStack(cfg.num_hidden_layers,
+                                   lambda: DecoderLayer(cfg, arch, dtype=dtype, rngs=rngs))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.rope = MRoPE(arch, head_dim_of(cfg, arch), dict(cfg.rope_parameters))
+        self.attention = attention
 
     def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,
                  windows: dict, visual_index: jax.Array | None = None,
@@ -139,13 +200,18 @@ class TextModel(nnx.Module):
         segment each token's segment continues (`geo3k_jax.batch`; None: none). Returns normed
         hidden states (B, T, hidden)."""
         cos, sin = self.rope(positions)
-        windows = jax.tree.map(jnp.asarray, windows)  # numpy arrays: not as vmapped constants
-        mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, None if prefix is None else 0))(
-            segments, windows, prefix)
-        x = embeds
-        for i, layer in enumerate(self.layers):
-            run = lambda h, layer=layer: layer(h, cos, sin, windows, mask)  # noqa: E731
-            x = jax.checkpoint(run)(x) if remat else run(x)
-            if i < len(deepstack):
-                x = scatter_rows(x, visual_index, deepstack[i].astype(x.dtype), "add")
-        return self.norm(x)
+        if self.attention.splash:
+            def attend(q, k, v, scale):
+                return text_attention(self.attention, q, k, v, segments, prefix, scale)
+        else:
+            windows = jax.tree.map(jnp.asarray, windows)  # numpy arrays: not vmapped constants
+            mask = jax.vmap(window_mask, in_axes=(0, WINDOW_AXES, None if prefix is None else 0))(
+                segments, windows, prefix)
+
+            def attend(q, k, v, scale):
+                return windowed_attention(q, k, v, windows, mask, scale)
+        deep = None
+        if len(deepstack):
+            features = jnp.stack([f.astype(embeds.dtype) for f in deepstack])  # (K, B, N, hidden)
+            deep = (len(deepstack), lambda i, h: scatter_rows(h, visual_index, features[i], "add"))
+        return self.norm(self.layers.run(embeds, cos, sin, attend, remat=remat, after=deep))

@@ -34,6 +34,7 @@ from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
+from geo3k_jax.splash import resolve_attention
 from geo3k_jax.weights import load_model
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
@@ -77,7 +78,8 @@ def build(cfg, workdir: str) -> loop.Run:
     train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
     processor = load_processor(model_dir)
     mesh = make_mesh(dict(cfg.jax.mesh))
-    model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules)
+    model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules,
+                               attention=resolve_attention(cfg.jax.attention, platform, mesh))
     merge, params = split_params(model)
     learner = Learner(merge, params, loss_cfg, cfg.train, cfg.rollout.temperature,
                       processor=processor, config=config, mesh=mesh, rules=cfg.jax.rules,

@@ -29,6 +29,7 @@ from flax import nnx
 from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm,
                               activation, apply_rotary, attention, rope_inv_freq,
                               segment_mask)
+from geo3k_jax.splash import Attention, vision_attention
 from geo3k_jax.vision_grid import QWEN3, QWEN25, unsupported
 
 NORM_EPS = 1e-6
@@ -84,20 +85,25 @@ class PatchEmbed(nnx.Module):
 class VisionAttention(nnx.Module):
     """Bidirectional multi-head attention with fused qkv and 2-D rotary, masked by segments."""
 
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention):
         dim = cfg.hidden_size
+        self.attention = attention
         self.num_heads = cfg.num_heads
         self.scale = (dim // cfg.num_heads) ** -0.5
         self.qkv = Linear(dim, 3 * dim, bias=True, dtype=dtype, rngs=rngs)
         self.proj = Linear(dim, dim, bias=True, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array
                  ) -> jax.Array:
-        """x: (P, D); cos, sin: (P, head_dim); mask: (P, P) bool -> (P, D)."""
+        """x: (P, D); cos, sin: (P, head_dim); segments: (P,) a patch attends to the patches
+        of its own id -> (P, D)."""
         qkv = self.qkv(x).reshape(x.shape[0], 3, self.num_heads, -1)
         q = apply_rotary(qkv[:, 0], cos, sin)
         k = apply_rotary(qkv[:, 1], cos, sin)
-        return self.proj(attention(q, k, qkv[:, 2], mask, self.scale))
+        if self.attention.splash:
+            return self.proj(vision_attention(self.attention, q, k, qkv[:, 2], segments,
+                                              self.scale))
+        return self.proj(attention(q, k, qkv[:, 2], segment_mask(segments), self.scale))
 
 
 class MLP(nnx.Module):
@@ -118,19 +124,19 @@ class VisionBlock(nnx.Module):
 
     Qwen2.5-VL (`qwen25=True`): RMSNorm and the gated MLP; Qwen3-VL: LayerNorm and the plain MLP."""
 
-    def __init__(self, cfg, *, qwen25: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, qwen25: bool, dtype, rngs: nnx.Rngs, attention: Attention):
         norm = RMSNorm if qwen25 else LayerNorm
         self.norm1 = norm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
         self.norm2 = norm(cfg.hidden_size, eps=NORM_EPS, dtype=dtype)
-        self.attn = VisionAttention(cfg, dtype=dtype, rngs=rngs)
+        self.attn = VisionAttention(cfg, dtype=dtype, rngs=rngs, attention=attention)
         self.mlp = (GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=True,
                              dtype=dtype, rngs=rngs) if qwen25
                     else MLP(cfg, dtype=dtype, rngs=rngs))
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: jax.Array
                  ) -> jax.Array:
-        """x: (P, D); cos, sin: (P, head_dim); mask: (P, P) bool -> (P, D)."""
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        """x: (P, D); cos, sin: (P, head_dim); segments: (P,) -> (P, D)."""
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -184,24 +190,27 @@ class Qwen25VisionTower(nnx.Module):
     __call__(pixel_values (P, C*T*p*p), aux from `vision_aux`) ->
     (embeds (P / merge**2, out_hidden_size), [] : no DeepStack features)."""
 
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()):
         self.patch_embed = PatchEmbed(cfg, bias=False, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([VisionBlock(cfg, qwen25=True, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(cfg, qwen25=True, dtype=dtype, rngs=rngs,
+                                            attention=attention)
                                 for _ in range(cfg.depth)])
+        self.attention = attention
         self.merger = Qwen25Merger(cfg, dtype=dtype, rngs=rngs)
         self.fullatt_block_indexes = tuple(cfg.fullatt_block_indexes)
         self.rotary_dim = _rotary_dim(cfg)
         self.rope_theta = float(cfg.rope_parameters["rope_theta"])
 
-    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array]
+    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array], remat: bool = False
                  ) -> tuple[jax.Array, list[jax.Array]]:
-        """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size), []."""
+        """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size), [].
+        remat: each block's activations are recomputed in the backward pass."""
         x = self.patch_embed(pixel_values)[aux["window_perm"]]
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
-        full = segment_mask(aux["segments"])
-        windowed = segment_mask(aux["window_segments"])
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full if i in self.fullatt_block_indexes else windowed)
+            full = i in self.fullatt_block_indexes
+            x = run_block(block, x, cos, sin, aux["segments" if full else "window_segments"],
+                          remat)
         return self.merger(x)[aux["merge_unperm"]], []
 
 
@@ -212,12 +221,14 @@ class Qwen3VisionTower(nnx.Module):
     (embeds (P / merge**2, out_hidden_size),
      one (P / merge**2, out_hidden_size) DeepStack feature per `deepstack_visual_indexes` entry)."""
 
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()):
         self.patch_embed = PatchEmbed(cfg, bias=True, dtype=dtype, rngs=rngs)
         self.pos_embed = Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype=dtype,
                                    rngs=rngs)
-        self.blocks = nnx.List([VisionBlock(cfg, qwen25=False, dtype=dtype, rngs=rngs)
+        self.blocks = nnx.List([VisionBlock(cfg, qwen25=False, dtype=dtype, rngs=rngs,
+                                            attention=attention)
                                 for _ in range(cfg.depth)])
+        self.attention = attention
         self.merger = Qwen3Merger(cfg, postshuffle=False, dtype=dtype, rngs=rngs)
         self.deepstack_merger_list = nnx.List([
             Qwen3Merger(cfg, postshuffle=True, dtype=dtype, rngs=rngs)
@@ -231,26 +242,36 @@ class Qwen3VisionTower(nnx.Module):
         rows = self.pos_embed(indices).astype(jnp.float32)
         return (rows * weights[:, :, None].astype(jnp.float32)).sum(axis=1)
 
-    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array]
+    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array], remat: bool = False
                  ) -> tuple[jax.Array, list[jax.Array]]:
         """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size) embeds
-        and the DeepStack features, each (P / merge**2, out_hidden_size)."""
+        and the DeepStack features, each (P / merge**2, out_hidden_size). remat: each block's
+        activations are recomputed in the backward pass."""
         x = self.patch_embed(pixel_values)
         x = x + self.interpolated_pos_embed(aux["pos_indices"], aux["pos_weights"]).astype(x.dtype)
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
-        mask = segment_mask(aux["segments"])
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask)
+            x = run_block(block, x, cos, sin, aux["segments"], remat)
             if i in self.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)]
                 deepstack.append(merger(x))
         return self.merger(x), deepstack
 
 
-def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs) -> Qwen25VisionTower | Qwen3VisionTower:
-    """The tower for transformers vision config `cfg` (`model.config.vision_config`)."""
+def run_block(block: VisionBlock, x, cos, sin, segments, remat: bool) -> jax.Array:
+    """block(x, ...), under jax.checkpoint with `remat` (its (P, P) scores per head and MLP
+    activations recomputed in the backward pass, not stored for every block)."""
+    if not remat:
+        return block(x, cos, sin, segments)
+    return jax.checkpoint(lambda h: block(h, cos, sin, segments))(x)
+
+
+def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()
+                       ) -> Qwen25VisionTower | Qwen3VisionTower:
+    """The tower for transformers vision config `cfg` (`model.config.vision_config`);
+    `attention`: its per-image attention, dense or splash (`geo3k_jax.splash`)."""
     towers = {QWEN25: Qwen25VisionTower, QWEN3: Qwen3VisionTower}
     if getattr(cfg, "model_type", None) not in towers:
         raise ValueError(unsupported(cfg))
-    return towers[cfg.model_type](cfg, dtype=dtype, rngs=rngs)
+    return towers[cfg.model_type](cfg, dtype=dtype, rngs=rngs, attention=attention)

@@ -5,13 +5,14 @@
 
 Loading builds the model abstractly (`nnx.eval_shape`, no memory), then reads every tensor from
 the safetensors files on the host (numpy, bf16 through ml_dtypes; torch is not needed) and places
-it straight into its target sharding, one tensor at a time, so the host never holds a second
-copy of the model. Keys are checked both ways: a missing, unexpected or mis-shaped key is an
+it straight into its target sharding, one parameter at a time, so the host never holds a second
+copy of the model (a stacked decoder parameter, `geo3k_jax.stacking`, is read layer by layer
+and placed whole: the host holds one tensor kind of every layer at a time). Keys are checked both ways: a missing, unexpected or mis-shaped key is an
 error naming it. Older Qwen2.5-VL files (`visual.*`, `model.layers.*`) are renamed to the
 layout transformers 5 writes (`model.visual.*`, `model.language_model.*`), as transformers does
 when it loads them.
 
-Export writes that layout, float32 or bfloat16, with the config (and the tokenizer / processor
+Export writes that layout, layers unstacked, float32 or bfloat16, with the config (and the tokenizer / processor
 files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it.
 """
 
@@ -31,6 +32,8 @@ from safetensors.numpy import save_file
 
 from geo3k_jax.model import QwenVL, split_params
 from geo3k_jax.sharding import param_shardings
+from geo3k_jax.splash import Attention
+from geo3k_jax.stacking import hf_shapes, is_stacked, layer_key, to_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -82,33 +85,41 @@ def read_tensor(file: Path, key: str) -> np.ndarray:
             return np.asarray(f.get_tensor(key))
 
 
-def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=()
-               ) -> tuple[QwenVL, object]:
+def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=(),
+               attention: Attention = Attention()) -> tuple[QwenVL, object]:
     """(model, transformers config) with parameters in `dtype`, sharded on `mesh` by `rules`
-    (see `geo3k_jax.sharding`; no mesh = the default device)."""
+    (see `geo3k_jax.sharding`; no mesh = the default device); `attention`: windowed or splash
+    (`geo3k_jax.splash.resolve_attention`)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))
-    abstract = nnx.eval_shape(lambda: QwenVL(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: QwenVL(config, dtype=dtype, rngs=nnx.Rngs(0),
+                                             attention=attention))
     merge, shapes = split_params(abstract)
+    want = hf_shapes({k: v.shape for k, v in shapes.items()})
     files = checkpoint_files(path)
     if abstract.tied:
         files.pop("lm_head.weight", None)  # some tied checkpoints store the copy too
-    missing = sorted(set(shapes) - set(files))
-    unexpected = sorted(set(files) - set(shapes))
+    missing = sorted(set(want) - set(files))
+    unexpected = sorted(set(files) - set(want))
     if missing or unexpected:
         raise CheckpointError(f"{path}: missing keys {_few(missing)}; unexpected keys "
                               f"{_few(unexpected)}")
-    shardings = param_shardings(shapes, mesh, rules) if mesh is not None else {}
-    params = {}
-    for name, want in shapes.items():
+
+    def read(name):
         file, key = files[name]
         array = read_tensor(file, key)
-        if array.shape != tuple(want.shape):
+        if array.shape != want[name]:
             raise CheckpointError(f"{path}: {key!r} has shape {array.shape}, the config "
-                                  f"needs {tuple(want.shape)}")
-        params[name] = jax.device_put(array.astype(dtype),
-                                      shardings.get(name, jax.devices()[0]))
+                                  f"needs {want[name]}")
+        return array.astype(dtype)
+
+    shardings = param_shardings(shapes, mesh, rules) if mesh is not None else {}
+    params = {}
+    for name, abstract_value in shapes.items():
+        array = (np.stack([read(layer_key(name, i)) for i in range(abstract_value.shape[0])])
+                 if is_stacked(name) else read(name))
+        params[name] = jax.device_put(array, shardings.get(name, jax.devices()[0]))
     return merge(params), config
 
 
@@ -117,15 +128,16 @@ def _few(keys: list[str]) -> str:
 
 
 def host_params(model) -> dict[str, np.ndarray]:
-    """{checkpoint key: numpy array} gathered from the (possibly sharded) parameters; arrays
-    that span several hosts are all-gathered (every process calls this)."""
+    """{checkpoint key: numpy array} gathered from the (possibly sharded) parameters, decoder
+    layers unstacked; arrays that span several hosts are all-gathered (every process calls
+    this)."""
     from jax.experimental import multihost_utils
 
     def gather(v):
         if v.is_fully_addressable:
             return np.asarray(jax.device_get(v))
         return np.asarray(multihost_utils.process_allgather(v, tiled=True))
-    return {k: gather(v) for k, v in split_params(model)[1].items()}
+    return to_hf({k: gather(v) for k, v in split_params(model)[1].items()})
 
 
 def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,

@@ -17,6 +17,7 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
 from common.batching import TrainSequence, pack
 from geo3k_jax.batch import device_batch
 from geo3k_jax.model import QwenVL, split_params, token_logprobs
+from geo3k_jax.stacking import from_hf, to_hf
 from geo3k_jax.text import MRoPE, mrope_rows
 from geo3k_torch.model import packed_inputs, token_logprobs as torch_logprobs
 from tests.tiny_models import IDS, VOCAB, ImageOnlyProcessor, image, prompt_ids
@@ -68,8 +69,8 @@ def jax_copy(hf):
     """The JAX model of `hf`'s config, holding `hf`'s weights."""
     model = QwenVL(hf.config, rngs=nnx.Rngs(0))
     merge, params = split_params(model)
-    sd = hf.state_dict()
-    return merge, {k: jnp.asarray(sd[k].numpy()) for k in params}
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    return merge, {k: jnp.asarray(v) for k, v in from_hf(sd, params).items()}
 
 
 def sequences(processor, rng, n):
@@ -154,6 +155,7 @@ def test_gradients_match_transformers(case):
     ref = {k: p.grad.numpy() for k, p in hf.named_parameters()}
     mask = jnp.asarray(batch["loss_mask"])
     grads = jax.jit(jax.grad(lambda p: jnp.sum(token_logprobs(merge(p), batch) * mask)))(params)
+    grads = to_hf(grads)  # stacked decoder gradients, per layer
     assert set(grads) == set(ref)
     for k, g in ref.items():
         err = np.linalg.norm(np.asarray(grads[k]) - g) / max(np.linalg.norm(g), 1e-12)

@@ -14,6 +14,7 @@ from transformers import AutoModelForImageTextToText
 
 from geo3k_jax.batch import attention_windows
 from geo3k_jax.model import split_params
+from geo3k_jax.stacking import to_hf
 from geo3k_jax.weights import CheckpointError, canonical_key, load_model, save_hf
 from geo3k_torch.tiny import build_tiny_checkpoint
 
@@ -39,8 +40,16 @@ def hf_params(path) -> dict:
 
 
 def test_load_is_exact(ckpt):
+    """Every checkpoint tensor arrives unchanged; decoder layers stacked along a first axis
+    (`geo3k_jax.stacking`), one key per tensor kind."""
     model, config = load_model(ckpt)
-    _, params = split_params(model)
+    _, stacked = split_params(model)
+    layers = config.text_config.num_hidden_layers
+    up = stacked["model.language_model.layers.mlp.up_proj.weight"]
+    assert up.shape == (layers, config.text_config.intermediate_size,
+                        config.text_config.hidden_size)
+    assert not any(k.startswith("model.language_model.layers.0.") for k in stacked)
+    params = to_hf(stacked)
     ref, _ = hf_params(ckpt)
     assert set(params) == set(ref)
     for k, v in ref.items():
@@ -99,7 +108,7 @@ def test_legacy_layout_and_sharded_index(ckpt, tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {k: n for n, ks in shards.items() for k in ks}}))
     model, _ = load_model(out)
-    _, params = split_params(model)
+    params = to_hf(split_params(model)[1])
     for k, v in tensors.items():
         np.testing.assert_array_equal(np.asarray(params[k]), v)
 
@@ -120,8 +129,9 @@ def test_export_loads_in_transformers_with_the_same_logits(ckpt, tmp_path):
               for k, v in params.items()}
     out = save_hf(merge(params), config, tmp_path / "export", source_dir=ckpt)
     ref, hf = hf_params(out)
-    for k, v in ref.items():
-        np.testing.assert_array_equal(np.asarray(params[k]), v, err_msg=k)
+    for k, v in to_hf(params).items():
+        np.testing.assert_array_equal(np.asarray(v), ref[k], err_msg=k)
+    assert set(to_hf(params)) == set(ref)
     assert (out / "tokenizer.json").exists() and (out / "chat_template.jinja").exists()
     ids = rng.integers(0, config.text_config.vocab_size - 4, (1, 40))
     segments = np.zeros((1, 40), np.int32)

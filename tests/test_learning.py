@@ -94,16 +94,18 @@ def jax_learner(model, processor, cfg):
 
     from geo3k_jax.learner import Learner as JaxLearner
     from geo3k_jax.model import QwenVL, split_params
+    from geo3k_jax.stacking import from_hf, to_hf
 
     merge, params = split_params(nnx.eval_shape(lambda: QwenVL(model.config, rngs=nnx.Rngs(0))))
     torch_params = dict(model.named_parameters())
-    params = {k: jnp.asarray(torch_params[k].detach().numpy()) for k in params}
+    hf = {k: v.detach().numpy() for k, v in torch_params.items()}
+    params = {k: jnp.asarray(v) for k, v in from_hf(hf, params).items()}
     learner = JaxLearner(merge, params, LossConfig(), cfg, 1.0, processor=processor,
                          config=model.config, row_len=BUDGET)
 
     def sync():
         with torch.no_grad():
-            for k, v in learner.params.items():
+            for k, v in to_hf(learner.params).items():
                 torch_params[k].copy_(torch.from_numpy(np.array(v)))
     return learner, sync
 
