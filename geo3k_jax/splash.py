@@ -14,10 +14,10 @@ id (the prompt precedes its continuations in a row, so the causal mask holds it 
 merges the two by their log-sum-exps; its backward runs splash's own backward kernels once per
 pass with the merged output and log-sum-exp, which is the exact gradient of the merged
 attention (flash attention's backward needs only those two per query). Neither the dense
-(T, T) mask a dynamic splash mask materialises (268 MB per 16k-token row and head) nor a copy
-of every prompt per sample (G - 1 more prompts through every layer) is needed; the cost is a
-second causal pass over the row's score blocks (docs/splash.md gives the TPU compiler's
-figures).
+(T, T) mask a dynamic splash mask materialises (T^2 bytes per row and head: 268 MB at 16k
+tokens) nor a copy of every prompt per sample (G - 1 more prompts through every layer, not
+only the attention) is needed; the cost is a second causal pass over the row's score blocks
+(`scripts/aot_text_stack.py --mode=prefix` compiles the three for a TPU topology).
 
 A Mosaic kernel is not partitioned by XLA: the kernel runs under `jax.shard_map`, rows split
 over the mesh's data-parallel axes and key heads over `tensor` when it divides them.
@@ -155,14 +155,22 @@ def text_attention(attn: Attention, q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def _text_rows(interpret, q, k, v, seg, pre=None):
-    """(B, G, R, L, D) queries, (B, G, L, D) keys and values, (B, L) ids -> (B, G, R, L, D)."""
+    """(B, G, R, L, D) queries, (B, G, L, D) keys and values, (B, L) ids -> (B, G, R, L, D).
+    The prefix pass runs only when one of these rows continues a prefix (`lax.cond` over all
+    of them: a batch that shares nothing, or a device's share of one, pays one pass)."""
     _, _, r, length, _ = q.shape
-    if pre is None:
+
+    def plain(q, k, v, seg, _=None):
         kernel = _kernel(r, length, True, True, interpret)
         one = lambda q1, k1, v1, s: kernel(q1, k1, v1, sak.SegmentIds(s, s))  # noqa: E731
         return jax.vmap(jax.vmap(one, (0, 0, 0, None)))(q, k, v, seg)
-    one = functools.partial(_prefixed, (r, length, interpret))
-    return jax.vmap(jax.vmap(one, (0, 0, 0, None, None)))(q, k, v, seg, pre)
+    if pre is None:
+        return plain(q, k, v, seg)
+
+    def shared(q, k, v, seg, pre):
+        one = functools.partial(_prefixed, (r, length, interpret))
+        return jax.vmap(jax.vmap(one, (0, 0, 0, None, None)))(q, k, v, seg, pre)
+    return jax.lax.cond(jnp.any(pre >= 0), shared, plain, q, k, v, seg, pre)
 
 
 def _passes(key, q, k, v, seg, pre):
