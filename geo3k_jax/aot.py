@@ -35,6 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from geo3k_jax.splash import resolve_attention  # noqa: E402
+
 GiB = 2 ** 30
 
 
@@ -107,8 +109,9 @@ def abstract_learner(cfg, config, devices):
     from geo3k_jax.train import DTYPES
 
     mesh = make_mesh(dict(cfg.jax.mesh), devices)
+    attention = resolve_attention(cfg.jax.attention, devices[0].platform, mesh)
     merge, params = split_params(nnx.eval_shape(
-        lambda: QwenVL(config, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+        lambda: QwenVL(config, dtype=jnp.float32, rngs=nnx.Rngs(0), attention=attention)))
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     shape = one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens)
     if shape is None:
@@ -177,6 +180,7 @@ def compile_step(cfg, topology: str, config) -> dict:
             continue
         programs.append(report(name, compiled, chip, resident[name], time.perf_counter() - t0))
     return {"topology": topology, "chip": chip.name, "devices": len(devices),
+            "attention": resolve_attention(cfg.jax.attention, devices[0].platform).kind,
             "params": sum(math.prod(v.shape) for v in learner.params.values()),
             "slice": dict(learner.shape, rows=learner.rows_per_slice), "programs": programs,
             "fits": all(p["fits"] for p in programs)}
@@ -186,7 +190,7 @@ def format_report(r: dict) -> str:
     """The report as a table, bytes in GiB per device."""
     g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
     lines = [f"{r['topology']} ({r['devices']} x {r['chip']}), {r['params'] / 1e9:.2f}B "
-             f"parameters, slice {r['slice']}",
+             f"parameters, {r['attention']} attention, slice {r['slice']}",
              "program   argument  output   alias    temp    code  +state    peak /  HBM GiB"
              "   fits  TFLOP  GB accessed  roofline ms  compile s"]
     for p in r["programs"]:

@@ -33,11 +33,12 @@ def row(r: dict) -> str:
     progs = {p["program"]: p for p in r["programs"]}
     if any("refused" in p for p in progs.values()):
         refused = "; ".join(f"{k}: {p['refused']}" for k, p in progs.items() if "refused" in p)
-        return (f"| {r['shapes']} | {r['topology']} | refused | no | "
+        return (f"| {r['shapes']} | {r['topology']} | {r['attention']} | refused | no | "
                 f"{sum(p['compile_s'] for p in progs.values()):.0f} | | | {refused} |")
     g, a = progs["grad"], progs["apply"]
     peak = max(g["peak"], a["peak"])
-    return (f"| {r['shapes']} | {r['topology']} | {peak / GiB:.1f} / {g['hbm'] / GiB:.2f} | "
+    return (f"| {r['shapes']} | {r['topology']} | {r['attention']} | {peak / GiB:.1f} / "
+            f"{g['hbm'] / GiB:.2f} | "
             f"{'yes' if r['fits'] else 'no'} | {g['compile_s'] + a['compile_s']:.0f} | "
             f"{g['flops'] / 1e12:.0f} | {g['roofline_s'] * 1e3:.0f} + {a['roofline_s'] * 1e3:.0f}"
             f" | grad {g['peak'] / GiB:.1f} (temp {g['temp'] / GiB:.1f}), apply "
@@ -55,9 +56,9 @@ def main(_):
             subprocess.run([sys.executable, "-m", "geo3k_jax.aot", f"--config={FLAGS.config}",
                             f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"],
                            check=False)
-    print("| model | slice | peak GiB per chip / HBM | fits | compile s | grad TFLOP per chip "
-          "| roofline ms (grad + update) | programs |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | slice | attention | peak GiB per chip / HBM | fits | compile s "
+          "| grad TFLOP per chip | roofline ms (grad + update) | programs |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shapes, topology in sorted(cells):
         path = out / f"{shapes}_{topology}.json"
         if path.exists():

@@ -34,7 +34,7 @@ def main(arch: str) -> None:
         runs[name] = (np.asarray(logp), metrics, {k: np.asarray(v) for k, v in
                                                    learner.params.items()}, learner)
     (lp1, m1, p1, _), (lp2, m2, p2, sharded) = runs["single"], runs["sharded"]
-    q = sharded.params["model.language_model.layers.0.self_attn.q_proj.weight"]
+    q = sharded.params["model.language_model.layers.self_attn.q_proj.weight"]  # (L, out, in)
     # what each device computes: the compiled, partitioned log-prob function's shapes
     fn = jax.jit(lambda p, b: token_logprobs(merge(p), b),
                  in_shardings=(sharded.param_sh, batch_shardings(mesh, batch)))

@@ -24,11 +24,14 @@ def tiny_v5p():
     cfg = tpu.get_config()
     cfg.train.micro_batch_tokens = 256
     cfg.jax.slice.update(targets=128, patches=64, window=256, prefix_window=64)
-    # the figures are the optimised program's (tests/conftest.py turns most optimisations off)
+    # as a run compiles it: the figures are the optimised program's (tests/conftest.py turns
+    # most optimisations off), and the matmul precision the default (other test modules ask for
+    # "highest", which the TPU kernels refuse for bf16 operands)
     optimise = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     try:
-        return aot.compile_step(cfg, "v5p-8", config("qwen3_vl")[0])
+        with jax.default_matmul_precision(None):
+            return aot.compile_step(cfg, "v5p-8", config("qwen3_vl")[0])
     finally:
         jax.config.update("jax_disable_most_optimizations", optimise)
 
@@ -40,6 +43,7 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
 
     r = tiny_v5p
     assert (r["chip"], r["devices"], r["fits"]) == ("v5p", 4, True)
+    assert r["attention"] == "splash"  # jax.attention=auto on a TPU
     # one 256-token row per chip (fsdp over the 4 chips of a v5p:2x2x1)
     assert r["slice"] == dict(length=256, targets=128, patches=64, window=256,
                               prefix_window=64, rows=4)
@@ -69,7 +73,8 @@ def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
                    resident=0, peak=2 * aot.GiB, hbm=aot.GiB, fits=False, flops=1.0,
                    bytes_accessed=1.0, roofline_s=1e-3, compile_s=1.0)
     monkeypatch.setattr(aot, "compile_step", lambda cfg, topology, config: dict(
-        topology=topology, chip="v5e", devices=8, params=10, slice={}, fits=False,
+        topology=topology, chip="v5e", devices=8, params=10, attention="splash", slice={},
+        fits=False,
         programs=[program, dict(program="apply", refused="RESOURCE_EXHAUSTED: too big",
                                 fits=False, compile_s=2.0)]))
     monkeypatch.setattr(aot, "model_config", lambda shapes: None)

@@ -358,8 +358,10 @@ def test_sharded_step_equals_single_device(arch="qwen2_5_vl"):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["rows"] == 4
-    assert r["q_proj_spec"] == ["tensor", "fsdp"]
-    assert r["q_proj_shard_shape"] == [r["q_proj_shape"][0] // 2, r["q_proj_shape"][1] // 2]
+    # the decoder's stacked q_proj (layers, out, in): layers unsharded, out over tensor, in over fsdp
+    assert r["q_proj_spec"] == ["None", "tensor", "fsdp"]
+    layers, out, inp = r["q_proj_shape"]
+    assert r["q_proj_shard_shape"] == [layers, out // 2, inp // 2]
     assert r["logp_abs"] <= 1e-5
     assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5
     # Two AdamW steps at lr 1e-3: weights whose gradient is float32 noise around zero may move
@@ -376,6 +378,8 @@ def test_two_processes_equal_one(setup, tmp_path):
     import socket
 
     from safetensors.numpy import load_file
+
+    from geo3k_jax.stacking import to_hf
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -394,6 +398,6 @@ def test_two_processes_equal_one(setup, tmp_path):
     for key in ("loss", "grad_norm", "entropy", "tis_mean"):
         assert multi[key] == pytest.approx(ref[key], rel=1e-5), key
     weights = load_file(str(tmp_path / "export" / "model.safetensors"))
-    mine = {k: np.asarray(v) for k, v in single.params.items()}
+    mine = {k: np.asarray(v) for k, v in to_hf(single.params).items()}  # checkpoint keys
     assert weights.keys() == mine.keys()
     assert max(float(np.abs(weights[k] - mine[k]).max()) for k in mine) <= 1e-4
