@@ -38,6 +38,7 @@ from PIL import Image
 
 from common.batching import TrainSequence, pack
 from common.engine import Request, SamplingParams
+from common.flops import image_flops, text_flops
 from configs import base, cpu
 from configs.models import model_shapes, write_config_dir
 
@@ -182,53 +183,23 @@ def grpo_batches(config, processor, s: Settings, budget: int, seed: int = 0):
 
 
 # ---- FLOPs, memory ---------------------------------------------------------------------------
-def matmul_params(config) -> dict[str, int]:
-    """Weights of the matrix products, per unit: a decoder layer (`layer`), the patch
-    embedding (`patch_embed`), a vision block (`vision_block`), one patch merger (`merger`,
-    the main one or a DeepStack one)."""
-    t, v = config.text_config, config.vision_config
-    h, heads, kv = t.hidden_size, t.num_attention_heads, t.num_key_value_heads
-    hd = getattr(t, "head_dim", None) or h // heads
-    hv, m2 = v.hidden_size, v.spatial_merge_size ** 2
-    mlp = 2 if config.model_type == "qwen3_vl" else 3  # fc1/fc2 or gate/up/down
-    return {"layer": 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * t.intermediate_size,
-            "patch_embed": v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * hv,
-            "vision_block": 4 * hv * hv + mlp * hv * v.intermediate_size,
-            "merger": (m2 * hv) ** 2 + m2 * hv * v.out_hidden_size}
-
-
 def train_flops(config, batches, processor) -> float:
     """Model FLOPs of one training step (forward + backward = 3 forwards) on `batches`: every
     matmul of the decoder over the row's tokens, the LM head over the trained tokens only (the
     learner computes no other logits), causal attention per segment (a sample continuing its
-    group's prompt also attends to the prompt), and the vision tower per image (full attention
-    per image; Qwen2.5-VL's windowed blocks over their windows). Recomputation under
-    gradient checkpointing is not counted (MFU, not hardware FLOPs utilisation)."""
-    t, v, w = config.text_config, config.vision_config, matmul_params(config)
-    heads = t.num_attention_heads
-    hd = getattr(t, "head_dim", None) or t.hidden_size // heads
-    m2 = v.spatial_merge_size ** 2
-    mergers = 1 + len(getattr(v, "deepstack_visual_indexes", None) or [])
-    full = set(range(v.depth)) if config.model_type == "qwen3_vl" else set(
-        v.fullatt_block_indexes)
-    window = (getattr(v, "window_size", 0) or 0) // v.patch_size  # patches per window side
+    group's prompt also attends to the prompt), and the vision tower per image
+    (`common.flops.image_flops`). Recomputation under gradient checkpointing is not counted (MFU,
+    not hardware FLOPs utilisation)."""
     fwd = 0.0
     for b in batches:
         lens, parents = np.diff(b.cu_seqlens), b.parent_of()
-        fwd += 2 * w["layer"] * t.num_hidden_layers * b.num_tokens
-        fwd += 2 * t.hidden_size * t.vocab_size * float(b.loss_mask.sum())
         pairs = sum(n * (n + 1) / 2 + (n * lens[p] if p >= 0 else 0)
                     for n, p in zip(lens, parents))  # (query, key) pairs attended
-        fwd += 4 * heads * hd * pairs * t.num_hidden_layers
+        fwd += text_flops(config, b.num_tokens, float(b.loss_mask.sum()), pairs)
         if b.images:
             grid = processor.image_processor(images=list(b.images),
                                              return_tensors="np")["image_grid_thw"]
-            for g in grid:
-                p = float(np.prod(g))
-                fwd += 2 * (w["patch_embed"] + w["vision_block"] * v.depth) * p
-                fwd += 2 * w["merger"] * mergers * p / m2
-                fwd += sum(4 * v.hidden_size * p * (p if i in full else min(p, window ** 2))
-                           for i in range(v.depth))
+            fwd += sum(image_flops(config, int(np.prod(g))) for g in grid)
     return 3 * fwd
 
 

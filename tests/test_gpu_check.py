@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+from common.flops import image_flops, matmul_params, row_flops
 from configs.models import write_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def test_matmul_params_are_the_models(sections, name, tmp_path):
     with torch.device("meta"):
         model = transformers.AutoModelForImageTextToText.from_config(cfg)
     visual = model.model.visual
-    got = sections.matmul_params(cfg)
+    got = matmul_params(cfg)
     assert got["layer"] == _linear_weights(model.model.language_model.layers[0])
     assert got["vision_block"] == _linear_weights(visual.blocks[0])
     assert got["merger"] == _linear_weights(visual.merger)
@@ -67,9 +68,25 @@ def test_train_flops_of_a_text_row(sections):
     batch = PackedBatch(np.arange(8), mask, mask, mask, np.repeat([0, 1], 4), np.array([0, 4, 8]),
                         np.zeros(2, np.int64), np.arange(2), [])
     t = cfg.text_config
-    layer = sections.matmul_params(cfg)["layer"]
+    layer = matmul_params(cfg)["layer"]
     want = 3 * (2 * layer * 8 * 28 + 2 * 2048 * t.vocab_size * 3 + 4 * 16 * 128 * 20 * 28)
     assert sections.train_flops(cfg, [batch], None) == pytest.approx(want, rel=1e-12)
+
+
+def test_row_flops_is_a_row_of_window_long_sequences(sections):
+    """The AOT roofline's count of a row (geo3k_jax.aot) equals the step count of a packed row
+    of sequences `window` long, every token trained, and adds one image's vision FLOPs."""
+    from common.batching import PackedBatch
+
+    cfg = transformers.AutoConfig.from_pretrained(write_config_dir("qwen3_vl_2b",
+                                                                   tempfile.mkdtemp()))
+    ones = np.ones(8, np.float32)
+    batch = PackedBatch(np.arange(8), ones, ones, ones, np.repeat([0, 1], 4), np.array([0, 4, 8]),
+                        np.zeros(2, np.int64), np.arange(2), [])
+    text = row_flops(cfg, 8, 8, 0, window=4)
+    assert text == pytest.approx(sections.train_flops(cfg, [batch], None), rel=1e-12)
+    assert row_flops(cfg, 8, 8, 64, window=4) == pytest.approx(
+        text + 3 * image_flops(cfg, 64), rel=1e-12)
 
 
 def test_a_failing_section_is_reported_with_what_came_before(check, monkeypatch, tmp_path):

@@ -64,6 +64,11 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
     assert apply["alias"] >= 0.9 * 3 * per_chip  # params and the two Adam moments
     assert grad["resident"] >= 0.9 * 2 * per_chip  # the Adam moments wait in HBM meanwhile
     assert grad["flops"] > 10 * apply["flops"]  # forward and backward of 256 tokens a chip
+    # the roofline counts at least the model's FLOPs, which the compiler's count of a scanned
+    # layer and of the splash kernel misses
+    assert grad["model_flops"] > 0 and apply["model_flops"] == 0
+    peak_flops = aot.CHIPS["TPU v5"].peak_flops
+    assert grad["roofline_s"] >= grad["model_flops"] / peak_flops
 
 
 def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
@@ -71,6 +76,7 @@ def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
 
     program = dict(program="grad", argument=1, output=1, alias=0, temp=2 * aot.GiB, code=1,
                    resident=0, peak=2 * aot.GiB, hbm=aot.GiB, fits=False, flops=1.0,
+                   model_flops=2.0,
                    bytes_accessed=1.0, roofline_s=1e-3, compile_s=1.0)
     monkeypatch.setattr(aot, "compile_step", lambda cfg, topology, config: dict(
         topology=topology, chip="v5e", devices=8, params=10, attention="splash", slice={},
