@@ -221,23 +221,28 @@ def format_report(r: dict) -> str:
 
 
 def main(argv) -> None:
-    from absl import app, flags
+    """The command line. Its flags live in their own FlagValues, so a process that has defined
+    another `--config` (a test worker, a notebook) can call it."""
+    from absl import flags
     from ml_collections import config_flags
 
-    config_flags.DEFINE_config_file("config", "configs/tpu.py", "a geo3k-rl config file")
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", "configs/tpu.py", "a geo3k-rl config file",
+                                    flag_values=fv)
     flags.DEFINE_string("topology", "v5p-8", f"one of {', '.join(TOPOLOGIES)} or a libtpu "
-                        "topology (v5p:2x2x1)")
-    flags.DEFINE_string("shapes", "qwen3_vl_2b", "configs/models name or a checkpoint directory")
-    flags.DEFINE_string("json", "", "also write the report here")
-
-    def run(_):
-        f = flags.FLAGS
-        r = dict(compile_step(f.config, f.topology, model_config(f.shapes)), shapes=f.shapes)
-        print(format_report(r))
-        if f.json:
-            Path(f.json).write_text(json.dumps(r, indent=1))
-        sys.exit(0 if r["fits"] else 1)
-    app.run(run, argv)
+                        "topology (v5p:2x2x1)", flag_values=fv)
+    flags.DEFINE_string("shapes", "qwen3_vl_2b", "configs/models name or a checkpoint directory",
+                        flag_values=fv)
+    flags.DEFINE_string("json", "", "also write the report here", flag_values=fv)
+    try:
+        fv(argv)
+    except flags.Error as e:
+        raise SystemExit(f"{e}\n{fv.main_module_help()}") from None
+    r = dict(compile_step(fv.config, fv.topology, model_config(fv.shapes)), shapes=fv.shapes)
+    print(format_report(r))
+    if fv.json:
+        Path(fv.json).write_text(json.dumps(r, indent=1))
+    sys.exit(0 if r["fits"] else 1)
 
 
 if __name__ == "__main__":
