@@ -24,7 +24,6 @@ log-probs and the loss in fp32 — the JAX counterpart of torch autocast.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
