@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms
@@ -150,6 +150,10 @@ class Learner:
         self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
         self.tx = make_optimizer(train_cfg)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
+        # Without a mesh, the state lives committed to this process's device, as a restored
+        # state does: the programs' argument placements, hence the compiled programs, stay the
+        # same from step to step and across a restore (uncommitted arrays compile apart).
+        self.home = None if mesh is not None else SingleDeviceSharding(jax.local_devices()[0])
         self.opt_sh = None
         if mesh is not None:  # moments sharded like their parameters, counts replicated
             replicated = NamedSharding(mesh, P())
@@ -167,15 +171,13 @@ class Learner:
         if _abstract(params):
             return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=(
                 None if self.param_sh is None else self.param_sh[k])) for k, v in params.items()}
-        if self.mesh is None:
-            return jax.tree.map(jnp.copy, params)
-        return jax.device_put(params, self.param_sh, may_alias=False)
+        return jax.device_put(params, self.home or self.param_sh, may_alias=False)
 
     def reset(self, params: dict) -> None:
         """Start from `params` (copied into place) with a fresh optimizer state. Parameters given
         as ShapeDtypeStructs make a learner of shapes alone, which only `lower`s its programs."""
         self.params = self._place(params)
-        init = jax.jit(self.tx.init, out_shardings=self.opt_sh)
+        init = jax.jit(self.tx.init, out_shardings=self.home or self.opt_sh)
         self.opt_state = (jax.eval_shape(init, self.params) if _abstract(params)
                           else init(self.params))
 
@@ -312,7 +314,7 @@ class Learner:
         """The jitted step-wide function `kind`: "zeros" (a fresh accumulator, fp32 zeros in
         the parameters' shardings) or "apply" (the update)."""
         if kind not in self._steps:
-            sh = {} if self.mesh is None else dict(out_shardings=self.param_sh)
+            sh = dict(out_shardings=self.home or self.param_sh)
             if kind == "zeros":
                 fn = lambda: {k: jnp.zeros(v.shape, jnp.float32)  # noqa: E731
                               for k, v in self.params.items()}
