@@ -5,6 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
+# Some machines set PYTHONDONTWRITEBYTECODE: with the install's --no-compile, every process
+# (test workers, the multi-process tests' children) would then compile torch from source again.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install test test-fast test-all train train-jax clean
 
 install: $(STAMP)
@@ -13,16 +17,17 @@ $(STAMP): requirements-cpu.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Every pip call carries the pins as constraints: an unpinned torch would pull a CUDA build.
-	#: Python compiles a module when it is first imported (about 40 s of the install
-	# went to compiling every file of torch, jax and transformers, most never imported).
-	$(PY) -m pip install -q -c requirements-cpu.txt -r requirements-cpu.txt
-	$(PY) -m pip install -q -c requirements-cpu.txt --no-build-isolation -e .
+	# --no-compile: Python compiles a module when it is first imported and caches it (about
+	# 80 s of the install went to compiling every file of torch, jax and transformers, most
+	# never imported).
+	$(PY) -m pip install -q --no-compile -c requirements-cpu.txt -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-compile -c requirements-cpu.txt --no-build-isolation -e .
 	touch $(STAMP)
 
 # The tests also need requirements-test.txt (trl, for Qwen's published chat templates; libtpu, the
 # TPU compiler of `python -m geo3k_jax.aot`).
 $(TEST_STAMP): $(STAMP) requirements-test.txt
-	$(PY) -m pip install -q -c requirements-cpu.txt -c requirements-test.txt -r requirements-test.txt
+	$(PY) -m pip install -q --no-compile -c requirements-cpu.txt -c requirements-test.txt -r requirements-test.txt
 	touch $(TEST_STAMP)
 
 # Two workers (pytest-xdist), one test file each at a time: the suite's modules build their own

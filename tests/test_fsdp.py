@@ -45,7 +45,7 @@ def test_two_processes_equal_one(tmp_path, arch, agg):
     assert one["sync_exact"] and two["sync_exact"]  # bf16 buckets of the sharded weights
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_rank_with_nothing_to_train_takes_part(tmp_path):
     """All groups of rank 1 filtered: it runs a spare sequence with an empty loss mask in every
     collective, and the step (loss, weights, token-mean metrics) is the one-process step."""
@@ -60,7 +60,7 @@ def test_a_rank_with_nothing_to_train_takes_part(tmp_path):
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_sharded_load_and_sharded_resume(tmp_path):
     """Two processes: the meta-built model loaded from rank 0's read equals the plainly loaded
     one exactly (tied LM head included), each rank holding about half of it; a learner restored
