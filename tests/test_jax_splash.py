@@ -34,6 +34,7 @@ def _qkvc(seg, h=4, kv=2, d=8, seed=0):
     return (q, k, v), c
 
 
+@pytest.mark.slow  # interpret mode, or a TPU compile: seconds
 @pytest.mark.parametrize("layout,length", [
     # (segment lengths, parents) per row; -1: no parent
     ([([100, 60, 90], [-1, -1, -1]), ([256], [-1])], 256),            # plain packed rows
@@ -95,6 +96,7 @@ def _grouped(seqs, rng):
     return out
 
 
+@pytest.mark.slow  # interpret mode, or a TPU compile: seconds
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_5_vl"])
 def test_model_with_splash_equals_windowed(arch):
     """The tiny model's log-probs and parameter gradients with splash text and vision
@@ -140,6 +142,7 @@ def tpu_mesh():
     return jax.sharding.Mesh(np.array(devices).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
 
 
+@pytest.mark.slow  # interpret mode, or a TPU compile: seconds
 def test_splash_compiles_for_tpu(tpu_mesh):
     """Forward and backward of the text attention with shared prefixes, rows split over the
     mesh (shard_map), compile for TPU v5p:2x2x1 with Mosaic (not interpret mode)."""
@@ -159,6 +162,7 @@ def test_splash_compiles_for_tpu(tpu_mesh):
     assert compiled.memory_analysis().temp_size_in_bytes > 0
 
 
+@pytest.mark.slow  # interpret mode, or a TPU compile: seconds
 def test_vision_splash_compiles_for_tpu(tpu_mesh):
     """The vision tower's per-image attention, vmapped over rows as the model runs it (the
     rows mapped over the mesh's data axes), forward and backward, for TPU v5p:2x2x1."""
