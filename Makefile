@@ -31,9 +31,9 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	touch $(TEST_STAMP)
 
 # Two workers (pytest-xdist), one test file each at a time: the suite's modules build their own
-# fixtures, so a file never splits across workers. `test` leaves out the `heavy` end-to-end runs
-# (minutes each, their code covered by smaller tests); `test-all` runs them too; `test-fast`
-# leaves out every test over a few seconds.
+# fixtures, so a file never splits across workers. `test` leaves out the `heavy` runs (end-to-end
+# runs of minutes; the 8-device and multi-process equivalence runs, a minute each); `test-all`
+# runs them too; `test-fast` leaves out every test over a few seconds.
 test: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not heavy" tests
 
