@@ -33,8 +33,11 @@ setup(
         # The torch learner. On CPU machines install the pinned CPU wheel (requirements-cpu.txt).
         "torch": ["torch>=2.6"],
         # The JAX learner on CPU; TPUs use the `tpu` extra instead.
-        "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
-        "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11"],
+        # gcsfs: gs:// checkpoint directories (common.storage; orbax writes arrays itself).
+        "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
+                "gcsfs>=2025.1"],
+        "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
+                "gcsfs>=2025.1"],
         # GPU rollouts: SGLang brings its own CUDA torch build. The stack is pinned in
         # requirements-gpu.txt (sglang 0.5.23 with the torch and transformers it pins; CUDA 13,
         # driver R580+); the client is checked against the source of 0.5.15 and 0.5.23.

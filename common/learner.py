@@ -22,6 +22,10 @@ from common.batching import PackedBatch
 class Learner(Protocol):
     """One policy under training: its weights, optimizer and schedule."""
 
+    # Whether `export_hf`, `save` and `restore` take an object-store URL (`common.storage`)
+    # as well as a local directory.
+    remote_checkpoints: bool = False
+
     def train_step(self, batches: Sequence[PackedBatch], n_tokens: float,
                    n_seqs: float) -> dict[str, float]:
         """One optimizer step on this process's micro-batches (gradient accumulation over

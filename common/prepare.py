@@ -35,6 +35,16 @@ def prepare_data(cfg):
                  for s in (cfg.data.train_split, cfg.data.test_split))
 
 
+def load_data(cfg, comm):
+    """`prepare_data` on every process, process 0 first (it writes the synthetic set when
+    missing): each process reads the splits from `data.path` (or the synthetic set's folder)
+    itself, the same path on every host; no dataset crosses processes."""
+    if comm.rank == 0:
+        prepare_data(cfg)
+    comm.barrier()
+    return prepare_data(cfg)
+
+
 def make_renderer(cfg, processor) -> ChatRenderer:
     """The chat renderer of `data.prompt_style` (with the scoring tool's schema, or none), the
     tool presented as `model.tool_format` says."""

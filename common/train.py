@@ -25,7 +25,7 @@ from common.env import EnvConfig
 from common.evaluation.evaluate import evaluate
 from common.grpo import LossConfig
 from common.learner import Collectives, Learner, SingleProcess
-from common.metrics import rollout_metrics
+from common.metrics import metrics_of_sums, rollout_sums
 from common.runlog import RunLog, dump_rollouts
 from common.rollout import RolloutConfig, render_prompts
 from common.sampler import PromptSampler
@@ -89,7 +89,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     start = 0
-    if cfg.train.resume and (last := checkpoints.latest(workdir / "checkpoints")):
+    ckpt_root = checkpoints.root(cfg, workdir, learner)  # may be a URL (common.storage)
+    if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):
         state = checkpoints.load_loop_state(last)
         if len(state["engine_rng"]) != comm.world:
             raise ValueError(f"{last} was written by {len(state['engine_rng'])} processes, "
@@ -119,7 +120,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     def publish(finish) -> None:  # into place, and the older checkpoints pruned
         finish()
         if comm.rank == 0:
-            checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
+            checkpoints.prune(ckpt_root, cfg.checkpoint.keep)
 
     progress = _progress(comm.rank == 0)
     task = progress.add_task("train", total=cfg.train.steps, completed=start, info="")
@@ -142,17 +143,17 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
             if step < cfg.train.steps:  # the next prompts, rendered while the update runs
                 rollouts.prepare(step + 1)
 
-            # dump and curve while a background update runs (process 0 sees every process's
-            # trajectories; the curve shows the steps logged so far), then the step's metrics
-            all_trajs = [t for part in comm.gather(trajs) for t in part]
-            metrics = {f"train/{k}": v for k, v in
-                       rollout_metrics(all_trajs, step_cfg.env.max_turns).items()}
-            if log:
-                if cfg.log.dump_rollouts:
-                    dump_rollouts(workdir / "rollouts" / f"step_{step}.jsonl", all_trajs,
-                                  renderer.decode)
-                if cfg.log.plot_every and step % cfg.log.plot_every == 0 and step > 1:
-                    log.plot()
+            # dump and curve while a background update runs (each process dumps its own
+            # trajectories; only their sums cross processes; the curve shows the steps logged
+            # so far), then the step's metrics
+            turns = step_cfg.env.max_turns
+            metrics = {f"train/{k}": v for k, v in metrics_of_sums(
+                comm.sum_scalars(rollout_sums(trajs, turns)), turns).items()}
+            if cfg.log.dump_rollouts:
+                name = f"step_{step}" + (f".process_{comm.rank}" if comm.world > 1 else "")
+                dump_rollouts(workdir / "rollouts" / f"{name}.jsonl", trajs, renderer.decode)
+            if log and cfg.log.plot_every and step % cfg.log.plot_every == 0 and step > 1:
+                log.plot()
             train_m |= learned.settle() | run.counters()  # waits for the update
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
@@ -167,7 +168,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                 with rollouts.engine_lock:
                     rng = backend.rng_state()
                 loop_state = {"sampler": sampler_state, "engine_rng": comm.gather(rng)}
-                pending = checkpoints.start(workdir / "checkpoints", step, learner, loop_state,
+                pending = checkpoints.start(ckpt_root, step, learner, loop_state,
                                             comm)
             progress.update(task, advance=1, info=summary(metrics))
         if pending:

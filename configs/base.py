@@ -189,6 +189,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10  # steps; the last step is always saved
     c.checkpoint.keep = 2  # newest complete checkpoints kept
+    # Where they go: "" is <workdir>/checkpoints; an object store URL (gs://bucket/run) with the
+    # JAX learner (orbax writes there; the torch learner needs a shared POSIX path).
+    c.checkpoint.dir = ""
 
     # The JAX learner (geo3k_jax): mesh, partition rules and the cross-backend check.
     c.jax = ml_collections.ConfigDict()

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
+from common import storage
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, Deferred, SingleProcess
@@ -126,6 +127,8 @@ class Learner:
     of each program, where a compile takes minutes).
     """
 
+    remote_checkpoints = True  # orbax and the HF export write to gs:// too (common.storage)
+
     def __init__(self, merge: Callable, params: dict, loss_cfg: LossConfig, train_cfg,
                  temperature: float, *, processor=None, config=None, mesh=None, rules=(),
                  compute_dtype=None, ref_params: dict | None = None, chunk: int = 0,
@@ -198,10 +201,10 @@ class Learner:
         self.wait_saved()
         _quiet_orbax()
         self._saver = self._saver or ocp.StandardCheckpointer()
-        self._saver.save(Path(directory).absolute() / STATE_DIR,
+        self._saver.save(_state_dir(directory),
                          {"params": self.params, "opt_state": self.opt_state})
         if jax.process_index() == 0:  # the shapes used so far: a resumed run pads the same
-            (Path(directory) / SHAPES_FILE).write_text(json.dumps(self._shapes))
+            (storage.path(directory) / SHAPES_FILE).write_text(json.dumps(self._shapes))
 
     def wait_saved(self) -> None:
         if self._saver is not None:
@@ -213,7 +216,7 @@ class Learner:
         continues bit for bit, padding each step as the uninterrupted run would."""
         import orbax.checkpoint as ocp
 
-        path = Path(directory).absolute() / STATE_DIR
+        path = _state_dir(directory)
         if not path.exists():
             raise FileNotFoundError(f"{directory} has no {STATE_DIR}: not a JAX learner "
                                     "checkpoint")
@@ -223,7 +226,7 @@ class Learner:
         with ocp.StandardCheckpointer() as ckpt:
             out = ckpt.restore(path, target)
         self.params, self.opt_state = out["params"], out["opt_state"]
-        shapes = Path(directory) / SHAPES_FILE
+        shapes = storage.path(directory) / SHAPES_FILE
         self._shapes = json.loads(shapes.read_text()) if shapes.exists() else []
 
     # ---- the step ----------------------------------------------------------------------
@@ -401,6 +404,14 @@ class _OrbaxInfo(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno > logging.INFO or "orbax" not in record.pathname
+
+
+def _state_dir(directory):
+    """Where orbax keeps the learner state in a checkpoint directory (local, made absolute as
+    orbax wants it, or an object-store URL: `common.storage`)."""
+    if storage.is_remote(directory):
+        return storage.path(directory) / STATE_DIR
+    return Path(directory).absolute() / STATE_DIR
 
 
 def _quiet_orbax() -> None:

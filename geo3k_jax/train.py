@@ -25,7 +25,7 @@ from common import cli, train as loop
 from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.prepare import check_config, prepare_data
+from common.prepare import check_config, load_data
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
 from geo3k_jax.backend import JaxBackend
@@ -75,7 +75,7 @@ def build(cfg, workdir: str) -> loop.Run:
     check_config(cfg, comm.world)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     model_dir = comm.gather(model_dir_of(cfg) if comm.rank == 0 else None)[0]
-    train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
+    train_set, test_set = load_data(cfg, comm)
     processor = load_processor(model_dir)
     mesh = make_mesh(dict(cfg.jax.mesh))
     model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -30,6 +31,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from common import storage
 from geo3k_jax.model import QwenVL, split_params
 from geo3k_jax.sharding import param_shardings
 from geo3k_jax.splash import Attention
@@ -147,10 +149,18 @@ def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
 
     dtype: float32 or ml_dtypes bfloat16 (`jnp.bfloat16`). Tokenizer / processor files are
     copied from `source_dir` when given."""
-    out = Path(out_dir)
     tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in host_params(model).items()}
     if jax.process_index() != 0:
-        return out
+        return storage.path(out_dir)
+    if storage.is_remote(out_dir):  # written here, then copied up (common.storage)
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_hf(tensors, config, Path(tmp), dtype, source_dir)
+            storage.copy_into(Path(tmp), storage.path(out_dir))
+        return storage.path(out_dir)
+    return _write_hf(tensors, config, Path(out_dir), dtype, source_dir)
+
+
+def _write_hf(tensors: dict, config, out: Path, dtype, source_dir) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
     config.dtype = "bfloat16" if np.dtype(dtype) == jnp.bfloat16 else "float32"

@@ -19,7 +19,7 @@ from common import cli, train as loop
 from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.prepare import check_config, prepare_data
+from common.prepare import check_config, load_data
 from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
@@ -43,7 +43,7 @@ def build(cfg, workdir: str) -> loop.Run:
     torch.manual_seed(cfg.seed)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     model_dir = comm.gather(prepare_model_dir(cfg) if comm.rank == 0 else None)[0]
-    train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
+    train_set, test_set = load_data(cfg, comm)
     processor = load_processor(model_dir)
     on_gpu = device.type == "cuda"
     model = load_policy(cfg, model_dir, device, comm.world)

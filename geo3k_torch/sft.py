@@ -24,7 +24,7 @@ import torch
 from common import checkpoints, cli
 from common.batching import TrainSequence
 from common.processor import load_processor
-from common.prepare import check_config, make_renderer, prepare_data
+from common.prepare import check_config, load_data, make_renderer
 from common.runlog import RunLog
 from common.sampler import PromptSampler
 from common.sft import sft_example, sft_messages
@@ -44,7 +44,7 @@ def train(cfg, workdir: str) -> dict:
     check_config(cfg, comm.world)
     torch.manual_seed(cfg.seed)
     model_dir = comm.gather(prepare_model_dir(cfg) if comm.rank == 0 else None)[0]
-    train_set, test_set = comm.gather(prepare_data(cfg) if comm.rank == 0 else None)[0]
+    train_set, test_set = load_data(cfg, comm)
     processor = load_processor(model_dir)
     renderer = make_renderer(cfg, processor)
     model = load_policy(cfg, model_dir, device, comm.world)
@@ -57,7 +57,8 @@ def train(cfg, workdir: str) -> dict:
                                kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16)
     sampler = PromptSampler(len(train_set), cfg.seed)
     start = 0
-    if cfg.train.resume and (last := checkpoints.latest(workdir / "checkpoints")):
+    ckpt_root = checkpoints.root(cfg, workdir, learner)
+    if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):
         learner.restore(last)
         state = checkpoints.load_loop_state(last)
         start, sampler = state["step"], PromptSampler.from_state(state["sampler"])
@@ -86,10 +87,9 @@ def train(cfg, workdir: str) -> dict:
             if cfg.log.plot_every and step % cfg.log.plot_every == 0:
                 log.plot()
         if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-            checkpoints.save(workdir / "checkpoints", step, learner, {"sampler": sampler.state()},
-                             comm)
+            checkpoints.save(ckpt_root, step, learner, {"sampler": sampler.state()}, comm)
             if comm.rank == 0:
-                checkpoints.prune(workdir / "checkpoints", cfg.checkpoint.keep)
+                checkpoints.prune(ckpt_root, cfg.checkpoint.keep)
         if comm.rank == 0:
             print(f"sft step {step}/{cfg.train.steps} loss {metrics['train/loss']:.4f}", flush=True)
     if log:

@@ -8,7 +8,8 @@ import pytest
 
 from common.engine import LENGTH, STOP, Completion
 from common.env import EnvConfig, FEEDBACK
-from common.rollout import RolloutConfig, generate_with_retries, rollout, split_turns
+from common.rollout import (ABORT_REASONS, RolloutConfig, generate_with_retries, rollout,
+                            split_turns)
 from common.reward import RewardConfig
 from tests.conftest import (IMAGE, IMAGE_TOKENS, TURN_END, Reply, ScriptedEngine, logprob,
                             make_prompt)
@@ -219,6 +220,28 @@ def test_a_sampled_placeholder_aborts_that_episode_only(renderer):
     assert (good.status, good.abort_reason, good.reward) == ("completed", None, 1.0)
     m = rollout_metrics([bad, good], max_turns=3)
     assert (m["aborted"], m["aborted_placeholder"], m["aborted_engine"]) == (1.0, 1.0, 0.0)
+
+
+def test_metrics_of_several_processes_are_those_of_all_their_trajectories(renderer):
+    """Each process sums its own trajectories (`rollout_sums`) and only the sums cross
+    processes: the metrics are those of the trajectories gathered in one place."""
+    from common.metrics import metrics_of_sums, rollout_metrics, rollout_sums
+    prompt = make_prompt(answer="12")
+    engine = ScriptedEngine({"0-0": [Reply("look " + chr(IMAGE) + " " + call("12"))],
+                             "0-1": [Reply(call("7")), Reply(call("12"))],
+                             "0-2": [Reply("no call"), Reply(call("3")), Reply(call("4"))],
+                             "0-3": [Reply(call("12"))]})
+    cfg = RolloutConfig(n_samples=4, max_response_tokens=1000, max_context_tokens=2000)
+    trajs = rollout([prompt], engine, renderer, cfg)
+    whole = rollout_metrics(trajs, max_turns=3)
+    parts = [rollout_sums(trajs[:1], 3), rollout_sums(trajs[1:], 3)]
+    merged = metrics_of_sums({k: parts[0][k] + parts[1][k] for k in parts[0]}, 3)
+    assert merged.keys() == whole.keys() and merged == pytest.approx(whole, abs=1e-12)
+    done = [t for t in trajs if t.status != "aborted"]
+    assert whole["reward_std"] == pytest.approx(np.std([t.reward for t in done]))
+    assert whole["solved_turn_2"] == pytest.approx(1 / 3) and whole["aborted"] == 1.0
+    assert metrics_of_sums(rollout_sums(trajs[:1], 3), 3).keys() == {
+        "trajectories", "aborted", "truncated", *(f"aborted_{r}" for r in ABORT_REASONS)}
 
 
 class RequestFunctionEngine:
