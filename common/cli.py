@@ -17,6 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common.evaluation.report import markdown, write_report
+from common.storage import is_remote
 from common.train import summary
 
 
@@ -33,6 +34,10 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
         del argv
         workdir = flags.FLAGS.workdir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + suffix)
+        if is_remote(workdir):  # pathlib would make a local folder "gs:/..." of it
+            raise app.UsageError(f"--workdir={workdir}: the workdir is a local folder (metrics, "
+                                 "curve, rollout dumps); checkpoints go to a bucket with "
+                                 "--config.checkpoint.dir=gs://...")
         metrics = train(flags.FLAGS.config, workdir)
         if rank() == 0:
             final = {k[len("eval/"):]: v for k, v in metrics.items() if k.startswith("eval/")}

@@ -37,6 +37,15 @@ def test_a_run_prints_its_summary_or_fails_with_its_error(tmp_path, fail):
     assert "exit handler ran" in out.stdout
 
 
+def test_a_bucket_as_workdir_is_refused_with_the_setting_that_takes_one(tmp_path):
+    args = [sys.executable, "-c", CHILD, f"--config={ROOT}/configs/cpu.py",
+            "--workdir=gs://bucket/run"]
+    out = subprocess.run(args, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "checkpoint.dir" in out.stderr, out.stderr
+    assert "done:" not in out.stdout and not list(tmp_path.iterdir())  # no local "gs:" folder
+
+
 EVAL_CHILD = """
 from common import cli
 
