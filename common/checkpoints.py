@@ -126,7 +126,6 @@ def prune(root: str | os.PathLike, keep: int) -> None:
         storage.rmtree(p)
     for p in root.iterdir():
         m = _STEP.match(p.name)
-        stale = p.name.startswith("step_") and p.name.endswith(".tmp")
-        if stale or (m and int(m.group(1)) < newest
-                                       and not (p / LOOP_STATE).exists()):
+        unfinished = m and int(m.group(1)) < newest and not (p / LOOP_STATE).exists()
+        if unfinished or (p.name.startswith("step_") and p.name.endswith(".tmp")):
             storage.rmtree(p)

@@ -263,3 +263,26 @@ def test_hidden_choices_give_a_blind_letter_nothing(renderer, shown, solved):
     traj, = rollout([p], ScriptedEngine({"0-0": [Reply(answer)]}), renderer,
                     RolloutConfig(n_samples=1), EnvConfig(max_turns=1))
     assert traj.correct is solved and traj.reward == float(solved)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_process_loads_the_data_itself_after_process_0_prepared_it(rank, monkeypatch):
+    """`load_data`: process 0 prepares (writes a missing synthetic set) before the barrier,
+    then every process reads the splits itself; nothing is gathered from another process."""
+    from common import prepare
+
+    events = []
+
+    class Comm:
+        world = 2
+
+        def barrier(self):
+            events.append("barrier")
+
+        def gather(self, obj):
+            raise AssertionError("the dataset crossed processes")
+
+    Comm.rank = rank
+    monkeypatch.setattr(prepare, "prepare_data", lambda cfg: events.append("read") or (1, 2))
+    assert prepare.load_data(None, Comm()) == (1, 2)
+    assert events == (["read", "barrier", "read"] if rank == 0 else ["barrier", "read"])

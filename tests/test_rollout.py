@@ -240,6 +240,8 @@ def test_metrics_of_several_processes_are_those_of_all_their_trajectories(render
     done = [t for t in trajs if t.status != "aborted"]
     assert whole["reward_std"] == pytest.approx(np.std([t.reward for t in done]))
     assert whole["solved_turn_2"] == pytest.approx(1 / 3) and whole["aborted"] == 1.0
+    assert whole["accuracy"] == pytest.approx(2 / 3)
+    assert whole["turns_mean"] == pytest.approx(np.mean([len(t.turns) for t in done]))
     assert metrics_of_sums(rollout_sums(trajs[:1], 3), 3).keys() == {
         "trajectories", "aborted", "truncated", *(f"aborted_{r}" for r in ABORT_REASONS)}
 
