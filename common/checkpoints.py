@@ -35,11 +35,13 @@ LOOP_STATE = "loop_state.json"
 def root(cfg, workdir: str | os.PathLike, learner: Learner):
     """Where a run's checkpoints go: `checkpoint.dir`, else <workdir>/checkpoints. An object
     store (a URL) only for a learner that writes there (`Learner.remote_checkpoints`)."""
-    where = cfg.checkpoint.dir or Path(workdir) / "checkpoints"
+    where = cfg.checkpoint.dir or storage.path(workdir) / "checkpoints"
     if storage.is_remote(where) and not getattr(learner, "remote_checkpoints", False):
         raise ValueError(f"checkpoint.dir={where}: {type(learner).__module__} writes its "
                          "checkpoints to a local or shared POSIX path (every process reads "
-                         "and writes it); object stores need the JAX learner (orbax)")
+                         "and writes it): set checkpoint.dir to one (a --workdir in a bucket "
+                         "puts them under it otherwise); object stores need the JAX learner "
+                         "(orbax)")
     return where
 
 

@@ -17,7 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from common.evaluation.report import markdown, write_report
-from common.storage import is_remote
+from common.storage import is_remote, mirrored
 from common.train import summary
 
 
@@ -25,27 +25,39 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
          suffix: str = "") -> None:
     """Parse the flags and run `train(config, workdir)`; process 0 prints the last evaluation
     beside its baselines (and writes it to <workdir>/eval, `common.evaluation.report`) and the
-    summary."""
+    summary. A `--workdir` URL (`common.storage.mirrored`): `train` gets a local folder that is
+    copied up to it, and `checkpoint.dir`, when empty, becomes <workdir>/checkpoints."""
     config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
                                     lock_config=True)
-    flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>).")
+    flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>); a URL "
+                        "(gs://bucket/run) is written through a local folder copied up as it "
+                        "grows, with the checkpoints (checkpoint.dir, when empty) under it.")
 
     def run(argv):
         del argv
         workdir = flags.FLAGS.workdir or os.path.join(
             "runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + suffix)
-        if is_remote(workdir):  # pathlib would make a local folder "gs:/..." of it
-            raise app.UsageError(f"--workdir={workdir}: the workdir is a local folder (metrics, "
-                                 "curve, rollout dumps); checkpoints go to a bucket with "
-                                 "--config.checkpoint.dir=gs://...")
-        metrics = train(flags.FLAGS.config, workdir)
+        metrics = run_in(workdir, flags.FLAGS.config, train, rank() == 0)
         if rank() == 0:
-            final = {k[len("eval/"):]: v for k, v in metrics.items() if k.startswith("eval/")}
-            if final:  # the last step's evaluation, beside the no-skill baselines
-                title = "final evaluation (test split)"
-                turns = flags.FLAGS.config.env.max_turns
-                write_report(final, os.path.join(workdir, "eval"), title, turns)
-                print(markdown(final, turns, title))
             print(f"done: {workdir} " + summary(metrics))
 
     app.run(run)
+
+
+def run_in(workdir: str, cfg, train: Callable[[object, str], dict], report: bool) -> dict:
+    """`train(cfg, local folder)` for `workdir`, local or a URL (`common.storage.mirrored`: the
+    run's files written locally and copied up; `checkpoint.dir`, when empty, becomes
+    <workdir>/checkpoints, written in place by the learner). With `report`, the last
+    evaluation is printed beside its baselines and written to <workdir>/eval. Returns the
+    last step's metrics."""
+    if is_remote(workdir) and not cfg.checkpoint.dir:
+        with cfg.unlocked():
+            cfg.checkpoint.dir = workdir.rstrip("/") + "/checkpoints"
+    with mirrored(workdir) as local:
+        metrics = train(cfg, str(local))
+        final = {k[len("eval/"):]: v for k, v in metrics.items() if k.startswith("eval/")}
+        if report and final:  # the last step's evaluation, beside the no-skill baselines
+            title, turns = "final evaluation (test split)", cfg.env.max_turns
+            write_report(final, os.path.join(local, "eval"), title, turns)
+            print(markdown(final, turns, title))
+    return metrics

@@ -200,13 +200,15 @@ def staleness(trajs: list, step: int, bound: int, comm: Collectives
 
 def evaluate_split(cfg, split: Sequence, engine, renderer,
                    comm: Collectives = SingleProcess()) -> dict:
-    """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` (0 = all) prompts of `split`
-    with the config's rollout, environment and reward settings, prompts spread over ranks."""
+    """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` (0 = all) prompts of
+    `split` with the config's rollout, environment and reward settings, prompts spread over ranks
+    (only sums of scalars cross them)."""
     step_cfg = step_config(cfg)
     n = len(split) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(split))
-    prompts = [split[i] for i in range(n)][comm.rank::comm.world]
-    return evaluate(prompts, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
-                    n_samples=cfg.eval.n_samples, gather=comm.gather)
+    whole = [split[i] for i in range(n)]
+    return evaluate(whole[comm.rank::comm.world], engine, renderer, step_cfg.rollout,
+                    step_cfg.env, step_cfg.reward, n_samples=cfg.eval.n_samples, split=whole,
+                    sum_scalars=comm.sum_scalars)
 
 
 def _progress(enabled: bool):

@@ -37,13 +37,42 @@ def test_a_run_prints_its_summary_or_fails_with_its_error(tmp_path, fail):
     assert "exit handler ran" in out.stdout
 
 
-def test_a_bucket_as_workdir_is_refused_with_the_setting_that_takes_one(tmp_path):
-    args = [sys.executable, "-c", CHILD, f"--config={ROOT}/configs/cpu.py",
-            "--workdir=gs://bucket/run"]
-    out = subprocess.run(args, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "checkpoint.dir" in out.stderr, out.stderr
-    assert "done:" not in out.stdout and not list(tmp_path.iterdir())  # no local "gs:" folder
+BUCKET_CHILD = """
+from pathlib import Path
+from common import cli
+
+def train(config, workdir):
+    assert Path(workdir).is_dir() and "://" not in workdir  # a local folder
+    (Path(workdir) / "metrics.jsonl").write_text('{"step": 1}\\n')
+    (Path(workdir) / "checkpoint_dir.txt").write_text(config.checkpoint.dir)
+    return {"train/reward_mean": 0.5, "eval/greedy_first_try_accuracy": 0.5,
+            "eval/greedy_accuracy": 0.875, "eval/baseline_first_try": 0.25,
+            "eval/baseline_with_feedback": 0.75}
+
+cli.main(train, rank=lambda: 0)
+"""
+
+
+def test_a_bucket_as_workdir_gets_the_run_and_its_checkpoints(tmp_path):
+    """--workdir=gs://...: the run writes a local folder that reaches the bucket (its report
+    included), the checkpoints go to <workdir>/checkpoints, and nothing named "gs:" appears
+    locally (pathlib would make one of the URL)."""
+    from common import storage
+    from tests.fake_gcs import fake_gcs
+
+    with fake_gcs() as bucket:
+        url = f"gs://{bucket}/cli-run"
+        args = [sys.executable, "-c", BUCKET_CHILD, f"--config={ROOT}/configs/cpu.py",
+                f"--workdir={url}"]
+        out = subprocess.run(args, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert f"done: {url} reward 0.500" in out.stdout
+        assert storage.path(f"{url}/metrics.jsonl").read_text() == '{"step": 1}\n'
+        assert storage.path(f"{url}/checkpoint_dir.txt").read_text() == f"{url}/checkpoints"
+        assert "no skill" in storage.path(f"{url}/eval/eval.md").read_text()
+        assert storage.path(f"{url}/eval/eval.png").exists()
+    assert not list(tmp_path.iterdir())
 
 
 EVAL_CHILD = """

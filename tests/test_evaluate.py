@@ -66,6 +66,50 @@ def test_first_try_feedback_by_turn_and_pass_at_k(renderer):
     assert temps == [0.0, 0.7]
 
 
+def test_processes_exchange_only_sums_and_equal_one_process(renderer):
+    """Two processes (threads here), each with its own prompts and engine, summing a dict of
+    floats over both: every metric equals the one-process run, and nothing but float sums
+    crosses (`sum_scalars` is the only channel)."""
+    import threading
+
+    prompts = [make_prompt(uid=f"p{i}") for i in range(3)]
+    one = evaluate(prompts, ScriptedEngine(script()), renderer,
+                   RolloutConfig(n_samples=8, temperature=0.7), EnvConfig(max_turns=3),
+                   n_samples=4)
+    full = script()
+
+    def renamed(order):  # session "i-k" of a process: its i-th prompt's k-th episode
+        return {f"{j}-{k}": full[f"{i}-{k}"] for j, i in enumerate(order) for k in range(4)}
+
+    shares = {0: [0, 2], 1: [1]}  # prompt indices per process, uneven
+    barrier, posted, out = threading.Barrier(2), {}, {}
+
+    def sum_scalars(rank, sums):
+        assert all(isinstance(v, float) for v in sums.values())
+        posted[rank] = sums
+        barrier.wait()
+        total = {k: posted[0][k] + posted[1][k] for k in posted[0]}
+        assert posted[0].keys() == posted[1].keys()
+        barrier.wait()
+        return total
+
+    def process(rank):
+        out[rank] = evaluate([prompts[i] for i in shares[rank]],
+                             ScriptedEngine(renamed(shares[rank])), renderer,
+                             RolloutConfig(n_samples=8, temperature=0.7), EnvConfig(max_turns=3),
+                             n_samples=4, split=prompts,
+                             sum_scalars=lambda s, rank=rank: sum_scalars(rank, s))
+
+    threads = [threading.Thread(target=process, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out[0] == out[1]
+    assert out[0].keys() == one.keys() and "sampled_pass_at_2" in one
+    assert out[0] == pytest.approx(one)
+
+
 def test_pass_at_k_is_the_unbiased_estimator():
     for n, c, k in ((5, 2, 3), (10, 3, 1), (8, 0, 4), (8, 8, 8), (20, 5, 7)):
         assert pass_at_k(n, c, k) == pytest.approx(1 - comb(n - c, k) / comb(n, k))

@@ -98,14 +98,29 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
         ref = ref.numpy()
         assert np.abs(logits[r, :b.num_tokens] - ref).max() <= 1e-5 * np.abs(ref).max()
 
-    # the run interrupted right after its step-2 checkpoint, then resumed
-    part = tmp_path / "part"
-    with crash_after_checkpoint(2, monkeypatch), pytest.raises(KeyboardInterrupt):
-        run(jax_config(shared, 3), part)
-    cfg = jax_config(shared, 3)
-    cfg.train.resume = True
-    run(cfg, part)
-    assert_same_metrics(rows, part)
+    # the run interrupted right after its step-2 checkpoint, then resumed, in a bucket
+    # (`--workdir=gs://...`, against a GCS server on localhost): the same metrics and weights
+    from common import storage
+    from common.cli import run_in
+    from tests.fake_gcs import fake_gcs
+
+    def train(cfg, local):
+        return run(cfg, local)[0]
+
+    with fake_gcs() as bucket:
+        url = f"gs://{bucket}/part"
+        with crash_after_checkpoint(2, monkeypatch), pytest.raises(KeyboardInterrupt):
+            run_in(url, jax_config(shared, 3), train, report=False)
+        cfg = jax_config(shared, 3)
+        cfg.train.resume = True
+        run_in(url, cfg, train, report=True)
+        part = tmp_path / "part"
+        for name in ("metrics.jsonl", "curve.png", "eval/eval.md", "rollouts/step_3.jsonl",
+                     "checkpoints/step_3/model.safetensors"):
+            (part / name).parent.mkdir(parents=True, exist_ok=True)
+            (part / name).write_bytes(storage.path(f"{url}/{name}").read_bytes())
+        assert_same_metrics(rows, part)
+        assert checkpoints.latest(f"{url}/checkpoints").name == "step_3"
     w_part = load_file(str(part / "checkpoints" / "step_3" / "model.safetensors"))
     assert max(float(np.abs(w3[k] - w_part[k]).max()) for k in w3) == 0.0
-    assert checkpoints.latest(part / "checkpoints") == Path(part / "checkpoints" / "step_3")
+    assert not (tmp_path / "gs:").exists()
