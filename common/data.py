@@ -39,6 +39,10 @@ raises `DataError` naming the file, the row and the fault, or with `skip_bad=Tru
 counted in `Geo3kSplit.skipped`. A missing required column is an error of the whole file and
 raises even with `skip_bad`; so does a split with no usable row, and a missing path. Images above
 `max_image_pixels` (decompression bombs) make a bad row, as do undecodable ones.
+
+Several processes read a split in shares: `load_split(..., shard=(k, n))` keeps the rows whose
+row number (counted as for uids) is k modulo n, and decodes and checks only those; every row's
+uid is still checked for duplicates.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class Geo3kSplit:
     skipped: collections.Counter
     path: str = ""
     split: str = ""
+    rows: list[int] = dataclasses.field(default_factory=list)  # each prompt's row number
+    shard: tuple[int, int] = (0, 1)  # (k, n): the rows k modulo n
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -325,35 +331,43 @@ def _sources(path: Path, split: str) -> Iterator[tuple[str, Path, Iterator[list[
 def load_split(path: str | os.PathLike, split: str = "train", skip_bad: bool = False,
                show_choices: bool = True,
                max_image_pixels: int = MAX_IMAGE_PIXELS,
-               system: str = SYSTEM_PROMPT) -> Geo3kSplit:
-    """All prompts of `split` from `path` (a parquet file, a directory of them, or a
-    `save_to_disk` directory), each starting with the `system` message. Bad rows raise
-    `DataError`, or are counted when `skip_bad`."""
+               system: str = SYSTEM_PROMPT, shard: tuple[int, int] = (0, 1)) -> Geo3kSplit:
+    """The prompts of `split` from `path` (a parquet file, a directory of them, or a
+    `save_to_disk` directory), each starting with the `system` message: all of them, or with
+    `shard=(k, n)` those of the rows k modulo n. Bad rows raise `DataError`, or are counted
+    when `skip_bad`."""
+    k, n = shard
+    if not (isinstance(k, int) and isinstance(n, int) and 0 <= k < n):
+        raise ValueError(f"shard={shard}: needs (k, n) with 0 <= k < n")
     path = Path(path)
     prompts: list[Prompt] = []
+    rows: list[int] = []
     skipped: collections.Counter = collections.Counter()
     seen: set[str] = set()
     index = 0
     for label, base, batches in _sources(path, split):
         local = 0
-        for rows in batches:
-            for row in rows:
-                uid = str(row["id"]) if row.get("id") is not None else f"{split}-{index}"
-                source = f"{label}:{local}"
-                index, local = index + 1, local + 1
-                try:
-                    if uid in seen:
-                        raise _BadRow(DUPLICATE_UID, f"uid {uid!r} already used")
-                    prompt = _convert(row, uid, source, base, show_choices, max_image_pixels,
-                                      system)
-                except _BadRow as e:
-                    if not skip_bad:
-                        raise DataError(f"{label}: row {local - 1}: {e.reason}: {e.detail}",
-                                        e.reason) from None
-                    skipped[e.reason] += 1
-                    continue
+        for row in (r for batch in batches for r in batch):
+            uid = str(row["id"]) if row.get("id") is not None else f"{split}-{index}"
+            source = f"{label}:{local}"
+            mine, index, local = index % n == k, index + 1, local + 1
+            try:
+                if uid in seen:
+                    raise _BadRow(DUPLICATE_UID, f"uid {uid!r} already used")
                 seen.add(uid)
-                prompts.append(prompt)
+                if not mine:
+                    continue
+                prompt = _convert(row, uid, source, base, show_choices, max_image_pixels, system)
+            except _BadRow as e:
+                if not skip_bad:
+                    raise DataError(f"{label}: row {local - 1}: {e.reason}: {e.detail}",
+                                    e.reason) from None
+                skipped[e.reason] += 1
+                continue
+            prompts.append(prompt)
+            rows.append(index - 1)
     if not prompts:
-        raise DataError(f"{path}: split {split!r} has no usable row (skipped: {dict(skipped)})")
-    return Geo3kSplit(prompts, skipped, str(path), split)
+        share = f" in share {k} of {n} ({index} rows)" if n > 1 else ""
+        raise DataError(f"{path}: split {split!r} has no usable row{share} (skipped: "
+                        f"{dict(skipped)})")
+    return Geo3kSplit(prompts, skipped, str(path), split, rows, (k, n))

@@ -12,37 +12,58 @@ from pathlib import Path
 
 from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
-from common.data import load_split
+from common.data import DataError, load_split
 from common.prompts import prompt_style
 from common.synthetic import FAMILIES, write_split
 
 
-def prepare_data(cfg):
-    """(train split, test split) as loaded by `common.data.load_split`."""
-    path = cfg.data.path
-    if not path:
-        path = cfg.data.synthetic_dir
-        spec = cfg.data.synthetic_families.replace(" ", "")
-        families = tuple(spec.split(",")) if spec else FAMILIES
-        for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
-                               (cfg.data.test_split, cfg.data.synthetic_test_size,
-                                cfg.seed + 10_000)):
-            if not list(Path(path).glob(f"{split}-*.parquet")):
-                write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size,
-                            families=families)
+def prepare_data(cfg, shard: tuple[int, int] = (0, 1)):
+    """(train split, test split) as loaded by `common.data.load_split` (their rows k modulo n
+    with `shard=(k, n)`), after writing the synthetic set if `data.path` is empty and it is
+    missing."""
+    path = cfg.data.path or write_synthetic(cfg)
     system, _ = prompt_style(cfg.data.prompt_style)
-    return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system)
+    return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system,
+                            shard=shard)
                  for s in (cfg.data.train_split, cfg.data.test_split))
 
 
+def write_synthetic(cfg) -> str:
+    """Generate the synthetic splits into `data.synthetic_dir` unless they exist there; returns
+    that folder."""
+    path = cfg.data.synthetic_dir
+    spec = cfg.data.synthetic_families.replace(" ", "")
+    families = tuple(spec.split(",")) if spec else FAMILIES
+    for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
+                           (cfg.data.test_split, cfg.data.synthetic_test_size,
+                            cfg.seed + 10_000)):
+        if not list(Path(path).glob(f"{split}-*.parquet")):
+            write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size,
+                        families=families)
+    return path
+
+
 def load_data(cfg, comm):
-    """`prepare_data` on every process, process 0 first (it writes the synthetic set when
-    missing): each process reads the splits from `data.path` (or the synthetic set's folder)
-    itself, the same path on every host; no dataset crosses processes."""
-    if comm.rank == 0:
-        prepare_data(cfg)
+    """Each process's share of the splits (`prepare_data` with `shard=(rank, world)`): process 0
+    writes a missing synthetic set first; then every process reads and checks its own rows from
+    `data.path` (or the synthetic set's folder), the same path on every host. No dataset crosses
+    processes; a process that cannot read its share makes every process stop (`DataError`), not
+    wait for it."""
+    if comm.rank == 0 and not cfg.data.path:
+        write_synthetic(cfg)
     comm.barrier()
-    return prepare_data(cfg)
+    error = None
+    try:
+        splits = prepare_data(cfg, (comm.rank, comm.world))
+    except DataError as e:
+        error = e
+    failed = comm.sum_scalars({"failed": float(error is not None)})["failed"]
+    if error is not None:
+        raise error
+    if failed:
+        raise DataError(f"{int(failed)} of the {comm.world} processes could not read their share "
+                        "of the data (their logs say why)")
+    return splits
 
 
 def make_renderer(cfg, processor) -> ChatRenderer:

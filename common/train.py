@@ -22,6 +22,7 @@ from absl import logging
 from common import checkpoints
 from common.engine import Backend
 from common.env import EnvConfig
+from common.evaluation.baselines import Problem
 from common.evaluation.evaluate import evaluate
 from common.grpo import LossConfig
 from common.learner import Collectives, Learner, SingleProcess
@@ -85,7 +86,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     step_cfg = step_config(cfg, run.processor)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
     renderer = run.renderer or make_renderer(cfg, run.processor)
-    sampler = PromptSampler(len(run.train_set), cfg.seed)
+    sampler = PromptSampler(len(run.train_set), cfg.seed, stream=comm.rank)  # its own share
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     start = 0
@@ -97,7 +98,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                              f"this run has {comm.world}")
         learner.restore(last)
         start = state["step"]
-        sampler = PromptSampler.from_state(state["sampler"])
+        sampler = PromptSampler.of_process(state["sampler"], comm.rank)
         backend.set_rng_state(state["engine_rng"][comm.rank])
         backend.sync(learner, start)
         if log:
@@ -105,8 +106,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         logging.info("resumed from %s at step %d", last, start)
 
     # ---- the loop ----------------------------------------------------------------------
-    def draw(step: int):  # every process draws the same prompt ids and takes its slice
-        ids = sampler.next_batch(cfg.train.prompts_per_step)[comm.rank::comm.world]
+    def draw(step: int):  # every process draws its part of the step from its share
+        ids = sampler.next_batch(cfg.train.prompts_per_step // comm.world)
         offset = (step - 1) * cfg.train.prompts_per_step + comm.rank * len(ids)
         return [run.train_set[i] for i in ids], offset, sampler.state()
 
@@ -167,7 +168,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
             if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
                 with rollouts.engine_lock:
                     rng = backend.rng_state()
-                loop_state = {"sampler": sampler_state, "engine_rng": comm.gather(rng)}
+                loop_state = {"sampler": comm.gather(sampler_state),
+                              "engine_rng": comm.gather(rng)}
                 pending = checkpoints.start(ckpt_root, step, learner, loop_state,
                                             comm)
             progress.update(task, advance=1, info=summary(metrics))
@@ -200,15 +202,17 @@ def staleness(trajs: list, step: int, bound: int, comm: Collectives
 
 def evaluate_split(cfg, split: Sequence, engine, renderer,
                    comm: Collectives = SingleProcess()) -> dict:
-    """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` (0 = all) prompts of
-    `split` with the config's rollout, environment and reward settings, prompts spread over ranks
-    (only sums of scalars cross them)."""
+    """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` rows (0 = all) of a
+    split with the config's rollout, environment and reward settings. `split` is this process's
+    share (a `common.data.Geo3kSplit`, `load_split(..., shard=(rank, world))`): each process
+    runs its own prompts; what crosses processes is the problems' text (for the baselines) and
+    sums of scalars."""
+    n = cfg.eval.max_prompts or float("inf")
+    mine = [p for p, row in zip(split, split.rows) if row < n]
+    problems = [q for part in comm.gather([Problem.of(p) for p in mine]) for q in part]
     step_cfg = step_config(cfg)
-    n = len(split) if not cfg.eval.max_prompts else min(cfg.eval.max_prompts, len(split))
-    whole = [split[i] for i in range(n)]
-    return evaluate(whole[comm.rank::comm.world], engine, renderer, step_cfg.rollout,
-                    step_cfg.env, step_cfg.reward, n_samples=cfg.eval.n_samples, split=whole,
-                    sum_scalars=comm.sum_scalars)
+    return evaluate(mine, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
+                    n_samples=cfg.eval.n_samples, split=problems, sum_scalars=comm.sum_scalars)
 
 
 def _progress(enabled: bool):

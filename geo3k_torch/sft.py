@@ -55,13 +55,13 @@ def train(cfg, workdir: str) -> dict:
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
                                model=model, max_batch=cfg.engine.local_max_batch,
                                kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16)
-    sampler = PromptSampler(len(train_set), cfg.seed)
+    sampler = PromptSampler(len(train_set), cfg.seed, stream=comm.rank)  # its own share
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)
     if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):
         learner.restore(last)
         state = checkpoints.load_loop_state(last)
-        start, sampler = state["step"], PromptSampler.from_state(state["sampler"])
+        start, sampler = state["step"], PromptSampler.of_process(state["sampler"], comm.rank)
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     if log and start:
@@ -71,7 +71,7 @@ def train(cfg, workdir: str) -> dict:
     examples: dict[int, TrainSequence] = {}  # rendered once per problem
     metrics: dict = {}
     for step in range(start + 1, cfg.train.steps + 1):
-        ids = sampler.next_batch(cfg.train.prompts_per_step)[comm.rank::comm.world]
+        ids = sampler.next_batch(cfg.train.prompts_per_step // comm.world)
         for i in ids:
             if i not in examples:
                 p = train_set[i]
@@ -87,7 +87,8 @@ def train(cfg, workdir: str) -> dict:
             if cfg.log.plot_every and step % cfg.log.plot_every == 0:
                 log.plot()
         if step % cfg.checkpoint.every == 0 or step == cfg.train.steps:
-            checkpoints.save(ckpt_root, step, learner, {"sampler": sampler.state()}, comm)
+            checkpoints.save(ckpt_root, step, learner,
+                             {"sampler": comm.gather(sampler.state())}, comm)
             if comm.rank == 0:
                 checkpoints.prune(ckpt_root, cfg.checkpoint.keep)
         if comm.rank == 0:

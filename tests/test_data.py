@@ -265,24 +265,88 @@ def test_hidden_choices_give_a_blind_letter_nothing(renderer, shown, solved):
     assert traj.correct is solved and traj.reward == float(solved)
 
 
+def test_shares_partition_the_split_and_decode_only_their_rows(tmp_path, monkeypatch):
+    """`shard=(k, n)`: the rows k modulo n, counted over files as uids are; together the shares
+    are the split; a share decodes only its own images, yet every row's uid is checked."""
+    from common import data
+
+    rows = [{**GOOD, "answer": str(i)} for i in range(7)]
+    write_parquet(tmp_path / "train-00000-of-00002.parquet", rows[:4], SCHEMA)
+    write_parquet(tmp_path / "train-00001-of-00002.parquet", rows[4:], SCHEMA)
+    whole = load_split(tmp_path)
+    assert whole.rows == list(range(7)) and whole.shard == (0, 1)
+    decoded = []
+    convert = data._convert
+    monkeypatch.setattr(data, "_convert", lambda row, uid, *a: decoded.append(uid) or
+                        convert(row, uid, *a))
+    for n in (2, 3):
+        shares = [load_split(tmp_path, shard=(k, n)) for k in range(n)]
+        for k, share in enumerate(shares):
+            assert share.rows == list(range(k, 7, n))
+            assert [p.uid for p in share] == [f"train-{r}" for r in share.rows]
+            assert [p.answer for p in share] == [str(r) for r in share.rows]
+        assert sorted(decoded) == sorted(p.uid for p in whole)  # each row once, by its share
+        decoded.clear()
+    with pytest.raises(ValueError, match="0 <= k < n"):
+        load_split(tmp_path, shard=(2, 2))
+    # a duplicate uid is an error whichever share it falls in; a bad image only in its own
+    dup = [{**GOOD, "id": "a"}, {**GOOD, "id": "b"}, {**GOOD, "id": "a"}]
+    f = write_parquet(tmp_path / "dup.parquet", dup)
+    with pytest.raises(DataError, match="row 2: duplicate_uid"):
+        load_split(f, shard=(1, 2))  # row 2 is share 0's
+    bad = write_parquet(tmp_path / "bad.parquet", [GOOD, {**GOOD, "images": [img(b"x")]}],
+                        SCHEMA)
+    assert load_split(bad, shard=(0, 2)).rows == [0]
+    with pytest.raises(DataError, match="row 1: bad_image"):
+        load_split(bad, shard=(1, 2))
+    one = write_parquet(tmp_path / "one.parquet", [GOOD], SCHEMA)
+    with pytest.raises(DataError, match="no usable row in share 1 of 3 \\(1 rows\\)"):
+        load_split(one, shard=(1, 3))
+
+
+class FakeComm:
+    """Process `rank` of `world`; `others_failed` of the other processes could not read."""
+
+    def __init__(self, rank, world=2, others_failed=0, events=None):
+        self.rank, self.world, self.others_failed = rank, world, others_failed
+        self.events = [] if events is None else events
+
+    def barrier(self):
+        self.events.append("barrier")
+
+    def gather(self, obj):
+        raise AssertionError("the dataset crossed processes")
+
+    def sum_scalars(self, values):
+        return {k: v + self.others_failed for k, v in values.items()}
+
+
 @pytest.mark.parametrize("rank", [0, 1])
-def test_each_process_loads_the_data_itself_after_process_0_prepared_it(rank, monkeypatch):
-    """`load_data`: process 0 prepares (writes a missing synthetic set) before the barrier,
-    then every process reads the splits itself; nothing is gathered from another process."""
+def test_each_process_reads_its_share_after_process_0_wrote_the_synthetic_set(rank, tmp_path):
     from common import prepare
+    from configs import cpu
 
-    events = []
+    cfg = cpu.get_config()
+    cfg.data.synthetic_dir = str(tmp_path / "synthetic")
+    cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 6, 3
+    comm = FakeComm(rank)
+    if rank == 1:  # process 0 wrote it before the barrier
+        prepare.write_synthetic(cfg)
+    train, test = prepare.load_data(cfg, comm)
+    assert comm.events == ["barrier"]
+    assert train.shard == test.shard == (rank, 2)
+    assert train.rows == list(range(rank, 6, 2)) and test.rows == list(range(rank, 3, 2))
 
-    class Comm:
-        world = 2
 
-        def barrier(self):
-            events.append("barrier")
+def test_a_process_that_cannot_read_its_share_stops_every_process(tmp_path):
+    from common import prepare
+    from configs import cpu
 
-        def gather(self, obj):
-            raise AssertionError("the dataset crossed processes")
-
-    Comm.rank = rank
-    monkeypatch.setattr(prepare, "prepare_data", lambda cfg: events.append("read") or (1, 2))
-    assert prepare.load_data(None, Comm()) == (1, 2)
-    assert events == (["read", "barrier", "read"] if rank == 0 else ["barrier", "read"])
+    f = write_parquet(tmp_path / "train.parquet", [GOOD, {**GOOD, "images": [img(b"x")]}],
+                      SCHEMA)
+    cfg = cpu.get_config()
+    cfg.data.path = str(f)
+    with pytest.raises(DataError, match="row 1: bad_image"):  # its own error
+        prepare.load_data(cfg, FakeComm(1))
+    with pytest.raises(DataError, match="1 of the 2 processes could not read their share"):
+        prepare.load_data(cfg, FakeComm(0, others_failed=1))  # not left waiting for it

@@ -69,3 +69,27 @@ def test_rollouts_ahead_render_their_own_prompts():
     finally:
         source.close()
     assert [r for _, _, r in seen[:2]] == [None, None]
+
+
+def test_each_process_samples_its_own_share_and_resumes_from_its_own_state():
+    """Process 0 of one keeps the order it always had; the processes of a run draw different
+    orders of their shares (each epoch a permutation of it); a checkpoint holds one state per
+    process and each resumes exactly from its own."""
+    import numpy as np
+
+    one = PromptSampler(6, seed=3)
+    assert one.next_batch(6) == np.random.default_rng([3, 0]).permutation(6).tolist()
+    samplers = [PromptSampler(5, seed=3, stream=r) for r in range(2)]
+    firsts = [s.next_batch(5) for s in samplers]
+    assert all(sorted(f) == list(range(5)) for f in firsts) and firsts[0] != firsts[1]
+    for s in samplers:
+        s.next_batch(3)
+    saved = [s.state() for s in samplers]  # what loop_state.json holds
+    for r, s in enumerate(samplers):
+        resumed = PromptSampler.of_process(saved, r)
+        assert resumed.next_batch(9) == s.next_batch(9)
+    single = PromptSampler(5, seed=3)
+    single.next_batch(2)
+    assert PromptSampler.of_process(single.state(), 0).next_batch(4) == single.next_batch(4)
+    with pytest.raises(ValueError, match="holds 2 processes' prompt samplers; this is process 2"):
+        PromptSampler.of_process(saved, 2)
