@@ -82,7 +82,7 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
 def read_tensor(file: Path, key: str) -> np.ndarray:
     """One tensor as numpy on the host. safetensors' numpy reader has no bfloat16, so tensors
     are read through its flax reader onto the CPU device and viewed as numpy (ml_dtypes)."""
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         with safe_open(file, "flax") as f:
             return np.asarray(f.get_tensor(key))
 
@@ -121,7 +121,7 @@ def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=(),
     for name, abstract_value in shapes.items():
         array = (np.stack([read(layer_key(name, i)) for i in range(abstract_value.shape[0])])
                  if is_stacked(name) else read(name))
-        params[name] = jax.device_put(array, shardings.get(name, jax.devices()[0]))
+        params[name] = jax.device_put(array, shardings.get(name, jax.local_devices()[0]))
     return merge(params), config
 
 
