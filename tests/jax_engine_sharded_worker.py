@@ -31,7 +31,7 @@ def main() -> None:
     for name, p, m in (("single", params, None), ("sharded", placed, mesh)):
         engine = JaxEngine(merge, lambda p=p: p, processor, hf.config, seed=11, slots=4,
                            mesh=m)
-        turns = episodes(engine, processor, 3, turns=2, n=6)
+        turns = episodes(engine, processor, 3, turns=2, max_new=8, n=5)
         runs[name] = ([[o.token_ids for o in outs] for _, outs in turns],
                       [np.concatenate([o.logprobs for o in outs]) for _, outs in turns],
                       engine)

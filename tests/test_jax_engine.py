@@ -508,9 +508,9 @@ def test_sampling_without_top_p_skips_the_sort_and_draws_the_same():
 
 
 @pytest.mark.heavy
-@pytest.mark.timeout(1800)  # two engines compiled in a subprocess
+@pytest.mark.timeout(900)  # two engines compiled in a subprocess: about a minute alone
 def test_engine_sharded_on_8_devices_samples_what_one_device_does():
-    """6 sessions x 2 turns on 4 slots over a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU
+    """5 sessions x 2 turns of up to 8 tokens on 4 slots over a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU
     devices (a subprocess: the device count is fixed at startup): the same tokens as on one
     device, log-probs within 1e-5; each device holds 1 of the 4 slots and 1 of the 2 KV heads
     of the cache, and the weights split over tensor only."""
@@ -521,10 +521,10 @@ def test_engine_sharded_on_8_devices_samples_what_one_device_does():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-m", "tests.jax_engine_sharded_worker"], env=env,
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["same_tokens"] and res["tokens"] > 60 and res["logprob_gap"] <= 1e-5
+    assert res["same_tokens"] and res["tokens"] > 40 and res["logprob_gap"] <= 1e-5
     assert res["cache_devices"] == 8 and res["evictions"] > 0
     d, length = res["cache_shape"][2:]
     assert res["cache_shape"][:2] == [4, 2] and res["shard_shape"] == [1, 1, d, length]
