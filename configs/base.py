@@ -126,6 +126,11 @@ def get_config() -> ml_collections.ConfigDict:
     # Compare SGLang's expanded prompt ids with ours exactly: off | first (the run's first
     # request, and on demand) | every request (costs a prompt-sized list per answer).
     c.engine.sglang_check_prompt_ids = "first"
+    # The in-process JAX engine: requests decoding at once (rows of its KV cache, each of
+    # rollout.max_context_tokens), and the share of a device's memory its cache and weights may
+    # take (checked at start: a cache that would not fit stops the run with the numbers).
+    c.engine.slots = 32
+    c.engine.kv_memory_fraction = 0.9
 
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()

@@ -26,6 +26,7 @@ def get_config():
     c.jax.distributed = True
     c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
     c.jax.compute_dtype = "bfloat16"
+    c.engine.slots = 128  # local JAX engine: 28 GiB of KV cache a v5p chip (docs/tpu_engine.md)
     c.jax.remat = True
     # A compile takes minutes here: one slice shape for the run (geo3k_jax.buckets.one_shape).
     # Rows of 16,384 tokens, any of them trained; 2,048 image patches (a row holds a few groups,

@@ -24,18 +24,6 @@ from geo3k_jax.layers import apply_rotary, scatter_rows, wide_dtype
 from geo3k_jax.model import QwenVL
 
 
-SLOT_AXIS = (3, 2)  # the slot axis of a layer's (keys, values)
-
-
-def empty_cache(model: QwenVL, rows: int, length: int, dtype) -> tuple:
-    """A cache of `rows` rows of `length` zero slots."""
-    lm = model.model.language_model
-    attn = lm.layers[0].self_attn
-    kv = (rows, attn.kv_heads)
-    return tuple((jnp.zeros(kv + (attn.head_dim, length), dtype),
-                  jnp.zeros(kv + (length, attn.head_dim), dtype)) for _ in lm.layers)
-
-
 def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      scale: float) -> jax.Array:
     """`geo3k_jax.layers.attention` over a cache, batched. q: (B, T, H, D); keys (B, Hkv, D, L)
@@ -64,7 +52,8 @@ def _qkv(attn, x, cos, sin):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
-def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict):
+def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict,
+           bound: int | None = None):
     """Run each row's new tokens over its cache.
 
     cache: (B, L) rows (module docstring) holding lengths (B,) tokens each; batch: input_ids
@@ -72,7 +61,9 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict):
     real new tokens per row (>= 1), and the image arrays of `geo3k_jax.batch` (pixel_values,
     vision, visual_index: positions among the new tokens) when a new token is an image token.
     Row b's token i is written at slot lengths[b] + i (slots past L are dropped: padding) and
-    attends to slots <= lengths[b] + i. Returns (logits (B, V) fp32 of each row's last real
+    attends to slots <= lengths[b] + i; attention reads only the first `bound` slots (None: all
+    L), so its cost follows the live tokens (every row's lengths + count <= bound), not the
+    cache's capacity. Returns (logits (B, V) fp32 of each row's last real
     new token, the cache, rows holding lengths + count tokens)."""
     lm = model.model.language_model
     ids, count = batch["input_ids"], batch["count"]
@@ -86,7 +77,8 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict):
         x = scatter_rows(x, index, image_embeds.astype(x.dtype), "set")
     cos, sin = lm.rope(batch["positions"])  # (B, T, D)
     slots = lengths[:, None] + jnp.arange(t)[None, :]  # (B, T) where each new token goes
-    mask = jnp.arange(cache[0][1].shape[2])[None, None, :] <= slots[:, :, None]  # (B, T, L)
+    bound = cache[0][1].shape[2] if bound is None else bound
+    mask = jnp.arange(bound)[None, None, :] <= slots[:, :, None]  # (B, T, bound)
     # row b's new (T, Hkv, D) keys into (Hkv, D, L) at its slots, values into (Hkv, L, D)
     write_k = jax.vmap(lambda c, at, new: c.at[:, :, at].set(
         new.transpose(1, 2, 0).astype(c.dtype), mode="drop"))
@@ -98,7 +90,8 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict):
         q, k, v = jax.vmap(lambda h, c, s, a=attn: _qkv(a, h, c, s))(
             layer.input_layernorm(x), cos, sin)
         ck, cv = write_k(ck, slots, k), write_v(cv, slots, v)
-        out = cached_attention(q, ck, cv, mask, attn.head_dim ** -0.5)
+        out = cached_attention(q, ck[..., :bound], cv[:, :, :bound], mask,
+                               attn.head_dim ** -0.5)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i < len(deepstack):

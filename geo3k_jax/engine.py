@@ -1,65 +1,79 @@
-"""The in-process JAX rollout engine: batched sampling from the JAX learner's current weights.
+"""The in-process JAX rollout engine: a fixed number of decode slots, refilled as rows finish.
 
-`JaxEngine` implements `common.engine.Engine` on the project's Flax Qwen-VL with the semantics of
-the torch `geo3k_torch.engine.LocalEngine`: a request's new tokens are prefilled (its images
-through the vision tower, DeepStack features, explicit 3-D M-RoPE positions from `common.mrope`),
-then decoded token by token over a fixed-size KV cache (`geo3k_jax.decode.extend`: the prefill and
-the decode step are the same function). The decode position of a row continues its M-RoPE
-positions: max + 1, then + 1 per token. A token's log-prob is log_softmax(logits / T) of the raw
-logits (T = 0: greedy, log_softmax(logits)), before top-p; image and video placeholders are never
-sampled; a request ends at a stop token (kept as its last token) or at `max_new_tokens`.
+`JaxEngine` implements `common.engine.AsyncEngine` on the project's Flax Qwen-VL with the
+semantics of the torch `geo3k_torch.engine.LocalEngine`: a request's new tokens are prefilled
+(its images through the vision tower, DeepStack features, explicit 3-D M-RoPE positions from
+`common.mrope`), then decoded token by token over its slot of the KV cache (`geo3k_jax.decode`:
+the prefill and the decode step are the same function). The decode position continues the
+request's M-RoPE positions: max + 1, then + 1 per token. A token's log-prob is
+log_softmax(logits / T) of the raw logits (T = 0: greedy, log_softmax(logits)), before top-p;
+image and video placeholders are never sampled; a request ends at a stop token (kept as its last
+token) or at `max_new_tokens`.
 
-Between turns of an episode (same `Request.session`) the session's KV cache is kept, so a turn
-prefills only its new tokens (the last generated one and the feedback), as the torch engine does;
-caches live for the sessions of the latest `generate` call and `clear_cache` (after every weight
-update) drops them. A request whose new part holds an image token is prefilled whole. Requests
-with the same tokens and images and no cache (a GRPO group's samples on their first turn) are
-prefilled once: their row's cache and last logits are copied to each of them inside the compiled
-prefill before the first token is sampled (`share_prefill`).
+Slots (continuous batching, as MaxText's prefill/insert/generate and tunix's sampler):
 
-The cache of the latest call that prefilled whole requests is kept as well, until the next such
-call or `clear_cache`: a later request with the same tokens and images as one of them (an
-evaluation's sampled episodes after its greedy ones, on the same prompts) continues that row,
-prefilling only its last token again (the decode loop writes past a request's tokens, never over
-them). This holds a second cache while the later turns run; `keep_cache=False` keeps neither.
+    waiting requests ──admit──> prefill (new tokens only) ──insert──> slot s of the cache
+    decode: every live slot one token a step, on device, until some row finishes ──> its future
+    a finished slot is parked: it keeps its tokens' keys and values for the session's next turn
 
-Two compiled functions: the prefill with the first sample, and the decode loop, a
-`lax.while_loop` that runs on device until every row has met one of its stop tokens or its budget
-(no host round trip per token; `common.engine.Decoding` then applies the same rules to what it
-sampled). Both take the parameters as an argument, so new weights never recompile, and see
-bucketed shapes (rows: powers of two; new tokens and patches per row: `geo3k_jax.buckets.bucket`;
-the cache: the longest a request has needed so far, in units of 128 slots), so a run compiles a
-handful of times; `compiles` counts the traces. A call with few rows (the last turns of a few
-episodes) pads them to a row count compiled before, up to `ROW_SLACK` times its own: the padded
-rows cost a little decoding, a new shape a compile (seconds on CPU, minutes for a large model).
-The decode loop donates the cache it replaces.
-The sampling key is a raw uint32[2] PRNG key (`rng_state`).
+The cache has `slots` rows of `context` tokens (sharded by slot over the mesh's data axes and by
+KV head over its tensor axis, `cache_specs`). A request is admitted to a non-decoding slot: its
+session's own parked slot when that holds a prefix of it with no image token after it (only the
+new tokens are prefilled), else a parked slot holding at least half of it (the same prompt: an
+evaluation's sampled episodes after its greedy ones), else an empty slot, else the least recently
+used parked one (that session's next turn is prefilled whole again: evicted). Requests with the
+same tokens and images admitted together (a GRPO group's first turn) share one prefill row.
+`submit` queues a request and returns a future (`rollout.schedule=episode`: each episode sends its
+next turn as soon as its own is back); `generate` submits a list and waits (lock-step). A driver
+thread runs the loop while there is work.
+
+Every request samples from its own key, fold_in(fold_in(engine key, crc of (weights' version,
+session, length, occurrence)), token index): its tokens do not depend on which slot, batch,
+schedule or device layout served it. `clear_cache` (after every weight update) forgets the parked
+slots; given the new weights' version (the learner's step), it starts counting occurrences
+afresh. `rng_state` holds the key, the version and the counts, so a resumed run that syncs the
+weights it saved with samples what the uninterrupted run sampled after them. Decode reads only the first `bound` cache slots, the longest live row's length
+bucketed (`LENGTH_UNIT`), so a step costs the live tokens, not the capacity.
+
+Three compiled functions take the parameters as an argument (new weights never recompile):
+the prefill (new tokens of the admitted requests' work rows, bucketed, and their first token),
+the insert (work rows into their slots; donates the cache) and the decode chunk (a
+`lax.while_loop` of at most `DECODE_CHUNK` steps that stops when a row finishes; donates the
+cache). `compiles` counts their traces.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import math
+import threading
+import zlib
 from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from common.engine import Completion, Decoding, Request
+from common.engine import STOP, LENGTH, Completion, FatalEngineError, Request
 from common.mrope import mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
 from geo3k_jax.buckets import PATCH_UNITS, bucket
-from geo3k_jax.decode import SLOT_AXIS, empty_cache, extend
+from geo3k_jax.decode import extend
+from geo3k_jax.kv_budget import (CacheShape, allocate, cache_shardings, cache_specs,
+                                 check_kv_budget)
+from geo3k_jax.sharding import make_mesh
 from geo3k_jax.vision_grid import vision_aux
 
-LENGTH_UNIT = 128  # cache lengths are buckets of this
+LENGTH_UNIT = 128  # the cache's capacity and the attention bound are buckets of this
 NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a turn's feedback),
 NEW_TOKENS_RUNGS = 4  # 4 lengths an octave (`bucket`): a 410-token prompt runs 448, not 512
 DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in it
-ROW_SLACK = 8  # a call's rows: a count used before, at most this many times its own bucket
-LENGTH_SLACK = 4  # a prefill's new tokens: a length used before, at most this many times its own
+DECODE_CHUNK = 32  # decode steps per device call at most (fewer when a row finishes)
+MAX_STOPS = 32  # stop tokens a request may have
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
@@ -124,50 +138,370 @@ def _invert(key: jax.Array, weights: jax.Array) -> jax.Array:
     return jnp.where(first < n, first, last)
 
 
+def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, keys: jax.Array,
+                banned: jax.Array, nucleus: bool) -> tuple[jax.Array, jax.Array]:
+    """`sample` with a key per row: keys (B, 2) uint32. Returns (tokens (B,), log-probs (B,))."""
+    one = lambda lg, t, p, k: sample(lg[None], t[None], p[None], k, banned, nucleus)  # noqa
+    tokens, logp = jax.vmap(one)(logits, temperature, top_p, keys)
+    return tokens[:, 0], logp[:, 0]
+
+
+def row_keys(key: jax.Array, seeds: jax.Array, index: jax.Array) -> jax.Array:
+    """(B, 2) keys: token `index` (B,) of the request seeded `seeds` (B,) uint32."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(key, s), i))(
+        seeds, index)
+
+
+@dataclasses.dataclass
+class _Job:
+    """A request in flight: its future, seed, and what it sampled so far."""
+
+    request: Request
+    future: concurrent.futures.Future
+    seed: int
+    first_pos: int = 0  # the M-RoPE position of its first generated token
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One row of the cache: the tokens it holds (a parked session: its request and all its
+    generated tokens but the last), the position after them, its images, whose it is."""
+
+    ids: tuple = ()
+    next_pos: int = 0
+    images: tuple = ()
+    session: str = ""
+    used: int = 0  # when it last finished a request (least recently used is evicted first)
+    epoch: int = 0  # the `clear_cache` epoch its keys were computed in
+    job: _Job | None = None  # the request decoding in it
+
+
 class JaxEngine:
     """Samples from `merge(params())` in process (see the module docstring).
 
-    merge: `geo3k_jax.model.split_params`'s; params: returns the current parameter dict (the
-    learner's: read at every `generate`, so an update is seen at once); config: the transformers
-    config; compute_dtype: the parameters are cast to it inside the compiled functions, as the
-    learner does; share_prefill: identical requests share one prefill row; keep_cache: a
-    session's next turn continues its KV cache (`clear_cache` after every weight update)."""
+    merge: `geo3k_jax.model.split_params`'s; params: returns the current parameter dict (read at
+    every device call; weights change only between rollouts); config: the transformers config;
+    compute_dtype: the parameters are cast to it inside the compiled functions, and the cache
+    holds it; slots: requests decoding at once (cache rows); context: the most tokens (request
+    and new ones) a slot holds; mesh: the cache's devices (None: the default device);
+    share_prefill: identical requests admitted together share one prefill row; keep_cache: a
+    session's next turn continues its parked slot (off: every request is prefilled whole);
+    memory_fraction: of a device's `memory` (None: as the device reports it) the cache and
+    weights may use (`check_kv_budget`)."""
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
-                 seed: int = 0, compute_dtype=None, share_prefill: bool = True,
-                 keep_cache: bool = True):
+                 seed: int = 0, compute_dtype=None, slots: int = 8, context: int = 1024,
+                 mesh=None, share_prefill: bool = True, keep_cache: bool = True,
+                 memory_fraction: float = 0.9, memory: int | None = None):
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
+        # without a mesh, a one-device one: the cache keeps one sharding from call to call
+        # (one the programs' outputs would otherwise pick anew: traced again)
         self.keep_cache = keep_cache
-        # the key lives on the host between calls: a device array coming back from a call is
-        # placed differently from a fresh one, and the prefill would be traced again for it
+        self.mesh = mesh or make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+        if slots < 1 or context < 2:
+            raise ValueError(f"engine.slots ({slots}) must be >= 1 and the context ({context}) "
+                             ">= 2 tokens")
+        self.n_slots, self.capacity = slots, bucket(context, LENGTH_UNIT)
+        self.shape = CacheShape.of(config)
+        some = params()
+        self.dtype = compute_dtype or next(iter(some.values())).dtype
+        weight_bytes = sum(a.size for a in some.values()) * np.dtype(self.dtype).itemsize
+        self.cache_bytes = check_kv_budget(self.shape, slots, self.capacity, self.dtype, self.mesh,
+                                           weight_bytes, memory, memory_fraction)
+        # the key lives on the host between calls (a device array coming back from a call is
+        # placed differently from a fresh one, and would trace the programs again)
         self.key = np.asarray(jax.random.PRNGKey(seed))
         self.image_token_id = int(config.image_token_id)
         self.merge_size = config.vision_config.spatial_merge_size
         placeholders = {config.image_token_id, getattr(config, "video_token_id", None)} - {None}
         self.banned = jnp.asarray(sorted(placeholders), jnp.int32)
-        self.compiles = 0  # traces of the prefill and decode functions
-        self.decode_steps = 0  # tokens the decode loop sampled per row, summed over calls
-        self._prefill = jax.jit(self._prefill_fn, static_argnames=("cache_len", "nucleus"))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=1, static_argnames="nucleus")
-        self._kept: dict[str, _Kept] = {}  # session -> its row of the latest call's cache
-        self._prompts: dict[tuple, _Kept] = {}  # (tokens, images) -> a whole request's row
-        self._epoch = 0  # bumped by clear_cache: a generate that overlaps it keeps nothing
-        self._cache_len = 0  # the longest cache so far: it never shrinks (fewer shapes)
-        self._row_counts = {"requests": set(), "work": set()}  # rows of the calls so far
-        self._lengths: set[int] = set()  # new tokens per row of the prefills so far
+        self.compiles = 0  # traces of the prefill, insert and decode functions
+        self.decode_steps = 0  # decode steps run, summed over calls
+        self.prefilled = 0  # tokens prefilled (real ones, not padding)
+        self.evictions = 0  # parked sessions whose slot another request took
+        self._shardings = cache_shardings(self.mesh, self.shape, slots)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("bound", "nucleus"))
+        self._insert = jax.jit(self._insert_fn, donate_argnums=0,
+                               out_shardings=self._shardings)
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1,
+                               static_argnames=("bound", "nucleus"))
+        self._cache = None  # allocated at the first request
+        self._slots = [_Slot() for _ in range(slots)]
+        self._state = self._empty_state()
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self.version = 0  # of the weights: enters every request's key
+        self._seen: collections.Counter = collections.Counter()  # (session, length) this version
+        self._epoch, self._tick = 0, 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    def clear_cache(self) -> None:
-        """Forget every session's KV cache (stale once the weights change)."""
-        self._kept, self._prompts = {}, {}
-        self._epoch += 1
+    def _empty_state(self) -> dict:
+        """Per-slot decode state on the host: the token to feed, its M-RoPE position and cache
+        slot, whether the row decodes, tokens sampled, budget, stops, sampling, seed."""
+        n = self.n_slots
+        return {"tok": np.zeros(n, np.int32), "pos": np.zeros(n, np.int32),
+                "length": np.zeros(n, np.int32), "live": np.zeros(n, bool),
+                "count": np.zeros(n, np.int32), "budget": np.ones(n, np.int32),
+                "stops": np.full((n, MAX_STOPS), -1, np.int32),
+                "temperature": np.zeros(n, np.float32), "top_p": np.ones(n, np.float32),
+                "seed": np.zeros(n, np.uint32)}
+
+    # ---- the protocol ------------------------------------------------------------------
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """A future of the request's `Completion`; the driver thread serves it."""
+        return self._submit([request])[0]
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """All requests queued at once (admitted in order, as slots allow), then awaited."""
+        return [f.result() for f in self._submit(list(requests))]
+
+    def _submit(self, requests: list[Request]) -> list[concurrent.futures.Future]:
+        jobs = []
+        for r in requests:
+            future, s = concurrent.futures.Future(), r.sampling
+            jobs.append(_Job(r, future, 0))
+            if len(r.input_ids) + s.max_new_tokens > self.capacity:
+                future.set_exception(FatalEngineError(
+                    f"a request of {len(r.input_ids)} tokens + max_new_tokens="
+                    f"{s.max_new_tokens} exceeds the JAX engine's context of {self.capacity} "
+                    "tokens (rollout.max_context_tokens)"))
+            elif len(s.stop_token_ids) > MAX_STOPS:
+                future.set_exception(FatalEngineError(
+                    f"{len(s.stop_token_ids)} stop tokens; the JAX engine takes {MAX_STOPS}"))
+        with self._lock:
+            for job in jobs:
+                if job.future.done():
+                    continue
+                r = job.request
+                ident = (r.session, len(r.input_ids))  # the n-th such request this version
+                job.seed = zlib.crc32(
+                    f"{self.version}|{r.session}|{ident[1]}|{self._seen[ident]}".encode())
+                self._seen[ident] += 1
+                self._waiting.append(job)
+            if self._thread is None and self._waiting:
+                self._thread = threading.Thread(target=self._drive, daemon=True,
+                                                name="jax-engine")
+                self._thread.start()
+        return [job.future for job in jobs]
+
+    def clear_cache(self, version: int | None = None) -> None:
+        """Forget every parked slot (stale once the weights change). version: the new weights'
+        (None: unchanged); a new one starts counting requests afresh, the current one (a
+        resumed run syncing the weights its `rng_state` was saved with) goes on counting."""
+        with self._lock:
+            self._epoch += 1
+            if version is not None and version != self.version:
+                self.version = version
+                self._seen.clear()
+            for slot in self._slots:
+                if slot.job is None:
+                    slot.ids, slot.session = (), ""
+
+    def close(self) -> None:
+        """Stop the driver thread (it exits by itself when idle too)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
 
     # ---- RNG ---------------------------------------------------------------------------
-    def rng_state(self) -> list[int]:
-        return [int(x) for x in self.key.reshape(-1)]
+    def rng_state(self) -> dict:
+        """{"key": the raw uint32[2] key, "version", "seen": [[session, length, count], ...]}
+        (JSON)."""
+        with self._lock:
+            return {"key": [int(x) for x in self.key.reshape(-1)], "version": self.version,
+                    "seen": [[s, n, c] for (s, n), c in sorted(self._seen.items())]}
 
-    def set_rng_state(self, state: Sequence[int]) -> None:
-        self.key = np.asarray(state, np.uint32)
+    def set_rng_state(self, state: dict) -> None:
+        """Restore what `rng_state` returned."""
+        with self._lock:
+            self.key = np.asarray(state["key"], np.uint32)
+            self.version = int(state["version"])
+            self._seen = collections.Counter({(s, n): c for s, n, c in state["seen"]})
+
+    # ---- the driver --------------------------------------------------------------------
+    def _drive(self) -> None:
+        """Admit, prefill, decode a chunk, hand finished rows back; exit when nothing is left."""
+        while True:
+            with self._lock:
+                if not self._waiting and not self._state["live"].any():
+                    self._thread = None
+                    return
+            try:
+                self._admit()
+                if self._state["live"].any():
+                    self._decode_chunk()
+            except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
+                self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """Fail every request in flight or waiting; start over with an empty cache."""
+        with self._lock:
+            jobs = [s.job for s in self._slots if s.job] + list(self._waiting)
+            self._waiting.clear()
+            self._slots = [_Slot() for _ in range(self.n_slots)]
+            self._state, self._cache = self._empty_state(), None
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(error)
+
+    # ---- admission ---------------------------------------------------------------------
+    def _continues(self, slot: _Slot, r: Request, images: tuple) -> int:
+        """How many of the slot's tokens `r` may keep (0: none): a common prefix, at most all of
+        r but its last token (prefilled again for its logits), holding every image token of the
+        slot, with none in r's new part."""
+        if not self.keep_cache or not slot.ids or slot.images != images \
+                or slot.epoch != self._epoch:
+            return 0
+        ids = tuple(r.input_ids)
+        n = min(len(slot.ids), len(ids) - 1)
+        a, b = np.asarray(slot.ids[:n]), np.asarray(ids[:n])
+        diff = np.flatnonzero(a != b)
+        c = int(diff[0]) if len(diff) else n
+        if self.image_token_id in slot.ids[c:] or self.image_token_id in ids[c:]:
+            return 0
+        return c
+
+    def _pick(self, r: Request, images: tuple, taken: set) -> tuple[int, int] | None:
+        """(slot, tokens it keeps) for r among the non-decoding slots not `taken`, or None."""
+        free = [i for i, s in enumerate(self._slots) if s.job is None and i not in taken]
+        if not free:
+            return None
+        own = [i for i in free if r.session and self._slots[i].session == r.session]
+        if own:
+            return own[0], self._continues(self._slots[own[0]], r, images)
+        best = max(free, key=lambda i: self._continues(self._slots[i], r, images))
+        kept = self._continues(self._slots[best], r, images)
+        if kept * 2 >= len(r.input_ids):
+            return best, kept
+        empty = [i for i in free if not self._slots[i].ids]
+        if empty:
+            return empty[0], 0
+        return min(free, key=lambda i: self._slots[i].used), 0
+
+    def _admit(self) -> None:
+        """Move waiting requests into slots (FIFO, while non-decoding slots are left), prefill
+        them and insert their rows."""
+        admitted, taken = [], set()
+        with self._lock:
+            while self._waiting:
+                job = self._waiting[0]
+                images = tuple(image_key(im) for im in job.request.images)
+                choice = self._pick(job.request, images, taken)
+                if choice is None:
+                    break
+                self._waiting.popleft()
+                taken.add(choice[0])
+                admitted.append((job, images) + choice)
+                self._slots[choice[0]].job = job  # in flight: `_fail` finds it
+            epoch = self._epoch
+        if not admitted:
+            return
+        for job, _, s, kept in admitted:  # a parked session whose keys are overwritten
+            slot = self._slots[s]
+            self.evictions += bool(slot.ids) and (slot.session != job.request.session
+                                                  or kept == 0)
+        self._prefill_admitted(admitted, epoch)
+
+    def _prefill_admitted(self, admitted: list, epoch: int) -> None:
+        """Prefill the admitted requests' new tokens (work rows shared by equal requests),
+        sample their first tokens, insert the rows into their slots."""
+        work, expand, seen = [], [], {}
+        for job, images, s, kept in admitted:
+            r = job.request
+            if kept == 0 and self.share_prefill:
+                key = (np.asarray(r.input_ids, np.int64).tobytes(), images)
+                if key in seen:
+                    expand.append(seen[key])
+                    continue
+                seen[key] = len(work)
+            expand.append(len(work))
+            work.append((r, s, kept))
+        batch, source, lengths, first_pos, real = self._work_arrays(work)
+        n_req = power_of_two(len(admitted), 1)
+        bound = min(self.capacity, bucket(int((lengths + batch["count"]).max()), LENGTH_UNIT))
+        jobs = [a[0] for a in admitted]
+        pad = n_req - len(jobs)
+        index = np.r_[expand, np.zeros(pad, int)].astype(np.int32)
+        dest = np.r_[[a[2] for a in admitted], np.full(pad, self.n_slots)].astype(np.int32)
+        sampling = (np.r_[[j.request.sampling.temperature for j in jobs], np.zeros(pad)]
+                    .astype(np.float32),
+                    np.r_[[j.request.sampling.top_p for j in jobs], np.ones(pad)]
+                    .astype(np.float32))
+        seeds = np.r_[[j.seed for j in jobs], np.zeros(pad)].astype(np.uint32)
+        nucleus = bool((sampling[1] < 1).any())
+        if self._cache is None:
+            self._cache = allocate(self.shape, self.n_slots, self.capacity, self.dtype,
+                                   self.mesh)
+        params = self.params()
+        tok, lp, rows = self._prefill(params, self._cache, source, lengths, batch, index,
+                                      sampling, seeds, self.key, bound=bound, nucleus=nucleus)
+        self._cache = self._insert(self._cache, rows, dest, index)
+        tok, lp = np.asarray(tok), np.asarray(lp)
+        self.prefilled += real
+        st = self._state
+        for b, (job, images, s, kept) in enumerate(admitted):
+            r, w = job.request, expand[b]
+            job.first_pos = int(first_pos[w])
+            slot = self._slots[s]
+            slot.ids, slot.images, slot.session = tuple(r.input_ids), images, r.session
+            slot.epoch = epoch
+            st["tok"][s], st["pos"][s] = tok[b], first_pos[w]
+            st["length"][s] = lengths[w] + batch["count"][w]
+            st["count"][s], st["budget"][s] = 0, r.sampling.max_new_tokens
+            st["stops"][s] = -1
+            st["stops"][s, :len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
+            st["temperature"][s], st["top_p"][s] = r.sampling.temperature, r.sampling.top_p
+            st["seed"][s] = job.seed
+            st["live"][s] = True
+            self._take(s, tok[b], lp[b])
+
+    def _take(self, s: int, token: int, logprob: float) -> None:
+        """Slot s sampled `token`: record it; finish the request at a stop or its budget."""
+        st, job = self._state, self._slots[s].job
+        job.tokens.append(int(token))
+        job.logprobs.append(float(logprob))
+        st["count"][s] += 1
+        r = job.request
+        reason = STOP if int(token) in r.sampling.stop_token_ids else \
+            LENGTH if len(job.tokens) >= r.sampling.max_new_tokens else None
+        if reason is None:
+            return
+        st["live"][s] = False
+        slot = self._slots[s]
+        with self._lock:
+            self._tick += 1
+            slot.job, slot.used = None, self._tick
+            if slot.epoch == self._epoch and self.keep_cache:
+                slot.ids = tuple(r.input_ids) + tuple(job.tokens[:-1])
+                slot.next_pos = job.first_pos + len(job.tokens) - 1
+            else:
+                slot.ids, slot.session = (), ""
+        job.future.set_result(Completion(job.tokens, job.logprobs, reason))
+
+    # ---- decoding ----------------------------------------------------------------------
+    def _decode_chunk(self) -> None:
+        """Decode every live slot until one finishes (or `DECODE_CHUNK` steps, or the bound)."""
+        st = self._state
+        live_len = int(st["length"][st["live"]].max())
+        bound = min(self.capacity, bucket(live_len + DECODE_CHUNK, LENGTH_UNIT))
+        nucleus = bool((st["top_p"][st["live"]] < 1).any())
+        arrays = {k: st[k] for k in ("tok", "pos", "length", "live", "count", "budget", "stops",
+                                     "temperature", "top_p", "seed")}
+        tokens, logps, steps, self._cache = self._decode(
+            self.params(), self._cache, arrays, self.key, bound=bound, nucleus=nucleus)
+        tokens, logps, steps = np.asarray(tokens), np.asarray(logps), int(steps)
+        self.decode_steps += steps
+        for s in np.flatnonzero(st["live"]):
+            for i in range(steps):
+                st["pos"][s] += 1
+                st["length"][s] += 1
+                st["tok"][s] = tokens[s, i]
+                self._take(s, tokens[s, i], logps[s, i])
+                if not st["live"][s]:
+                    break
 
     # ---- compiled pieces ---------------------------------------------------------------
     def _model(self, params):
@@ -175,204 +509,106 @@ class JaxEngine:
             params = jax.tree.map(lambda a: a.astype(self.compute_dtype), params)
         return self.merge(params)
 
-    def _prefill_fn(self, params, kept, source, lengths, batch, index, sampling, key,
-                    cache_len, nucleus):
-        """Run the work rows' new tokens over their caches (row r continues row source[r] of
-        `kept`, or starts empty: source -1, kept None), then sample each request's first token;
-        request b is work row index[b]."""
+    def _prefill_fn(self, params, cache, source, lengths, batch, index, sampling, seeds, key,
+                    bound, nucleus):
+        """Work row w continues slot source[w]'s first lengths[w] tokens (or starts empty:
+        lengths 0) with its new tokens; request b (work row index[b]) samples its first token.
+        Returns (tokens (R,), log-probs (R,), the work rows' caches (W, ..., bound))."""
         self.compiles += 1  # runs while tracing only
         model = self._model(params)
-        dtype = model.model.language_model.embed_tokens.weight.dtype
-        cache = empty_cache(model, len(source), cache_len, dtype)
-        if kept is not None:  # continuing rows start from their kept rows (slots < lengths)
-            fresh = (source < 0)[:, None, None, None]
-            take = lambda old, new, axis: jnp.where(fresh, new, _resize(  # noqa: E731
-                old[jnp.maximum(source, 0)], cache_len, axis))
-            cache = tuple(tuple(take(old, new, axis) for old, new, axis in
-                                zip(kept_layer, layer, SLOT_AXIS))
-                          for kept_layer, layer in zip(kept, cache))
-        logits, cache = extend(model, cache, lengths, batch)
-        cache = tuple((k[index], v[index]) for k, v in cache)
-        key, sub = jax.random.split(key)
-        tokens, logp = sample(logits[index], *sampling, sub, self.banned, nucleus)
-        return tokens, logp, cache, key
+        source, lengths, batch = self._by_slot((source, lengths, batch))
+        at = jnp.maximum(source, 0)
+        rows = tuple((k[..., :bound][at], v[:, :, :bound][at]) for k, v in cache)
+        logits, rows = extend(model, rows, lengths, batch)
+        keys = row_keys(key, seeds, jnp.zeros_like(seeds))
+        tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned, nucleus)
+        return tokens, logp, rows
 
-    def _decode_fn(self, params, cache, tok, logp, first_pos, lengths, sampling, key, stops,
-                   budgets, limit, nucleus):
-        """Decode on device until every row has finished (a stop token among its `stops` (B, S),
-        -1 padded, or its `budgets` (B,) tokens), at most `limit` tokens a row. tok, logp: the
-        prefill's first tokens (B,). Token i (>= 1) is sampled after feeding token i - 1 at
-        M-RoPE position first_pos + i - 1, cache slot lengths + i - 1. Returns (tokens,
-        log-probs (B, L) with the first at 0, tokens sampled per row, the cache, the key)."""
+    def _insert_fn(self, cache, rows, dest, index):
+        """Slot dest[b] (past the slots: dropped) takes work row index[b]'s first `bound`
+        positions; the rest of the cache is unchanged."""
+        self.compiles += 1  # runs while tracing only
+        bound = rows[0][1].shape[2]
+        return tuple((k.at[dest, :, :, :bound].set(rk[index], mode="drop"),
+                      v.at[dest, :, :bound].set(rv[index], mode="drop"))
+                     for (k, v), (rk, rv) in zip(cache, rows))
+
+    def _decode_fn(self, params, cache, st, key, bound, nucleus):
+        """Decode the live slots one token a step until a row finishes (a stop token among its
+        `stops`, -1 padded, or its `budget`), DECODE_CHUNK steps, or a live row's next token
+        would fall past `bound`. Slot s feeds `tok` at M-RoPE position `pos`, cache position
+        `length`; rows not live write nothing. Returns (tokens, log-probs (S, DECODE_CHUNK),
+        steps run, the cache)."""
         self.compiles += 1  # runs while tracing only
         model = self._model(params)
-        rows, slots = tok.shape[0], cache[0][1].shape[SLOT_AXIS[1]]
-        ended = lambda t, count: (t[:, None] == stops).any(axis=1) | (count >= budgets)  # noqa
-        ones = jnp.ones(rows, jnp.int32)
-        tokens = jnp.zeros((rows, slots), jnp.int32).at[:, 0].set(tok)
-        logps = jnp.zeros((rows, slots), jnp.float32).at[:, 0].set(logp)
+        st = self._by_slot(st)  # each device decodes its own slots
+        n = st["tok"].shape[0]
+        ones = jnp.ones(n, jnp.int32)
+        sampling = (st["temperature"], st["top_p"])
 
-        def body(state):
-            i, cache, tok, tokens, logps, done, count, key = state
+        def go(s):
+            i, _, _, pos, length, live, _, finished, _, _ = s
+            return ((i < DECODE_CHUNK) & live.any() & ~finished.any()
+                    & jnp.all(~live | (length < bound)))
+
+        def body(s):
+            i, cache, tok, pos, length, live, count, finished, toks, lps = s
             batch = {"input_ids": tok[:, None], "count": ones,
-                     "positions": jnp.broadcast_to((first_pos + i - 1)[:, None, None],
-                                                   (rows, 3, 1))}
-            logits, cache = extend(model, cache, lengths + i - 1, batch)
-            key, sub = jax.random.split(key)
-            tok, lp = sample(logits, *sampling, sub, self.banned, nucleus)
-            count = count + (~done).astype(jnp.int32)
-            return (i + 1, cache, tok, tokens.at[:, i].set(tok), logps.at[:, i].set(lp),
-                    done | ended(tok, count), count, key)
+                     "positions": jnp.broadcast_to(pos[:, None, None], (n, 3, 1))}
+            at = jnp.where(live, length, self.capacity)  # past the cache: dropped
+            logits, cache = extend(model, cache, at, batch, bound=bound)
+            new, lp = sample_rows(logits, *sampling, row_keys(key, st["seed"], count),
+                                  self.banned, nucleus)
+            step = live.astype(jnp.int32)
+            count = count + step
+            stop = (new[:, None] == st["stops"]).any(axis=1) | (count >= st["budget"])
+            return (i + 1, cache, jnp.where(live, new, tok), pos + step, length + step,
+                    live & ~stop, count, finished | (live & stop), toks.at[:, i].set(new),
+                    lps.at[:, i].set(lp))
 
-        state = (jnp.int32(1), cache, tok, tokens, logps, ended(tok, ones), ones, key)
-        i, cache, _, tokens, logps, _, _, key = jax.lax.while_loop(
-            lambda s: (s[0] < limit) & ~s[5].all(), body, state)
-        return tokens, logps, i, cache, key
+        state = (jnp.int32(0), cache, st["tok"], st["pos"], st["length"], st["live"],
+                 st["count"], jnp.zeros(n, bool), jnp.zeros((n, DECODE_CHUNK), jnp.int32),
+                 jnp.zeros((n, DECODE_CHUNK), jnp.float32))
+        i, cache, *_, toks, lps = jax.lax.while_loop(go, body, state)
+        return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
 
-    # ---- generate ----------------------------------------------------------------------
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        if not requests:
-            return []
-        requests, epoch = list(requests), self._epoch
-        kept = self._kept
-        self._kept = {}  # a failed call leaves no stale rows behind
-        n = len(requests)
-        work, expand = self._plan(requests, kept, self._prompts)
-        kept_cache = next((entry.cache for entry, _, _ in work if entry is not None), None)
-        batch, source, lengths, first_pos = self._work_arrays(work)
-        rows = self._rows(n, "requests")
-        index = np.zeros(rows, np.int32)  # padding rows copy row 0
-        index[:n] = expand
-        need = max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
-        self._cache_len = cache_len = max(self._cache_len, bucket(need, LENGTH_UNIT))
-        pad = rows - n  # padding rows decode greedily, unread
-        sampling = (np.r_[[r.sampling.temperature for r in requests], np.zeros(pad)]
-                    .astype(np.float32),
-                    np.r_[[r.sampling.top_p for r in requests], np.ones(pad)].astype(np.float32))
-        params, nucleus = self.params(), bool((sampling[1] < 1).any())
-        tok, lp, cache, key = self._prefill(
-            params, kept_cache, source, lengths, batch, index,
-            sampling, self.key, cache_len=cache_len, nucleus=nucleus)
-        first_pos = first_pos[index]
-        stops = np.full((rows, power_of_two(max(len(r.sampling.stop_token_ids)
-                                                for r in requests), 1)), -1, np.int32)
-        for b, r in enumerate(requests):
-            stops[b, :len(r.sampling.stop_token_ids)] = r.sampling.stop_token_ids
-        budgets = np.ones(rows, np.int32)  # padding rows: done after their first token
-        budgets[:n] = [r.sampling.max_new_tokens for r in requests]
-        tokens, logps, steps, cache, key = self._decode(
-            params, cache, tok, lp, first_pos, (lengths + batch["count"])[index], sampling,
-            key, stops, budgets, np.int32(budgets.max()), nucleus=nucleus)
-        self.key = np.asarray(key)
-        tokens, logps = np.asarray(tokens), np.asarray(logps)
-        decoding = Decoding(requests)  # the rules, applied to what the device loop sampled
-        self.decode_steps += int(steps) - 1
-        for i in range(int(steps)):
-            decoding.add(tokens[:, i], logps[:, i])
-        done = decoding.completions()
-        if self.keep_cache and epoch == self._epoch:
-            self._keep(requests, done, first_pos, cache, [work[w] for w in expand])
-        return done
+    def _by_slot(self, tree):
+        """Arrays of rows (slots, or a prefill's work rows) split over the mesh's data axes like
+        the cache, where their count allows."""
+        spec = cache_specs(self.mesh, self.shape, self.n_slots)[0]
+        split = math.prod(self.mesh.shape[a] for a in spec)
 
-    def _rows(self, n: int, role: str) -> int:
-        """Rows for `n` requests (role "requests": the decode loop's batch) or work rows ("work":
-        the prefill's): the smallest count of that role used before that holds them and is at
-        most `ROW_SLACK` times their power of two, else that power of two."""
-        need = power_of_two(n, 1)
-        seen = self._row_counts[role]
-        rows = min((r for r in seen if need <= r <= ROW_SLACK * need), default=need)
-        seen.add(rows)
-        return rows
+        def place(a):
+            if a.ndim == 0 or a.shape[0] % split:
+                return a
+            return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(spec)))
+        return jax.tree.map(place, tree)
 
-    def _length(self, n: int) -> int:
-        """New tokens per row for a prefill of at most `n`: the shortest length used before
-        that holds them and is at most `LENGTH_SLACK` times their bucket, else that bucket."""
-        need = bucket(n, NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
-        length = min((t for t in self._lengths if need <= t <= LENGTH_SLACK * need),
-                     default=need)
-        self._lengths.add(length)
-        return length
-
-    def _keep(self, requests, done, first_pos, cache, rows) -> None:
-        """Each session's row of the final cache: its request and every generated token but the
-        last (the one never fed back), the next position after them; and, when some request
-        was prefilled whole (`rows`: each request's work row), each such request's row."""
-        for b, (r, c) in enumerate(zip(requests, done)):
-            if r.session and c.token_ids:
-                self._kept[r.session] = _Kept(
-                    b, tuple(r.input_ids) + tuple(c.token_ids[:-1]),
-                    int(first_pos[b]) + len(c.token_ids) - 1, len(r.images), cache)
-        whole = {key: b for b, (entry, _, key) in enumerate(rows) if entry is None}
-        if whole:
-            self._prompts = {key: _Kept(b, tuple(requests[b].input_ids), int(first_pos[b]),
-                                        len(requests[b].images), cache)
-                             for key, b in whole.items()}
-
-    def _plan(self, requests: list[Request], kept: dict, prompts: dict | None = None
-              ) -> tuple[list, list[int]]:
-        """The work rows and each request's row among them. A request whose session's kept
-        cache holds a strict prefix of it, with no image token after it, continues that row;
-        one equal to a request prefilled whole before (`prompts`: (tokens, images) -> its
-        `_Kept` row) continues that one, when no session continues another cache; the others
-        are prefilled whole. Requests with equal tokens and images and no session to continue
-        share one row (`share_prefill`). A work row: (the `_Kept` entry it continues or None,
-        request, (tokens, images) key or None)."""
-        def session_of(r):
-            entry = kept.get(r.session) if r.session else None
-            ids = tuple(r.input_ids)
-            if (entry is not None and len(entry.ids) < len(ids)
-                    and ids[:len(entry.ids)] == entry.ids and len(r.images) == entry.images
-                    and self.image_token_id not in ids[len(entry.ids):]):
-                return entry
-            return None
-        sessions = [session_of(r) for r in requests]
-        source = next((entry.cache for entry in sessions if entry is not None), None)
-        work, expand, seen = [], [], {}
-        for r, entry in zip(requests, sessions):
-            if entry is not None:
-                expand.append(len(work))
-                work.append((entry, r, None))
-                continue
-            key = (np.asarray(r.input_ids, np.int64).tobytes(),
-                   tuple(image_key(im) for im in r.images))
-            if not self.share_prefill or key not in seen:
-                entry = (prompts or {}).get(key)
-                if entry is not None and (source is None or entry.cache is source):
-                    source = entry.cache
-                else:
-                    entry = None
-                seen[key] = len(work)
-                work.append((entry, r, key))
-            expand.append(seen[key])
-        return work, expand
-
+    # ---- host-side arrays --------------------------------------------------------------
     def _work_arrays(self, work: list):
-        """(batch of new tokens for `extend`, kept row per work row (-1: none), cached tokens
-        per row, the first generated token's M-RoPE position per row), rows and new-token
-        length bucketed; rows past the work hold one pad token."""
-        fresh = [r for entry, r, _ in work if entry is None]
+        """(batch of new tokens for `extend`, slot per work row (-1: none), cached tokens per
+        row, the first generated token's M-RoPE position per row, real new tokens), rows a
+        power of two and new tokens bucketed; rows past the work hold one pad token."""
+        fresh = [r for r, _, kept in work if kept == 0]
         prompts = self._prompt_rows(fresh)
-        n_rows = self._rows(len(work), "work")
-        # a continued row's cached tokens: all of its entry's, or all but the last when the
-        # request is no longer (the last is prefilled again, to give its logits)
-        cached = [min(len(entry.ids), len(r.input_ids) - 1) if entry else 0
-                  for entry, r, _ in work]
-        news = [np.asarray(r.input_ids[c:], np.int64) for (_, r, _), c in zip(work, cached)]
-        length = self._length(max(map(len, news)))
+        n_rows = power_of_two(len(work), 1)
+        news = [np.asarray(r.input_ids[kept:], np.int64) for r, _, kept in work]
+        length = bucket(max(map(len, news)), NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
         batch = {"input_ids": np.zeros((n_rows, length), np.int32),
                  "positions": np.zeros((n_rows, 3, length), np.int32),
                  "count": np.ones(n_rows, np.int32)}
         source, lengths = np.full(n_rows, -1, np.int32), np.zeros(n_rows, np.int32)
         first_pos = np.zeros(n_rows, np.int32)
         image_rows, f = [None] * n_rows, 0
-        for b, ((entry, r, _), ids, c) in enumerate(zip(work, news, cached)):
-            if entry is None:
+        for b, ((r, s, kept), ids) in enumerate(zip(work, news)):
+            if kept == 0:
                 pos, image_rows[b] = prompts[f]
                 f += 1
-            else:  # text after the cached tokens: M-RoPE positions count on from theirs
-                first = entry.next_pos - (len(entry.ids) - c)
+            else:  # text after the kept tokens: M-RoPE positions count on from theirs
+                slot = self._slots[s]
+                first = slot.next_pos - (len(slot.ids) - kept)
                 pos = np.broadcast_to(first + np.arange(len(ids)), (3, len(ids)))
-                source[b], lengths[b] = entry.row, c
+                source[b], lengths[b] = s, kept
             batch["input_ids"][b, :len(ids)] = ids
             batch["positions"][b, :, :len(ids)] = pos
             batch["count"][b] = len(ids)
@@ -386,7 +622,7 @@ class JaxEngine:
             batch["visual_index"] = np.stack([p["visual_index"] for p in padded])
             batch["vision"] = {k: np.stack([p["vision"][k] for p in padded])
                                for k in padded[0]["vision"]}
-        return batch, source, lengths, first_pos
+        return batch, source, lengths, first_pos, sum(map(len, news))
 
     def _prompt_rows(self, requests: list[Request]) -> list[tuple]:
         """(M-RoPE positions (3, t), image row for `pad_patches` or None) of whole requests,
@@ -419,28 +655,8 @@ class JaxEngine:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Kept:
-    """A row of a kept cache: the tokens in it, the next token's position, the request's image
-    count, the cache (a tuple over layers, as `_decode` returns it)."""
-
-    row: int
-    ids: tuple
-    next_pos: int
-    images: int
-    cache: tuple = dataclasses.field(repr=False, compare=False)
-
 
 def power_of_two(n: int, unit: int) -> int:
     """The smallest unit x 2^k >= n: the engine's rows (coarser than
     `geo3k_jax.buckets.bucket`: every row count compiles the prefill and the decode step)."""
     return unit * 2 ** max(0, math.ceil(math.log2(max(n, 1) / unit)))
-
-
-def _resize(cache: jax.Array, length: int, axis: int) -> jax.Array:
-    """Cache rows cut or zero-padded to `length` slots along their slot `axis`."""
-    if cache.shape[axis] >= length:
-        return jax.lax.slice_in_dim(cache, 0, length, axis=axis)
-    pad = [(0, 0)] * cache.ndim
-    pad[axis] = (0, length - cache.shape[axis])
-    return jnp.pad(cache, pad)

@@ -90,8 +90,10 @@ def build(cfg, workdir: str) -> loop.Run:
                       shape=one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens))
     backend = make_backend(
         cfg, own_kind="jax", model_dir=model_dir, processor=processor, workdir=workdir,
-        comm=comm, own=lambda: JaxBackend(learner, processor, config, seed=cfg.seed,
-                                          own_copy=cfg.train.max_staleness > 0))
+        comm=comm, own=lambda: JaxBackend(
+            learner, processor, config, seed=cfg.seed, slots=cfg.engine.slots,
+            context=cfg.rollout.max_context_tokens,
+            memory_fraction=cfg.engine.kv_memory_fraction))
     counters = backend.metrics if isinstance(backend, JaxBackend) else dict
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 

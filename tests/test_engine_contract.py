@@ -413,6 +413,26 @@ def test_greedy_rollouts_are_the_same_on_both_engines(tiny, renderer):
     assert sum(len(t.turns) for t in jax_trajs) >= 2 * len(jax_trajs)
 
 
+def test_jax_engine_serves_episodes_as_they_come(tiny, renderer):
+    """The JAX engine is an `AsyncEngine`: with `schedule=episode` each episode sends its next
+    turn when its own comes back, into whichever of the 2 slots is free (sessions evicted and
+    rebuilt); sampled at temperature 1, the trajectories are lock-step's (every request
+    samples from its own key, whatever batch or slot serves it)."""
+    from common.engine import AsyncEngine
+    assert isinstance(tiny.engine(), AsyncEngine)
+    runs = []
+    for schedule in ("episode", "lockstep"):
+        cfg = RolloutConfig(n_samples=3, max_response_tokens=120, max_context_tokens=1000,
+                            temperature=1.0, schedule=schedule)
+        engine = fresh("jax", tiny, seed=3)
+        evicted = engine.evictions
+        runs.append(rollout_of("jax", tiny, renderer, cfg, engine=engine))
+        assert engine.evictions > evicted
+    for a, b in zip(*runs):
+        assert_same(a, b, atol=1e-5)
+    assert sum(len(t.turns) for t in runs[0]) > len(runs[0])
+
+
 def assert_same(a, b, atol):
     """Two trajectories are the same episode (log-probs within `atol`)."""
     assert (a.uid, a.sample_idx, a.status, a.abort_reason, a.reward) == \

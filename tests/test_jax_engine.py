@@ -11,6 +11,7 @@ import torch
 
 from common.batching import TrainSequence, pack
 from common.engine import Request, SamplingParams
+from common.processor import image_key
 from common.grpo import LossConfig
 from geo3k_jax.engine import JaxEngine
 from geo3k_jax.learner import Learner
@@ -23,6 +24,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Every test compiles the engine or its sampling (seconds each on CPU): all of them are slow.
 pytestmark = pytest.mark.slow
 ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+SLOTS = 2
 # Scheduling, caches, stops and seeds are the engine's own, the same for both architectures:
 # such a test runs on one of them (the two alternate); numerics against the learner and the
 # torch engine, and what reads the checkpoint's keys, run on both.
@@ -31,6 +33,12 @@ ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
 def one_arch(arch):
     """Runs the test on the module's `tiny` of `arch` only."""
     return pytest.mark.parametrize("tiny", [arch], indirect=True)
+
+
+def reseed(engine: JaxEngine, seed: int) -> None:
+    """The engine's RNG state as a fresh engine of `seed` has it."""
+    engine.set_rng_state({"key": np.asarray(jax.random.PRNGKey(seed)).tolist(), "version": 0,
+                          "seen": []})
 
 
 @dataclasses.dataclass
@@ -44,9 +52,9 @@ class Tiny:
     def engine(self, seed=0) -> JaxEngine:
         """The module's engine (compiled once per shape) reseeded and emptied as a fresh one
         would be."""
-        self.shared.set_rng_state(np.asarray(jax.random.PRNGKey(seed)).tolist())
-        self.shared.params = lambda: self.params
         self.shared.clear_cache()
+        reseed(self.shared, seed)
+        self.shared.params = lambda: self.params
         return self.shared
 
 
@@ -55,8 +63,10 @@ def tiny(request):
     hf, patch = ARCHS[request.param]()
     merge, params = jax_copy(hf)
     processor = ImageOnlyProcessor(patch)
+    # 2 slots for 3 sessions: every multi-session test refills slots mid-batch, and a session's
+    # next turn finds its cache kept or evicted (then prefilled whole again)
     return Tiny(hf, processor, merge, params,
-                JaxEngine(merge, lambda: params, processor, hf.config))
+                JaxEngine(merge, lambda: params, processor, hf.config, slots=SLOTS))
 
 
 def episodes(engine, processor, seed, turns=3, max_new=12, temperature=1.0, n=3, stop=(7,)):
@@ -102,8 +112,12 @@ def test_engine_logprobs_equal_learner(tiny, temperature=0.7):
     resumes at start + max(h, w)) or a DeepStack feature missing from the prefill moves them by
     1e-3 or more."""
     engine = tiny.engine(seed=3)
+    evicted, prefilled = engine.evictions, engine.prefilled
     turns = episodes(engine, tiny.processor, 2, temperature=temperature)
     seqs = trajectories(turns)
+    # 3 sessions on 2 slots: some later turns continued their cache, some were rebuilt
+    whole = sum(len(r.input_ids) for reqs, _ in turns for r in reqs)
+    assert engine.evictions > evicted and engine.prefilled - prefilled < whole
     assert all(len(o.token_ids) >= 1 for _, outs in turns for o in outs)
     learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), temperature,
                       processor=tiny.processor, config=tiny.hf.config, row_len=1024)
@@ -118,8 +132,9 @@ def test_engine_logprobs_equal_learner(tiny, temperature=0.7):
 
 
 def test_greedy_tokens_equal_torch_engine(tiny):
-    """Greedy, 32 new tokens per turn (no stop token), 3 turns fed back with feedback tokens:
-    the JAX engine and the torch LocalEngine pick the same tokens with the same log-probs."""
+    """Greedy, 32 new tokens per turn (no stop token), 3 turns fed back with feedback tokens,
+    2 sessions on the 2 slots: the JAX engine and the torch LocalEngine pick the same tokens
+    with the same log-probs."""
     kw = dict(max_new=32, temperature=0.0, n=2, stop=())
     jax_turns = episodes(tiny.engine(), tiny.processor, 5, **kw)
     torch_turns = episodes(LocalEngine(tiny.hf, tiny.processor, 0), tiny.processor, 5, **kw)
@@ -181,19 +196,29 @@ def test_placeholders_never_sampled(tiny):
 
 @one_arch("qwen2_5_vl")
 def test_seeded_rng_state_and_top_p(tiny):
-    """Same seed, same samples; the RNG state round-trips through JSON and replays the same
-    samples; greedy ignores the seed; a tiny top_p keeps only the likeliest token (= greedy)."""
+    """Same seed, same samples; the same request again in one version of the weights samples
+    anew, and again in another; the RNG state round-trips through JSON and replays the same
+    samples, also when restored and synced to the version it was saved in (a resumed run);
+    greedy ignores the seed; a tiny top_p keeps only the likeliest token (= greedy)."""
     import json
     req = one_request(tiny.processor, 2, SamplingParams(1.0, 0.9, 10))
     engine = tiny.engine(seed=5)
     state = json.loads(json.dumps(engine.rng_state()))
     first = engine.generate([req])[0]
     assert tiny.engine(seed=5).generate([req])[0] == first
-    assert engine.generate([req])[0].token_ids != first.token_ids  # the key moved on
+    assert engine.generate([req])[0].token_ids != first.token_ids  # its second occurrence
+    engine.clear_cache()
     engine.set_rng_state(state)
     assert engine.generate([req])[0] == first
     assert JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
                      seed=5).rng_state() == state
+    engine.clear_cache(version=4)
+    assert engine.generate([req])[0].token_ids != first.token_ids  # a new version
+    saved = json.loads(json.dumps(engine.rng_state()))
+    after = engine.generate([req])[0]
+    engine.set_rng_state(saved)
+    engine.clear_cache(version=4)  # as a resumed run syncs the weights it saved
+    assert engine.generate([req])[0] == after
     greedy = dataclasses.replace(req, sampling=SamplingParams(0.0, 1.0, 10))
     g = tiny.engine(seed=1).generate([greedy])[0]
     assert tiny.engine(seed=2).generate([greedy])[0].token_ids == g.token_ids
@@ -201,77 +226,95 @@ def test_seeded_rng_state_and_top_p(tiny):
     assert tiny.engine(seed=3).generate([nucleus])[0].token_ids == g.token_ids
 
 
+@one_arch("qwen3_vl")
+def test_a_request_samples_the_same_whatever_serves_it(tiny):
+    """A request's tokens come from its own key: 6 sessions x 2 turns on 2 slots (refilled as
+    rows finish, caches evicted) and on 8 slots (all at once, every cache kept), lock-step or
+    submitted one by one, sample the same tokens with log-probs within 1e-5. A per-batch key
+    (the engine before slots) would give each layout other samples."""
+    wide = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config, seed=7,
+                     slots=8)
+    narrow = tiny.engine(seed=7)
+    evicted = narrow.evictions
+    a = episodes(narrow, tiny.processor, 4, turns=2, n=6)
+    b = episodes(wide, tiny.processor, 4, turns=2, n=6)
+    assert narrow.evictions > evicted and wide.evictions == 0
+    for (_, x), (_, y) in zip(a, b):
+        for p, q in zip(x, y):
+            assert p.token_ids == q.token_ids and p.finish_reason == q.finish_reason
+            np.testing.assert_allclose(p.logprobs, q.logprobs, rtol=0, atol=1e-5)
+    wide.clear_cache()
+    reseed(wide, 7)
+    narrow = tiny.engine(seed=7)
+    reqs = a[0][0]
+    one_by_one = [f.result() for f in [narrow.submit(r) for r in reqs]]
+    assert [o.token_ids for o in one_by_one] == [o.token_ids for o in a[0][1]]
+
+
 @one_arch("qwen2_5_vl")
-def test_a_small_call_reuses_compiled_rows_and_samples_the_same(tiny):
-    """After a call of 8 requests, a call of 1 pads its rows to 8 (within ROW_SLACK) instead
-    of compiling new shapes, and samples, with the same key, what a fresh engine sampling it
-    alone in one row does; past the slack a call gets rows of its own."""
-    reqs = [one_request(tiny.processor, seed=s, session=f"r{s}") for s in range(8)]
-    make = lambda: JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor,  # noqa: E731
-                             tiny.hf.config)
-    engine, alone = make(), make()
-    engine.generate(reqs)
-    compiles = engine.compiles
-    key = np.asarray(jax.random.PRNGKey(11)).tolist()
-    for e in (engine, alone):
-        e.clear_cache()
-        e.set_rng_state(key)
-    padded, single = engine.generate(reqs[3:4])[0], alone.generate(reqs[3:4])[0]
-    assert engine.compiles == compiles and engine._row_counts["requests"] == {8}
-    assert alone._row_counts["requests"] == {1} and alone.compiles == 2
-    assert padded.token_ids == single.token_ids and padded.finish_reason == single.finish_reason
-    np.testing.assert_allclose(padded.logprobs, single.logprobs, rtol=0, atol=1e-5)
-    assert engine._rows(1, "work") == 8 and make()._rows(1, "work") == 1
-    engine._row_counts["requests"] = {64}
-    assert engine._rows(4, "requests") == 4 and engine._rows(8, "requests") == 64
-    # new tokens per row likewise: a length used before, within LENGTH_SLACK of the bucket
-    fresh = make()
-    assert fresh._length(1) == 32 and fresh._length(40) == 64 and fresh._length(1) == 32
-    fresh._lengths = {64}
-    assert fresh._length(1) == 64 and fresh._length(100) == 128 and fresh._length(70) == 128
-    assert fresh._length(500) == 512 and fresh._length(120) == 128
+def test_a_finished_slot_takes_the_next_request_at_once(tiny):
+    """One long and three short requests on 2 slots: the short ones take the second slot in
+    turn while the long one decodes, so the decode loop runs about as many steps as the long
+    request's tokens (a static batch of 2 would run long + max(short) steps, here 24 + 8)."""
+    engine = tiny.engine(seed=2)
+    long_ = one_request(tiny.processor, 0, SamplingParams(0.0, 1.0, 24), "long")
+    shorts = [one_request(tiny.processor, s, SamplingParams(0.0, 1.0, 4), f"short{s}")
+              for s in (1, 2, 3)]
+    steps = engine.decode_steps
+    outs = engine.generate([long_] + shorts)
+    assert [len(o.token_ids) for o in outs] == [24, 4, 4, 4]
+    assert engine.decode_steps - steps == 23  # the first token of each comes from its prefill
 
 
 @one_arch("qwen3_vl")
 def test_the_same_call_again_is_not_traced_again(tiny):
     """With the parameters on a mesh, as the learner holds them, a second call of the same
-    shapes reuses the compiled prefill and decode: the key that came back from the first is
-    placed as a fresh one (a device key would be traced again as another input)."""
+    shapes reuses the compiled prefill, insert and decode: the key that came back from the
+    first is placed as a fresh one (a device key would be traced again as another input)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from geo3k_jax.sharding import make_mesh
     placed = jax.device_put(tiny.params, NamedSharding(
         make_mesh({"data": 1, "fsdp": -1, "tensor": 1}), P()))
-    engine = JaxEngine(tiny.merge, lambda: placed, tiny.processor, tiny.hf.config)
+    engine = JaxEngine(tiny.merge, lambda: placed, tiny.processor, tiny.hf.config, slots=2)
     reqs = [one_request(tiny.processor, seed=s, session=f"k{s}") for s in range(2)]
     engine.generate(reqs)
-    assert engine.compiles == 2
+    assert engine.compiles == 3
     engine.clear_cache()
     engine.generate(reqs)
-    assert engine.compiles == 2
+    assert engine.compiles == 3
 
 
-def test_backend_reads_the_learners_params(tiny):
-    """Sync is free: the engine samples from the learner's own arrays; with `own_copy` (rollouts
-    while the learner's step donates its buffers) from equal arrays of its own."""
-    from geo3k_jax.backend import JaxBackend
+def test_backend_samples_from_a_copy_in_the_engines_layout(tiny):
+    """Sync copies the learner's parameters in device memory (the learner's next step donates
+    its own), cast to the compute dtype (bf16: half the bytes), with only the tensor axis of the
+    learner's layout kept (replicated over the data axes, as decoding reads every weight)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from geo3k_jax.backend import JaxBackend, engine_shardings
+    from geo3k_jax.sharding import make_mesh
     learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), 1.0,
                       processor=tiny.processor, config=tiny.hf.config)
-    shared = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0)
-    own = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, own_copy=True)
+    backend = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, slots=2)
     learner.params = {k: v + 1.0 for k, v in learner.params.items()}  # as after a step
-    shared.sync(learner, 1)
-    own.sync(learner, 1)
+    backend.sync(learner, 1)
     for k, v in learner.params.items():
-        assert shared.engine.params()[k] is v
-        assert own.engine.params()[k] is not v
-        np.testing.assert_array_equal(np.asarray(own.engine.params()[k]), np.asarray(v))
-    assert shared.rng_state() == np.asarray(jax.random.PRNGKey(0)).tolist()
+        assert backend.engine.params()[k] is not v
+        np.testing.assert_array_equal(np.asarray(backend.engine.params()[k]), np.asarray(v))
+    assert backend.rng_state()["version"] == 1  # the step: a part of every request's key
+    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    learned = {"w": NamedSharding(mesh, P("fsdp", "tensor")), "b": NamedSharding(mesh, P(
+        ("data", "fsdp")))}
+    assert {k: s.spec for k, s in engine_shardings(learned).items()} == {
+        "w": P(None, "tensor"), "b": P(None)}
+    learner.compute_dtype = jax.numpy.bfloat16
+    half = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, slots=2)
+    assert {a.dtype for a in half.params.values()} == {jax.numpy.dtype("bfloat16")}
+    assert half.engine.cache_bytes * 2 == backend.engine.cache_bytes
 
 
 @one_arch("qwen3_vl")
 def test_shared_group_prefill_equals_separate_prefills(tiny):
     """A group's identical requests (own image copies) are prefilled in one row and give the
-    tokens and log-probs of separate prefills, sampled from the same key."""
+    tokens and log-probs of separate prefills, sampled from the same keys."""
     rng = np.random.default_rng(8)
     imgs = [image(90, 50, 1), image(40, 70, 2)]
     ids = tuple(prompt_ids(tiny.processor, imgs, rng))
@@ -281,29 +324,34 @@ def test_shared_group_prefill_equals_separate_prefills(tiny):
     reqs = group[:2] + [Request(tuple(prompt_ids(tiny.processor, other, rng)), other,
                                 SamplingParams(1.0, 0.9, 10), "o")] + group[2:]
     shared_engine = tiny.engine(seed=4)
-    work, expand = shared_engine._plan(reqs, {})
-    assert [r for _, r, _ in work] == [reqs[0], reqs[2]] and expand == [0, 0, 1, 0, 0]
+    before = shared_engine.prefilled
     shared = shared_engine.generate(reqs)
-    separate = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
-                         seed=4, share_prefill=False).generate(reqs)
+    separate_engine = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor,
+                                tiny.hf.config, seed=4, share_prefill=False, keep_cache=False)
+    separate = separate_engine.generate(reqs)
     for a, b in zip(shared, separate):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     assert len({tuple(o.token_ids) for o in shared[:2] + shared[3:]}) > 1  # samples differ
+    assert separate_engine.prefilled == sum(len(r.input_ids) for r in reqs)
+    # g0 and g1 share a row; g2 and g3 continue a finished group member's parked prompt
+    assert shared_engine.prefilled - before == len(ids) + len(reqs[2].input_ids) + 2
 
 
 @one_arch("qwen3_vl")
 def test_kept_cache_equals_whole_prefills(tiny):
-    """Turns 2 and 3 continue each session's kept KV cache (only the last generated token and
-    the feedback are prefilled) and sample what prefilling the whole conversation samples:
-    the same tokens, log-probs within 1e-5, sampled (same key) and greedy; after
-    `clear_cache`, or with an image token in the new part, a request is prefilled whole."""
+    """Turns 2 and 3 continue each session's kept KV cache where its slot was not taken (only
+    the last generated token and the feedback are prefilled) and sample what prefilling the
+    whole conversation samples: the same tokens, log-probs within 1e-5, sampled and greedy;
+    after `clear_cache`, or with an image token in the new part, a request is prefilled
+    whole."""
+    whole_engine = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                             slots=SLOTS, keep_cache=False)
     for temperature in (1.0, 0.0):
         kept = episodes(tiny.engine(seed=6), tiny.processor, 9, temperature=temperature)
-        engine = tiny.engine()
-        whole = episodes(JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor,
-                                   tiny.hf.config, seed=6, keep_cache=False),
-                         tiny.processor, 9, temperature=temperature)
+        whole_engine.clear_cache()
+        reseed(whole_engine, 6)
+        whole = episodes(whole_engine, tiny.processor, 9, temperature=temperature)
         for (_, a), (_, b) in zip(kept, whole):
             for x, y in zip(a, b):
                 assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
@@ -312,24 +360,28 @@ def test_kept_cache_equals_whole_prefills(tiny):
     nxt = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + (5, 6))
            for r, o in zip(reqs, outs)]
     engine = tiny.engine()
-    engine.generate(reqs)
-    work, _ = engine._plan(nxt, engine._kept)
-    assert all(entry is not None for entry, _, _ in work)  # every session continues
-    assert len(work[0][1].input_ids) - len(work[0][0].ids) == 1 + 2  # last token + feedback
+    engine.generate(reqs[:SLOTS])
+    before = engine.prefilled
+    engine.generate(nxt[:SLOTS])
+    assert engine.prefilled - before == SLOTS * 3  # every session continues: last token + 2
     with_image = dataclasses.replace(nxt[0], input_ids=nxt[0].input_ids + (IMG,))
-    assert engine._plan([with_image], engine._kept)[0][0][0] is None
+    slot = next(s for s in engine._slots if s.session == nxt[0].session)
+    images = tuple(image_key(im) for im in nxt[0].images)
+    assert engine._continues(slot, nxt[0], images) == len(nxt[0].input_ids) - 1
+    assert engine._continues(slot, with_image, images) == 0
     engine.clear_cache()
-    assert all(entry is None for entry, _, _ in engine._plan(nxt, engine._kept)[0])
+    before = engine.prefilled
+    engine.generate(nxt[1:SLOTS])
+    assert engine.prefilled - before == sum(len(r.input_ids) for r in nxt[1:SLOTS])
 
 
 @one_arch("qwen2_5_vl")
-def test_a_request_prefilled_before_continues_its_row(tiny):
-    """Requests equal to ones an earlier call prefilled whole (new sessions: an evaluation's
-    sampled episodes after its greedy ones) continue those rows, prefilling their last token
-    only, and sample what whole prefills sample: the same tokens, log-probs within 1e-5.
-    Sessions that continue take precedence; `clear_cache` forgets the rows."""
+def test_a_request_prefilled_before_continues_its_slot(tiny):
+    """Requests equal to ones prefilled before (new sessions: an evaluation's sampled episodes
+    after its greedy ones) continue those parked slots, prefilling their last token only, and
+    sample what whole prefills sample: the same tokens, log-probs within 1e-5."""
     rng = np.random.default_rng(12)
-    imgs = [[image(70, 50, 20 + i)] + [image(40, 90, 30)] * (i % 2) for i in range(3)]
+    imgs = [[image(70, 50, 20 + i)] + [image(40, 90, 30)] * (i % 2) for i in range(2)]
     first = [Request(tuple(prompt_ids(tiny.processor, im, rng)), im,
                      SamplingParams(0.0, 1.0, 8), f"greedy{i}") for i, im in enumerate(imgs)]
     again = [dataclasses.replace(r, images=[x.copy() for x in r.images],
@@ -337,29 +389,75 @@ def test_a_request_prefilled_before_continues_its_row(tiny):
              for i, r in enumerate(first)]
     engine = tiny.engine(seed=5)
     engine.generate(first)
-    work, _ = engine._plan(again, engine._kept, engine._prompts)
-    assert all(entry is not None and entry.ids == r.input_ids for entry, r, _ in work)
-    batch, source, lengths, _ = engine._work_arrays(work)
-    assert batch["count"][:3].tolist() == [1, 1, 1] and "pixel_values" not in batch
-    assert (lengths[:3] == [len(r.input_ids) - 1 for r in first]).all()
+    before = engine.prefilled
     reused = engine.generate(again)
-    engine.clear_cache()
-    assert engine._plan(again, engine._kept, engine._prompts)[0][0][0] is None
-    whole = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
-                      seed=5, keep_cache=False)
-    whole.generate(first)
-    for a, b in zip(reused, whole.generate(again)):
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
-    # a later turn of the first sessions continues its session, not the whole prefill
-    engine = tiny.engine(seed=5)
-    done = engine.generate(first)
-    turn2 = [dataclasses.replace(r, input_ids=r.input_ids + tuple(o.token_ids) + (5,))
-             for r, o in zip(first, done)]
-    work, _ = engine._plan(turn2 + again[:1], engine._kept, engine._prompts)
-    assert [len(entry.ids) for entry, _, _ in work[:3]] == [
-        len(r.input_ids) + len(o.token_ids) - 1 for r, o in zip(first, done)]
-    assert work[3][0] is not None  # the same cache: both continue
+    assert engine.prefilled - before == len(again)
+    whole = tiny.engine(seed=5)
+    whole.keep_cache = False
+    try:
+        whole.generate(first)
+        for a, b in zip(reused, whole.generate(again)):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+    finally:
+        whole.keep_cache = True
+
+
+@one_arch("qwen2_5_vl")
+def test_decode_reads_only_the_bound(tiny):
+    """`extend` with attention over the first `bound` slots of a larger cache equals it over the
+    whole cache (garbage past every row's length: read, it would move the logits by far more
+    than 1e-5), logits and cache; the engine's capacity
+    does not change what it samples (its decode reads the live bound, not the capacity)."""
+    from geo3k_jax.decode import extend
+    from geo3k_jax.kv_budget import CacheShape, allocate
+    model = tiny.merge(tiny.params)
+    shape = CacheShape.of(tiny.hf.config)
+    rng = np.random.default_rng(0)
+    cache = tuple((k + rng.normal(size=k.shape).astype(np.float32),
+                   v + rng.normal(size=v.shape).astype(np.float32))
+                  for k, v in allocate(shape, 2, 512, np.float32))
+    lengths = np.array([5, 100], np.int32)
+    batch = {"input_ids": np.array([[3, 4], [5, 0]], np.int32), "count": np.array([2, 1]),
+             "positions": np.broadcast_to((lengths[:, None] + np.arange(2))[:, None],
+                                          (2, 3, 2)).astype(np.int32)}
+    full = extend(model, cache, lengths, batch)
+    bounded = extend(model, cache, lengths, batch, bound=128)
+    np.testing.assert_allclose(bounded[0], full[0], rtol=0, atol=1e-5)
+    for (a, b), (c, d) in zip(bounded[1], full[1]):  # a later layer's keys: rounding apart
+        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b, d, rtol=0, atol=1e-5)
+    big = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config, seed=9,
+                    slots=SLOTS, context=4096)
+    req = one_request(tiny.processor, 4, SamplingParams(1.0, 1.0, 12))
+    (a,), (b,) = big.generate([req]), tiny.engine(seed=9).generate([req])
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+
+
+@one_arch("qwen2_5_vl")
+def test_budget_check_refuses_a_cache_that_does_not_fit(tiny):
+    """The budget is the cache's bytes per device, slots split over the data axes and KV heads
+    over tensor: a config over it stops before allocating, naming the numbers and the setting;
+    Qwen3-VL-2B's (28 layers, 8 KV heads of 128) at 256 slots x 4096 tokens in bf16 is
+    112 GiB, 28 GiB on each of a v5p-8's 4 chips (95 GiB: fits), 112 GiB on one (does not)."""
+    from geo3k_jax.kv_budget import CacheShape, check_kv_budget
+    qwen2b = CacheShape(layers=28, kv_heads=8, head_dim=128)
+    assert qwen2b.bytes(256, 4096, jax.numpy.bfloat16) == 112 * 2**30
+    with pytest.raises(ValueError, match=r"256 slots x 4096 tokens x 28 layers x 8 KV heads.*"
+                                         r"112.00 GiB per device.*engine.slots \(at most 186"):
+        check_kv_budget(qwen2b, 256, 4096, jax.numpy.bfloat16, memory=95 * 2**30,
+                        weight_bytes=4 * 2**30)
+    class FourChips:  # a (data=1, fsdp=4, tensor=1) mesh as the budget sees it
+        shape = {"data": 1, "fsdp": 4, "tensor": 1}
+        devices = np.asarray(jax.devices()[:1] * 4)
+    assert check_kv_budget(qwen2b, 256, 4096, jax.numpy.bfloat16, FourChips,
+                           weight_bytes=4 * 2**30, memory=95 * 2**30) == 28 * 2**30
+    with pytest.raises(ValueError, match="engine.slots=6 must be a multiple of"):
+        check_kv_budget(qwen2b, 6, 4096, jax.numpy.bfloat16, FourChips, memory=95 * 2**30)
+    with pytest.raises(ValueError, match="does not fit.*lower engine.slots"):
+        JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                  slots=2**40, context=1024)
 
 
 @pytest.mark.parametrize("vocab,block", [(12, 128), (12, 5), (300, 128)])
@@ -407,3 +505,27 @@ def test_sampling_without_top_p_skips_the_sort_and_draws_the_same():
     assert 7 not in np.asarray(fast[0]).tolist()
     assert [power_of_two(n, 32) for n in (1, 32, 33, 100, 512, 513)] == \
         [32, 32, 64, 128, 512, 1024]
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(900)  # two engines compiled in a subprocess: about a minute alone
+def test_engine_sharded_on_8_devices_samples_what_one_device_does():
+    """5 sessions x 2 turns of up to 8 tokens on 4 slots over a (data=2, fsdp=2, tensor=2) mesh of 8 fake CPU
+    devices (a subprocess: the device count is fixed at startup): the same tokens as on one
+    device, log-probs within 1e-5; each device holds 1 of the 4 slots and 1 of the 2 KV heads
+    of the cache, and the weights split over tensor only."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-m", "tests.jax_engine_sharded_worker"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["same_tokens"] and res["tokens"] > 40 and res["logprob_gap"] <= 1e-5
+    assert res["cache_devices"] == 8 and res["evictions"] > 0
+    d, length = res["cache_shape"][2:]
+    assert res["cache_shape"][:2] == [4, 2] and res["shard_shape"] == [1, 1, d, length]
+    assert res["q_proj_shard"] == [2, 32, 64]  # 2 layers, (4 heads x 16) / tensor 2, hidden 64
