@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from geo3k_jax.engine import JaxEngine
+from geo3k_jax.sharding import AXES
 
 
 def engine_shardings(param_sh: dict | None) -> dict | None:
@@ -28,27 +30,66 @@ def engine_shardings(param_sh: dict | None) -> dict | None:
             for k, s in param_sh.items()}
 
 
+def host_mesh(mesh: Mesh) -> Mesh:
+    """This process's devices of `mesh` as a mesh of its own, axes `AXES`: each of its tensor
+    groups (devices differing only in their tensor coordinate) a row, in tensor order, the rows
+    over the data axes. Raises if a tensor group spans processes."""
+    me = jax.process_index()
+    order = [mesh.axis_names.index(a) for a in AXES if a in mesh.axis_names]
+    t = mesh.shape.get("tensor", 1)
+    groups = np.transpose(mesh.devices, order).reshape(-1, t)
+    mine = [g for g in groups if any(d.process_index == me for d in g)]
+    if any(d.process_index != me for g in mine for d in g):
+        raise ValueError(f"the mesh's tensor axis ({t} devices) spans processes: each process's "
+                         "JAX engine samples on its own devices and needs whole tensor groups; "
+                         "keep jax.mesh.tensor within a host")
+    return Mesh(np.array(mine)[None], AXES)
+
+
+def on_host(tree: dict, mesh: Mesh) -> dict:
+    """Arrays placed by `engine_shardings` on a mesh of several processes (replicated over the
+    data axes) as arrays of this process's `host_mesh`: the same device buffers, no copy."""
+    def local(a):
+        sharding = NamedSharding(mesh, a.sharding.spec)
+        return jax.make_array_from_single_device_arrays(
+            a.shape, sharding, [s.data for s in a.addressable_shards])
+    return jax.tree.map(local, tree)
+
+
 class JaxBackend:
+    """The engine of the JAX learner's process. With several processes (a multi-host slice)
+    each runs an engine of its own on its own devices (`host_mesh`) for its own share of the
+    requests: no program of the engine spans hosts, so each host schedules its requests
+    independently; only the weight copy at `sync` (every process at once) gathers the
+    learner's parameters over the data axes."""
+
     def __init__(self, learner, processor, config, *, seed: int, slots: int = 8,
                  context: int = 1024, memory_fraction: float = 0.9):
-        """learner: a `geo3k_jax.learner.Learner` on one process; config: the transformers
-        config of its model; slots, context, memory_fraction: `JaxEngine`'s."""
-        if learner.comm.world != 1:
-            raise ValueError("the in-process JAX engine runs on one process: use "
-                             "engine.backend=sglang (or torch) for multi-process runs")
+        """learner: a `geo3k_jax.learner.Learner`; config: the transformers config of its
+        model; slots, context, memory_fraction: `JaxEngine`'s (per process)."""
         dtype = learner.compute_dtype
+        mesh = learner.mesh
+        if learner.comm.world > 1:
+            if mesh is None:
+                raise ValueError("a JAX engine on several processes needs the learner's mesh")
+            mesh = host_mesh(mesh)
+        self._mesh = mesh if learner.comm.world > 1 else None
         shardings = engine_shardings(getattr(learner, "param_sh", None))
         self._copy = jax.jit(lambda p: jax.tree.map(
             lambda a: a if dtype is None else a.astype(dtype), p), out_shardings=shardings)
-        self.params = self._copy(learner.params)
+        self.params = self._placed(learner)
         self.engine = JaxEngine(learner.merge, lambda: self.params, processor, config,
                                 seed=seed, compute_dtype=dtype, slots=slots, context=context,
-                                mesh=learner.mesh, memory_fraction=memory_fraction)
+                                mesh=mesh, memory_fraction=memory_fraction)
+
+    def _placed(self, learner) -> dict:
+        copy = self._copy(learner.params)
+        return copy if self._mesh is None else on_host(copy, self._mesh)
 
     def sync(self, learner, step: int) -> None:
         # a copy in device memory: the learner's next step donates its own buffers, and
         # rollouts may run while it trains (train.max_staleness >= 1)
-        self.params = self._copy(learner.params)
+        self.params = self._placed(learner)
         self.engine.clear_cache(step)  # the KV caches were computed with the old weights
 
     def train_context(self):

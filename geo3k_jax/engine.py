@@ -200,7 +200,8 @@ class JaxEngine:
         # without a mesh, a one-device one: the cache keeps one sharding from call to call
         # (one the programs' outputs would otherwise pick anew: traced again)
         self.keep_cache = keep_cache
-        self.mesh = mesh or make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+        self.mesh = mesh or make_mesh({"data": 1, "fsdp": 1, "tensor": 1},
+                                      jax.local_devices()[:1])
         if slots < 1 or context < 2:
             raise ValueError(f"engine.slots ({slots}) must be >= 1 and the context ({context}) "
                              ">= 2 tokens")

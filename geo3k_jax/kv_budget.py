@@ -105,7 +105,7 @@ def check_kv_budget(shape: CacheShape, slots: int, capacity: int, dtype, mesh=No
     engine's weights on a device) exceeds `fraction` of its `memory` (default: the first
     device's, `device_memory`). Returns the cache's bytes per device."""
     cache = per_device_bytes(shape, slots, capacity, dtype, mesh)
-    device = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0])
+    device = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0])
     memory = device_memory(device) if memory is None else memory
     allowed = int(fraction * memory)
     if cache + weight_bytes > allowed:

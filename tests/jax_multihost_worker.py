@@ -1,7 +1,9 @@
 """One JAX process of a 2-process CPU run (gloo), for tests/test_jax_learner.py: the multi-host
 data path. Each process packs its own micro-batches; the learner agrees the step's shapes over
-processes, assembles global arrays from the per-process rows and steps once on a data=2 mesh
-(one device per process); the HF export all-gathers the parameters and process 0 writes it.
+processes, assembles global arrays from the per-process rows and steps once on an fsdp=2 mesh
+(one device per process, the parameters split over the processes); the HF export all-gathers the parameters and process 0 writes it.
+Before the step, each process's JAX engine (`geo3k_jax.backend.JaxBackend`, on its own device)
+runs its share of a few multi-turn sessions from the initial weights.
 
     python -m tests.jax_multihost_worker PROCESS_ID PORT OUT_DIR
 """
@@ -28,8 +30,21 @@ def main(pid: int, port: int, out: str) -> None:
     setup = model_and_batch("qwen3_vl")
     mine = setup.batches[pid::2] if pid == 0 else setup.batches[pid::2][:1]  # uneven shares
     learner = setup.learner(LossConfig(tis_cap=2.0), train_config(),
-                            mesh=make_mesh({"data": 2, "fsdp": 1, "tensor": 1}),
+                            mesh=make_mesh({"data": 1, "fsdp": 2, "tensor": 1}),
                             rules=JAX_RULES, comm=comm, model_dir=out)
+    from geo3k_jax.backend import JaxBackend
+    from tests.test_jax_engine import episodes
+    backend = JaxBackend(learner, setup.processor, setup.config, seed=11, slots=2, context=512)
+    turns = episodes(backend.engine, setup.processor, 3, turns=2, max_new=8, n=5,
+                     only=range(pid, 5, 2))
+    sessions = {r.session: {"tokens": [], "logprobs": []} for r in turns[0][0]}
+    for reqs, outs in turns:
+        for r, o in zip(reqs, outs):
+            sessions[r.session]["tokens"].append([int(t) for t in o.token_ids])
+            sessions[r.session]["logprobs"].append([float(x) for x in o.logprobs])
+    devices = len(backend.engine._cache[0][0].sharding.device_set)
+    (Path(out) / f"engine_{pid}.json").write_text(json.dumps(
+        {"sessions": sessions, "cache_devices": devices}))
     metrics = setup.step(learner, mine)
     seen = comm.gather(len(mine))
     learner.export_hf(Path(out) / "export")

@@ -69,10 +69,13 @@ def tiny(request):
                 JaxEngine(merge, lambda: params, processor, hf.config, slots=SLOTS))
 
 
-def episodes(engine, processor, seed, turns=3, max_new=12, temperature=1.0, n=3, stop=(7,)):
+def episodes(engine, processor, seed, turns=3, max_new=12, temperature=1.0, n=3, stop=(7,),
+             only=None):
     """n sessions of `turns` turns, 1-3 images of different sizes each; turn k + 1 continues
-    turn k's request and output with random feedback tokens. Returns every turn's
-    (requests, completions)."""
+    turn k's request and output with random feedback tokens. `only`: the indices of the
+    sessions this engine runs (default all; the others' requests are drawn all the same, so a
+    session's requests never depend on which run). Returns every turn's (requests, completions)
+    of the sessions run."""
     rng = np.random.default_rng(seed)
     reqs = []
     for i in range(n):
@@ -80,13 +83,15 @@ def episodes(engine, processor, seed, turns=3, max_new=12, temperature=1.0, n=3,
                 for k in range(1 + i % 3)]
         reqs.append(Request(tuple(prompt_ids(processor, imgs, rng, (3 + 4 * i, 2))), imgs,
                             SamplingParams(temperature, 1.0, max_new, stop), f"s{i}"))
+    run = list(range(n)) if only is None else list(only)
     out = []
     for _ in range(turns):
-        done = engine.generate(reqs)
-        out.append((reqs, done))
+        done = dict(zip(run, engine.generate([reqs[i] for i in run])))
+        out.append(([reqs[i] for i in run], [done[i] for i in run]))
         feedback = [tuple(int(x) for x in rng.integers(1, 200, 4 + i)) for i in range(n)]
-        reqs = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(o.token_ids) + f)
-                for r, o, f in zip(reqs, done, feedback)]
+        reqs = [dataclasses.replace(r, input_ids=tuple(r.input_ids) + tuple(done[i].token_ids)
+                                    + feedback[i]) if i in done else r
+                for i, r in enumerate(reqs)]
     return out
 
 

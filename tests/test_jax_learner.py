@@ -384,6 +384,23 @@ def test_two_processes_equal_one(setup, tmp_path):
     ref = setup.step(single, batches)  # the same global batch in one process
     for key in ("loss", "grad_norm", "entropy", "tis_mean"):
         assert multi[key] == pytest.approx(ref[key], rel=1e-5), key
+    # each process's engine ran its share of the sessions on its own device: the same tokens
+    # and log-probs as one engine running them all
+    engine_runs = [json.loads((tmp_path / f"engine_{i}.json").read_text()) for i in range(2)]
+    assert [r["cache_devices"] for r in engine_runs] == [1, 1]
+    assert sorted(engine_runs[0]["sessions"]) == ["s0", "s2", "s4"]
+    assert sorted(engine_runs[1]["sessions"]) == ["s1", "s3"]
+    from geo3k_jax.backend import JaxBackend
+    from tests.test_jax_engine import episodes
+    one = JaxBackend(setup.learner(LossConfig(tis_cap=2.0), train_config()), setup.processor,
+                     setup.config, seed=11, slots=2, context=512)
+    turns = episodes(one.engine, setup.processor, 3, turns=2, max_new=8, n=5)
+    for k, (reqs, outs) in enumerate(turns):
+        for r, o in zip(reqs, outs):
+            got = next(run["sessions"][r.session] for run in engine_runs
+                       if r.session in run["sessions"])
+            assert got["tokens"][k] == [int(t) for t in o.token_ids], (r.session, k)
+            assert np.abs(np.asarray(got["logprobs"][k]) - o.logprobs).max() <= 1e-5
     weights = load_file(str(tmp_path / "export" / "model.safetensors"))
     mine = {k: np.asarray(v) for k, v in to_hf(single.params).items()}  # checkpoint keys
     assert weights.keys() == mine.keys()
