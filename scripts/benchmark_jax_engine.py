@@ -61,8 +61,9 @@ def main(_):
     merge, params = jax_copy(hf)
     processor = ImageOnlyProcessor(patch)
     reqs = requests(_REQUESTS.value, _MEDIAN.value, _MIX.value, processor)
+    context = max(1024, -(-(8 * _MEDIAN.value + 256) // 128) * 128)  # the longest request
     engine = JaxEngine(merge, lambda: params, processor, hf.config, slots=_SLOTS.value,
-                       context=1024)
+                       context=context)
     s = _SLOTS.value
     static = [reqs[i:i + s] for i in range(0, len(reqs), s)]
     result = {"mix": _MIX.value, "requests": len(reqs), "n_slots": s, "device":
