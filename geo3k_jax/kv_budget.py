@@ -78,6 +78,12 @@ def allocate(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None) -> 
     return jax.jit(zeros, out_shardings=cache_shardings(mesh, shape, slots))()
 
 
+# The decode program holds a second cache-sized buffer beside the donated cache (the TPU
+# compiler's memory analysis of the decode for v5p-8: temporaries 28.24 GiB beside a 28 GiB
+# cache, docs/tpu_engine.md): the budget counts the cache this many times.
+DECODE_COPIES = 2
+
+
 def device_memory(device) -> int:
     """Bytes a device may hold: its allocator's limit (GPU, TPU), or the host's physical memory
     shared by its local devices (CPU, which reports none)."""
@@ -101,21 +107,21 @@ def per_device_bytes(shape: CacheShape, slots: int, capacity: int, dtype, mesh=N
 def check_kv_budget(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None,
                     weight_bytes: int = 0, memory: int | None = None,
                     fraction: float = 0.9) -> int:
-    """Raise before allocating when one device's share of the cache plus `weight_bytes` (the
-    engine's weights on a device) exceeds `fraction` of its `memory` (default: the first
-    device's, `device_memory`). Returns the cache's bytes per device."""
+    """Raise before allocating when one device's share of the cache, twice (`DECODE_COPIES`),
+    plus `weight_bytes` (the engine's weights on a device) exceeds `fraction` of its `memory`
+    (default: the first device's, `device_memory`). Returns the cache's bytes per device."""
     cache = per_device_bytes(shape, slots, capacity, dtype, mesh)
     device = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0])
     memory = device_memory(device) if memory is None else memory
     allowed = int(fraction * memory)
-    if cache + weight_bytes > allowed:
+    if DECODE_COPIES * cache + weight_bytes > allowed:
         per_slot = cache // max(1, slots)
-        fit = max(0, (allowed - weight_bytes) // max(1, per_slot))
+        fit = max(0, (allowed - weight_bytes) // max(1, DECODE_COPIES * per_slot))
         raise ValueError(
             f"the JAX engine's KV cache does not fit: {slots} slots x {capacity} tokens x "
             f"{shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} x 2 (keys, "
             f"values) x {np.dtype(dtype).itemsize} bytes = {cache / 2**30:.2f} GiB per device, "
-            f"plus {weight_bytes / 2**30:.2f} GiB of weights, over {fraction:g} of the device's "
-            f"{memory / 2**30:.2f} GiB; lower engine.slots (at most {fit} fit) or "
-            f"rollout.max_context_tokens, or shard over more devices")
+            f"x {DECODE_COPIES} while decoding, plus {weight_bytes / 2**30:.2f} GiB of weights, "
+            f"over {fraction:g} of the device's {memory / 2**30:.2f} GiB; lower engine.slots "
+            f"(at most {fit} fit) or rollout.max_context_tokens, or shard over more devices")
     return cache
