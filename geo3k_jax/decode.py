@@ -6,11 +6,11 @@ M-RoPE and DeepStack) with plain causal attention over one sequence per row. It 
 engine's model: a first-turn prefill (empty cache, images), a later turn's feedback (the cache
 of the earlier turns) and a decode step (one token) are the same call with different shapes.
 
-    cache        tuple over layers of (keys (B, Hkv, D, L), values (B, Hkv, L, D)); row b
-                 holds its sequence's first `lengths[b]` tokens at slots 0.. and garbage after
-                 them. Keys are stored transposed so that both products of a decode step are
-                 plain matrix products over the slots (stored (B, L, Hkv, D), XLA moved the
-                 slot axis at every step).
+    cache        tuple over layers of (keys, values), each (B, L, Hkv, D); row b holds its
+                 sequence's first `lengths[b]` tokens at slots 0.. and garbage after them.
+                 (B, L, Hkv, D) is the layout the TPU compiler keeps in the decode loop: keys
+                 stored (B, Hkv, D, L) made it copy every layer's cache in and out of the loop,
+                 a second cache's worth of memory (docs/tpu_engine.md).
 
 Logits are the head's products accumulated in fp32, as `geo3k_jax.model.token_logprobs` does.
 """
@@ -26,18 +26,18 @@ from geo3k_jax.model import QwenVL
 
 def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
                      scale: float) -> jax.Array:
-    """`geo3k_jax.layers.attention` over a cache, batched. q: (B, T, H, D); keys (B, Hkv, D, L)
-    and values (B, Hkv, L, D) as the cache holds them (H a multiple of Hkv: head i reads kv
-    head i // (H / Hkv)); mask: (B, T, L) bool, True = attend. Scores and softmax in (at least)
+    """`geo3k_jax.layers.attention` over a cache, batched. q: (B, T, H, D); keys and values
+    (B, L, Hkv, D) as the cache holds them (H a multiple of Hkv: head i reads kv head
+    i // (H / Hkv)); mask: (B, T, L) bool, True = attend. Scores and softmax in (at least)
     fp32. Returns (B, T, H * D)."""
     b, t, h, d = q.shape
-    g = keys.shape[1]
+    g = keys.shape[2]
     qg = q.reshape(b, t, g, h // g, d).transpose(0, 2, 1, 3, 4)  # (B, Hkv, T, H / Hkv, D)
     wide = wide_dtype(q.dtype)
-    scores = jnp.einsum("bgtrd,bgds->bgtrs", qg, keys, preferred_element_type=wide) * scale
+    scores = jnp.einsum("bgtrd,bsgd->bgtrs", qg, keys, preferred_element_type=wide) * scale
     scores = jnp.where(mask[:, None, :, None, :], scores, jnp.finfo(wide).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bgtrs,bgsd->bgtrd", probs, values)
+    out = jnp.einsum("bgtrs,bsgd->bgtrd", probs, values)
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, h * d)
 
 
@@ -77,20 +77,17 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict,
         x = scatter_rows(x, index, image_embeds.astype(x.dtype), "set")
     cos, sin = lm.rope(batch["positions"])  # (B, T, D)
     slots = lengths[:, None] + jnp.arange(t)[None, :]  # (B, T) where each new token goes
-    bound = cache[0][1].shape[2] if bound is None else bound
+    bound = cache[0][1].shape[1] if bound is None else bound
     mask = jnp.arange(bound)[None, None, :] <= slots[:, :, None]  # (B, T, bound)
-    # row b's new (T, Hkv, D) keys into (Hkv, D, L) at its slots, values into (Hkv, L, D)
-    write_k = jax.vmap(lambda c, at, new: c.at[:, :, at].set(
-        new.transpose(1, 2, 0).astype(c.dtype), mode="drop"))
-    write_v = jax.vmap(lambda c, at, new: c.at[:, at].set(
-        new.transpose(1, 0, 2).astype(c.dtype), mode="drop"))
+    # row b's new (T, Hkv, D) keys and values into its (L, Hkv, D) cache at its slots
+    write = jax.vmap(lambda c, at, new: c.at[at].set(new.astype(c.dtype), mode="drop"))
     new_cache = []
     for i, (layer, (ck, cv)) in enumerate(zip(lm.layers, cache)):
         attn = layer.self_attn
         q, k, v = jax.vmap(lambda h, c, s, a=attn: _qkv(a, h, c, s))(
             layer.input_layernorm(x), cos, sin)
-        ck, cv = write_k(ck, slots, k), write_v(cv, slots, v)
-        out = cached_attention(q, ck[..., :bound], cv[:, :, :bound], mask,
+        ck, cv = write(ck, slots, k), write(cv, slots, v)
+        out = cached_attention(q, ck[:, :bound], cv[:, :bound], mask,
                                attn.head_dim ** -0.5)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -519,7 +519,7 @@ class JaxEngine:
         model = self._model(params)
         source, lengths, batch = self._by_slot((source, lengths, batch))
         at = jnp.maximum(source, 0)
-        rows = tuple((k[..., :bound][at], v[:, :, :bound][at]) for k, v in cache)
+        rows = tuple((k[:, :bound][at], v[:, :bound][at]) for k, v in cache)
         logits, rows = extend(model, rows, lengths, batch)
         keys = row_keys(key, seeds, jnp.zeros_like(seeds))
         tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned, nucleus)
@@ -529,9 +529,9 @@ class JaxEngine:
         """Slot dest[b] (past the slots: dropped) takes work row index[b]'s first `bound`
         positions; the rest of the cache is unchanged."""
         self.compiles += 1  # runs while tracing only
-        bound = rows[0][1].shape[2]
-        return tuple((k.at[dest, :, :, :bound].set(rk[index], mode="drop"),
-                      v.at[dest, :, :bound].set(rv[index], mode="drop"))
+        bound = rows[0][1].shape[1]
+        return tuple((k.at[dest, :bound].set(rk[index], mode="drop"),
+                      v.at[dest, :bound].set(rv[index], mode="drop"))
                      for (k, v), (rk, rv) in zip(cache, rows))
 
     def _decode_fn(self, params, cache, st, key, bound, nucleus):

@@ -86,7 +86,7 @@ def compile_engine(config, devices, slots, context, rows, new_tokens, patches) -
                              vec(requests, np.int32), sampling, vec(requests, np.uint32),
                              vec(2, np.uint32)), rep)
     bound = min(engine.capacity, new_tokens)
-    work = jax.eval_shape(lambda c: tuple((k[:rows, ..., :bound], v[:rows, :, :bound])
+    work = jax.eval_shape(lambda c: tuple((k[:rows, :bound], v[:rows, :bound])
                                           for k, v in c), cache)
     work = abstract(work, rep)
     state = {k: vec(slots, dt) for k, dt in (

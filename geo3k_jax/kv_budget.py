@@ -4,9 +4,9 @@
     check_kv_budget(shape, slots, capacity, dtype, mesh, weight_bytes)  # raises if it won't fit
     cache = allocate(shape, slots, capacity, dtype, mesh)        # tuple over layers of (k, v)
 
-A layer's keys are (slots, Hkv, D, L) and values (slots, Hkv, L, D) (`geo3k_jax.decode`). Both
-are split by slot over the mesh's data-parallel axes (`geo3k_jax.sharding.BATCH_AXES`: each
-device decodes its own slots) and by KV head over the tensor axis when it divides them (the
+A layer's keys and values are each (slots, L, Hkv, D) (`geo3k_jax.decode`), split by slot over
+the mesh's data-parallel axes (`geo3k_jax.sharding.BATCH_AXES`: each device decodes its own
+slots) and by KV head over the tensor axis when it divides them (the
 attention of a KV head group stays on one device; otherwise they are replicated over it).
 """
 
@@ -49,13 +49,14 @@ def _size(mesh, axes) -> int:
 
 
 def cache_specs(mesh, shape: CacheShape, slots: int) -> P:
-    """The PartitionSpec of a layer's keys and of its values (the same: slot, KV head first)."""
+    """The PartitionSpec of a layer's keys and of its values (the same, (S, L, Hkv, D): slots
+    over the data axes, KV heads over tensor)."""
     data = _size(mesh, BATCH_AXES)
     if slots % data:
         raise ValueError(f"engine.slots={slots} must be a multiple of the mesh's data-parallel "
                          f"size {data} ({', '.join(BATCH_AXES)}): each device holds its slots")
     heads = "tensor" if shape.kv_heads % _size(mesh, ("tensor",)) == 0 else None
-    return P(tuple(a for a in BATCH_AXES if a in mesh.shape), heads)
+    return P(tuple(a for a in BATCH_AXES if a in mesh.shape), None, heads)
 
 
 def cache_shardings(mesh, shape: CacheShape, slots: int) -> tuple:
@@ -67,21 +68,14 @@ def cache_shardings(mesh, shape: CacheShape, slots: int) -> tuple:
 
 
 def allocate(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None) -> tuple:
-    """A zero cache: tuple over layers of (keys (S, Hkv, D, L), values (S, Hkv, L, D)), each
-    device allocating only its own share."""
-    kv = (slots, shape.kv_heads)
+    """A zero cache: tuple over layers of (keys, values), each (S, L, Hkv, D), each device
+    allocating only its own share."""
+    dims = (slots, capacity, shape.kv_heads, shape.head_dim)
 
     def zeros():
-        return tuple((jnp.zeros(kv + (shape.head_dim, capacity), dtype),
-                      jnp.zeros(kv + (capacity, shape.head_dim), dtype))
+        return tuple((jnp.zeros(dims, dtype), jnp.zeros(dims, dtype))
                      for _ in range(shape.layers))
     return jax.jit(zeros, out_shardings=cache_shardings(mesh, shape, slots))()
-
-
-# The decode program holds a second cache-sized buffer beside the donated cache (the TPU
-# compiler's memory analysis of the decode for v5p-8: temporaries 28.24 GiB beside a 28 GiB
-# cache, docs/tpu_engine.md): the budget counts the cache this many times.
-DECODE_COPIES = 2
 
 
 def device_memory(device) -> int:
@@ -107,21 +101,21 @@ def per_device_bytes(shape: CacheShape, slots: int, capacity: int, dtype, mesh=N
 def check_kv_budget(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None,
                     weight_bytes: int = 0, memory: int | None = None,
                     fraction: float = 0.9) -> int:
-    """Raise before allocating when one device's share of the cache, twice (`DECODE_COPIES`),
-    plus `weight_bytes` (the engine's weights on a device) exceeds `fraction` of its `memory`
-    (default: the first device's, `device_memory`). Returns the cache's bytes per device."""
+    """Raise before allocating when one device's share of the cache plus `weight_bytes` (the
+    engine's weights on a device) exceeds `fraction` of its `memory` (default: the first
+    device's, `device_memory`). Returns the cache's bytes per device."""
     cache = per_device_bytes(shape, slots, capacity, dtype, mesh)
     device = (mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0])
     memory = device_memory(device) if memory is None else memory
     allowed = int(fraction * memory)
-    if DECODE_COPIES * cache + weight_bytes > allowed:
+    if cache + weight_bytes > allowed:
         per_slot = cache // max(1, slots)
-        fit = max(0, (allowed - weight_bytes) // max(1, DECODE_COPIES * per_slot))
+        fit = max(0, (allowed - weight_bytes) // max(1, per_slot))
         raise ValueError(
             f"the JAX engine's KV cache does not fit: {slots} slots x {capacity} tokens x "
             f"{shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim} x 2 (keys, "
             f"values) x {np.dtype(dtype).itemsize} bytes = {cache / 2**30:.2f} GiB per device, "
-            f"x {DECODE_COPIES} while decoding, plus {weight_bytes / 2**30:.2f} GiB of weights, "
-            f"over {fraction:g} of the device's {memory / 2**30:.2f} GiB; lower engine.slots "
-            f"(at most {fit} fit) or rollout.max_context_tokens, or shard over more devices")
+            f"plus {weight_bytes / 2**30:.2f} GiB of weights, over {fraction:g} of the device's "
+            f"{memory / 2**30:.2f} GiB; lower engine.slots (at most {fit} fit) or "
+            f"rollout.max_context_tokens, or shard over more devices")
     return cache

@@ -443,16 +443,14 @@ def test_decode_reads_only_the_bound(tiny):
 @one_arch("qwen2_5_vl")
 def test_budget_check_refuses_a_cache_that_does_not_fit(tiny):
     """The budget is the cache's bytes per device, slots split over the data axes and KV heads
-    over tensor, twice (the decode's working copy), plus the weights: a config over it stops
-    before allocating, naming the numbers and the setting; Qwen3-VL-2B's (28 layers, 8 KV heads
-    of 128) at 256 slots x 4096 tokens in bf16 is 112 GiB, 28 GiB on each of a v5p-8's 4 chips
-    (2 x 28 + 4 of 0.9 x 95 GiB: fits), 112 GiB on one (does not: (85.5 - 4) / (2 x 0.4375)
-    = 93 slots would)."""
+    over tensor: a config over it stops before allocating, naming the numbers and the setting;
+    Qwen3-VL-2B's (28 layers, 8 KV heads of 128) at 256 slots x 4096 tokens in bf16 is
+    112 GiB, 28 GiB on each of a v5p-8's 4 chips (95 GiB: fits), 112 GiB on one (does not)."""
     from geo3k_jax.kv_budget import CacheShape, check_kv_budget
     qwen2b = CacheShape(layers=28, kv_heads=8, head_dim=128)
     assert qwen2b.bytes(256, 4096, jax.numpy.bfloat16) == 112 * 2**30
     with pytest.raises(ValueError, match=r"256 slots x 4096 tokens x 28 layers x 8 KV heads.*"
-                                         r"112.00 GiB per device, x 2 while decoding.*engine.slots \(at most 93"):
+                                         r"112.00 GiB per device.*engine.slots \(at most 186"):
         check_kv_budget(qwen2b, 256, 4096, jax.numpy.bfloat16, memory=95 * 2**30,
                         weight_bytes=4 * 2**30)
     class FourChips:  # a (data=1, fsdp=4, tensor=1) mesh as the budget sees it
@@ -533,6 +531,6 @@ def test_engine_sharded_on_8_devices_samples_what_one_device_does():
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["same_tokens"] and res["tokens"] > 40 and res["logprob_gap"] <= 1e-5
     assert res["cache_devices"] == 8 and res["evictions"] > 0
-    d, length = res["cache_shape"][2:]
-    assert res["cache_shape"][:2] == [4, 2] and res["shard_shape"] == [1, 1, d, length]
+    slots, length, heads, d = res["cache_shape"]  # (S, L, Hkv, D)
+    assert (slots, heads) == (4, 2) and res["shard_shape"] == [1, length, 1, d]
     assert res["q_proj_shard"] == [2, 32, 64]  # 2 layers, (4 heads x 16) / tensor 2, hidden 64
