@@ -1,0 +1,31 @@
+"""One JAX process of a 2-process CPU training run (gloo) through the shared loop, for
+tests/test_jax_train.py: each process reads its share of the data, samples with its own JAX
+engine on its own device and trains on an fsdp=2 mesh; process 0 writes the run log.
+
+    python -m tests.jax_loop_worker PROCESS_ID PORT OUT_DIR
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+
+
+def main(pid: int, port: int, out: str) -> None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid)
+    from common import train as loop
+    from geo3k_jax.train import build
+    from tests.test_jax_train import jax_config
+
+    cfg = jax_config(Path(out) / "shared", 3)
+    cfg.jax.mesh = {"data": 1, "fsdp": 2, "tensor": 1}
+    cfg.engine.slots = 8
+    cfg.eval.max_prompts = 3  # uneven: rows 0 and 2 on process 0, row 1 on process 1
+    workdir = str(Path(out) / "run")
+    loop.train(cfg, workdir, build(cfg, workdir))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
