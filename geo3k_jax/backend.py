@@ -68,12 +68,11 @@ class JaxBackend:
         """learner: a `geo3k_jax.learner.Learner`; config: the transformers config of its
         model; slots, context, memory_fraction: `JaxEngine`'s (per process)."""
         dtype = learner.compute_dtype
-        mesh = learner.mesh
+        mesh, self._host = learner.mesh, None  # _host: this process's own mesh, if several
         if learner.comm.world > 1:
             if mesh is None:
                 raise ValueError("a JAX engine on several processes needs the learner's mesh")
-            mesh = host_mesh(mesh)
-        self._mesh = mesh if learner.comm.world > 1 else None
+            mesh = self._host = host_mesh(mesh)
         shardings = engine_shardings(getattr(learner, "param_sh", None))
         self._copy = jax.jit(lambda p: jax.tree.map(
             lambda a: a if dtype is None else a.astype(dtype), p), out_shardings=shardings)
@@ -84,7 +83,7 @@ class JaxBackend:
 
     def _placed(self, learner) -> dict:
         copy = self._copy(learner.params)
-        return copy if self._mesh is None else on_host(copy, self._mesh)
+        return copy if self._host is None else on_host(copy, self._host)
 
     def sync(self, learner, step: int) -> None:
         # a copy in device memory: the learner's next step donates its own buffers, and
