@@ -53,7 +53,7 @@ def _qkv(attn, x, cos, sin):
 
 
 def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict,
-           bound: int | None = None):
+           bound: int | None = None, attend=None):
     """Run each row's new tokens over its cache.
 
     cache: (B, L) rows (module docstring) holding lengths (B,) tokens each; batch: input_ids
@@ -63,7 +63,10 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict,
     Row b's token i is written at slot lengths[b] + i (slots past L are dropped: padding) and
     attends to slots <= lengths[b] + i; attention reads only the first `bound` slots (None: all
     L), so its cost follows the live tokens (every row's lengths + count <= bound), not the
-    cache's capacity. Returns (logits (B, V) fp32 of each row's last real
+    cache's capacity. attend: a decode step's attention instead (one new token a row),
+    attend(q (B, H, D), keys, values, at (B,) the new token's position, scale) -> (B, H * D)
+    over the whole cache (`geo3k_jax.ragged.paged_attention`: each row's own pages).
+    Returns (logits (B, V) fp32 of each row's last real
     new token, the cache, rows holding lengths + count tokens)."""
     lm = model.model.language_model
     ids, count = batch["input_ids"], batch["count"]
@@ -87,8 +90,11 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict,
         q, k, v = jax.vmap(lambda h, c, s, a=attn: _qkv(a, h, c, s))(
             layer.input_layernorm(x), cos, sin)
         ck, cv = write(ck, slots, k), write(cv, slots, v)
-        out = cached_attention(q, ck[:, :bound], cv[:, :bound], mask,
-                               attn.head_dim ** -0.5)
+        if attend is None:
+            out = cached_attention(q, ck[:, :bound], cv[:, :bound], mask,
+                                   attn.head_dim ** -0.5)
+        else:
+            out = attend(q[:, 0], ck, cv, slots[:, 0], attn.head_dim ** -0.5)[:, None]
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i < len(deepstack):

@@ -32,8 +32,9 @@ session, length, occurrence)), token index): its tokens do not depend on which s
 schedule or device layout served it. `clear_cache` (after every weight update) forgets the parked
 slots; given the new weights' version (the learner's step), it starts counting occurrences
 afresh. `rng_state` holds the key, the version and the counts, so a resumed run that syncs the
-weights it saved with samples what the uninterrupted run sampled after them. Decode reads only the first `bound` cache slots, the longest live row's length
-bucketed (`LENGTH_UNIT`), so a step costs the live tokens, not the capacity.
+weights it saved with samples what the uninterrupted run sampled after them. A decode step
+reads only the cache pages its live slots hold (`geo3k_jax.ragged`): its cost follows each
+slot's own length, not the longest row's nor the capacity.
 
 Three compiled functions take the parameters as an argument (new weights never recompile):
 the prefill (new tokens of the admitted requests' work rows, bucketed, and their first token),
@@ -65,6 +66,7 @@ from geo3k_jax.buckets import PATCH_UNITS, bucket
 from geo3k_jax.decode import extend
 from geo3k_jax.kv_budget import (CacheShape, allocate, cache_shardings, cache_specs,
                                  check_kv_budget)
+from geo3k_jax.ragged import page_table, paged_attention
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.vision_grid import vision_aux
 
@@ -228,7 +230,9 @@ class JaxEngine:
         self._insert = jax.jit(self._insert_fn, donate_argnums=0,
                                out_shardings=self._shardings)
         self._decode = jax.jit(self._decode_fn, donate_argnums=1,
-                               static_argnames=("bound", "nucleus"))
+                               static_argnames=("nucleus",))
+        spec = cache_specs(self.mesh, self.shape, slots)
+        self._data_shards = math.prod(self.mesh.shape[a] for a in spec[0])
         self._cache = None  # allocated at the first request
         self._slots = [_Slot() for _ in range(slots)]
         self._state = self._empty_state()
@@ -484,15 +488,16 @@ class JaxEngine:
 
     # ---- decoding ----------------------------------------------------------------------
     def _decode_chunk(self) -> None:
-        """Decode every live slot until one finishes (or `DECODE_CHUNK` steps, or the bound)."""
+        """Decode every live slot until one finishes (or `DECODE_CHUNK` steps), reading each
+        slot's own pages of the cache (`geo3k_jax.ragged`)."""
         st = self._state
-        live_len = int(st["length"][st["live"]].max())
-        bound = min(self.capacity, bucket(live_len + DECODE_CHUNK, LENGTH_UNIT))
+        table = page_table(st["length"], st["live"], DECODE_CHUNK, self.capacity,
+                           self._data_shards)
         nucleus = bool((st["top_p"][st["live"]] < 1).any())
         arrays = {k: st[k] for k in ("tok", "pos", "length", "live", "count", "budget", "stops",
                                      "temperature", "top_p", "seed")}
         tokens, logps, steps, self._cache = self._decode(
-            self.params(), self._cache, arrays, self.key, bound=bound, nucleus=nucleus)
+            self.params(), self._cache, arrays, table, self.key, nucleus=nucleus)
         tokens, logps, steps = np.asarray(tokens), np.asarray(logps), int(steps)
         self.decode_steps += steps
         for s in np.flatnonzero(st["live"]):
@@ -534,30 +539,32 @@ class JaxEngine:
                       v.at[dest, :bound].set(rv[index], mode="drop"))
                      for (k, v), (rk, rv) in zip(cache, rows))
 
-    def _decode_fn(self, params, cache, st, key, bound, nucleus):
+    def _decode_fn(self, params, cache, st, table, key, nucleus):
         """Decode the live slots one token a step until a row finishes (a stop token among its
-        `stops`, -1 padded, or its `budget`), DECODE_CHUNK steps, or a live row's next token
-        would fall past `bound`. Slot s feeds `tok` at M-RoPE position `pos`, cache position
-        `length`; rows not live write nothing. Returns (tokens, log-probs (S, DECODE_CHUNK),
-        steps run, the cache)."""
+        `stops`, -1 padded, or its `budget`), DECODE_CHUNK steps, or a live row is full. Slot s
+        feeds `tok` at M-RoPE position `pos`, cache position `length`; rows not live write
+        nothing; attention reads `table`'s pages ((shards, N), `geo3k_jax.ragged.page_table`,
+        covering DECODE_CHUNK more tokens a live slot). Returns (tokens, log-probs
+        (S, DECODE_CHUNK), steps run, the cache)."""
         self.compiles += 1  # runs while tracing only
         model = self._model(params)
         st = self._by_slot(st)  # each device decodes its own slots
         n = st["tok"].shape[0]
         ones = jnp.ones(n, jnp.int32)
         sampling = (st["temperature"], st["top_p"])
+        attend = self._paged(table)
 
         def go(s):
             i, _, _, pos, length, live, _, finished, _, _ = s
             return ((i < DECODE_CHUNK) & live.any() & ~finished.any()
-                    & jnp.all(~live | (length < bound)))
+                    & jnp.all(~live | (length < self.capacity)))
 
         def body(s):
             i, cache, tok, pos, length, live, count, finished, toks, lps = s
             batch = {"input_ids": tok[:, None], "count": ones,
                      "positions": jnp.broadcast_to(pos[:, None, None], (n, 3, 1))}
             at = jnp.where(live, length, self.capacity)  # past the cache: dropped
-            logits, cache = extend(model, cache, at, batch, bound=bound)
+            logits, cache = extend(model, cache, at, batch, attend=attend)
             new, lp = sample_rows(logits, *sampling, row_keys(key, st["seed"], count),
                                   self.banned, nucleus)
             step = live.astype(jnp.int32)
@@ -573,14 +580,26 @@ class JaxEngine:
         i, cache, *_, toks, lps = jax.lax.while_loop(go, body, state)
         return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
 
+    def _paged(self, table):
+        """`geo3k_jax.ragged.paged_attention` over `table`'s pages, each device over its own
+        slots and KV heads (the cache's layout, `cache_specs`) with its own row of the table."""
+        spec = cache_specs(self.mesh, self.shape, self.n_slots)
+        by_head, by_slot = P(spec[0], spec[2]), P(spec[0])  # (S, H, D) queries; (S,)
+
+        def attend(q, keys, values, at, scale):
+            return jax.shard_map(
+                lambda q, k, v, t, a: paged_attention(q, k, v, t[0], a, scale),
+                mesh=self.mesh, in_specs=(by_head, spec, spec, by_slot, by_slot),
+                out_specs=by_head)(q, keys, values, table, at)
+        return attend
+
     def _by_slot(self, tree):
         """Arrays of rows (slots, or a prefill's work rows) split over the mesh's data axes like
         the cache, where their count allows."""
         spec = cache_specs(self.mesh, self.shape, self.n_slots)[0]
-        split = math.prod(self.mesh.shape[a] for a in spec)
 
         def place(a):
-            if a.ndim == 0 or a.shape[0] % split:
+            if a.ndim == 0 or a.shape[0] % self._data_shards:
                 return a
             return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(spec)))
         return jax.tree.map(place, tree)

@@ -7,7 +7,7 @@ The TPU compiler (libtpu) builds the engine's three programs for the chips of `-
 with the parameters built abstractly (bf16, the engine's layout: `geo3k_jax.backend`) from a
 published model config (`configs/models`), the cache sharded as the engine shards it
 (`geo3k_jax.kv_budget`), and the shapes of the recipe's rollout: `--slots` decode slots of
-`--context` tokens (decode at the full context: its costliest bound), a prefill of `--rows`
+`--context` tokens (decode reading every page of every slot: its costliest page table), a prefill of `--rows`
 work rows of `--new-tokens` tokens with one image of `--patches` patches each, inserted into
 `--rows` x 8 slots (a group's 8 episodes share a prompt row). Prints one JSON line per program:
 per-device bytes of arguments, outputs, temporaries, the cache's share, against the chip's HBM.
@@ -39,6 +39,8 @@ _CONTEXT = flags.DEFINE_integer("context", 8192, "Tokens a slot holds.")
 _ROWS = flags.DEFINE_integer("rows", 32, "Prefill work rows.")
 _NEW = flags.DEFINE_integer("new_tokens", 512, "Prefill new tokens per row.")
 _PATCHES = flags.DEFINE_integer("patches", 1024, "Image patches per row.")
+_PROGRAMS = flags.DEFINE_list("programs", ["prefill", "insert", "decode"],
+                              "Which programs to compile (the prefill takes the longest).")
 
 GiB = 2 ** 30
 HBM = {"TPU v5": 95.74 * GiB}  # v5p: what the compiler lets a program use
@@ -50,13 +52,16 @@ def abstract(tree, sharding):
                         tree)
 
 
-def compile_engine(config, devices, slots, context, rows, new_tokens, patches) -> list[dict]:
-    """The engine's three programs compiled for `devices`; one report per program."""
+def compile_engine(config, devices, slots, context, rows, new_tokens, patches,
+                   names=("prefill", "insert", "decode")) -> list[dict]:
+    """The engine's programs `names` (of prefill, insert, decode) compiled for `devices`; one
+    report per program."""
     from configs.base import JAX_RULES
     from geo3k_jax.backend import engine_shardings
     from geo3k_jax.batch import pad_patches
     from geo3k_jax.engine import DECODE_CHUNK, MAX_STOPS, JaxEngine
     from geo3k_jax.model import QwenVL, split_params
+    from geo3k_jax.ragged import PAGE
     from geo3k_jax.sharding import make_mesh, param_shardings
 
     mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
@@ -94,18 +99,26 @@ def compile_engine(config, devices, slots, context, rows, new_tokens, patches) -
         ("count", np.int32), ("budget", np.int32), ("temperature", np.float32),
         ("top_p", np.float32), ("seed", np.uint32))}
     state["stops"] = np.zeros((slots, MAX_STOPS), np.int32)
+    shards = engine._data_shards
+    full_table = np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32)
     programs = {
         "prefill": lambda: engine._prefill.lower(params, cache, *prefill_args, bound=bound,
                                                  nucleus=False),
         "insert": lambda: engine._insert.lower(cache, work, *abstract(
             (vec(requests, np.int32), vec(requests, np.int32)), rep)),
         "decode": lambda: engine._decode.lower(params, cache, abstract(state, rep),
+                                               abstract(full_table, rep),
                                                abstract(vec(2, np.uint32), rep),
-                                               bound=engine.capacity, nucleus=False)}
+                                               nucleus=False)}
     cache_bytes = engine.cache_bytes
     weight_bytes = sum(np.prod(p.sharding.shard_shape(p.shape)) * 2 for p in params.values())
     out = []
-    for name, lower in programs.items():
+    unknown = set(names) - set(programs)
+    if unknown:
+        raise ValueError(f"no engine program {sorted(unknown)}: the programs are "
+                         f"{', '.join(programs)}")
+    for name in names:
+        lower = programs[name]
         t0 = time.perf_counter()
         try:
             mem = lower().compile().memory_analysis()
@@ -144,7 +157,7 @@ def main(_):
     with tempfile.TemporaryDirectory() as d:
         config = AutoConfig.from_pretrained(str(write_config_dir(_SHAPES.value, d)))
     for report in compile_engine(config, devices, _SLOTS.value, _CONTEXT.value, _ROWS.value,
-                                 _NEW.value, _PATCHES.value):
+                                 _NEW.value, _PATCHES.value, _PROGRAMS.value):
         print(json.dumps(report), flush=True)
 
 

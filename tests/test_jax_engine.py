@@ -413,7 +413,8 @@ def test_decode_reads_only_the_bound(tiny):
     """`extend` with attention over the first `bound` slots of a larger cache equals it over the
     whole cache (garbage past every row's length: read, it would move the logits by far more
     than 1e-5), logits and cache; the engine's capacity
-    does not change what it samples (its decode reads the live bound, not the capacity)."""
+    does not change what it samples (its decode reads each slot's own pages, not the
+    capacity)."""
     from geo3k_jax.decode import extend
     from geo3k_jax.kv_budget import CacheShape, allocate
     model = tiny.merge(tiny.params)
