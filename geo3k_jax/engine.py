@@ -21,8 +21,14 @@ KV head over its tensor axis, `cache_specs`). A request is admitted to a non-dec
 session's own parked slot when that holds a prefix of it with no image token after it (only the
 new tokens are prefilled), else a parked slot holding at least half of it (the same prompt: an
 evaluation's sampled episodes after its greedy ones), else an empty slot, else the least recently
-used parked one (that session's next turn is prefilled whole again: evicted). Requests with the
-same tokens and images admitted together (a GRPO group's first turn) share one prefill row.
+used parked one (that session's next turn is prefilled whole again: evicted). A request that
+came by `submit` (per-episode scheduling: the episode's next turn follows its answer within
+milliseconds) has its slot held `RESERVE_STEPS` decode steps after it while other slots decode,
+and the next turn goes on in it ahead of new sessions waiting: prefilling it whole again costs
+far more than a slot idle for a chunk. `generate`'s requests (lock-step: no next turn before
+the whole list is back) hold nothing.
+Requests with the same tokens and images admitted together (a GRPO group's first turn) share
+one prefill row.
 `submit` queues a request and returns a future (`rollout.schedule=episode`: each episode sends its
 next turn as soon as its own is back); `generate` submits a list and waits (lock-step). A driver
 thread runs the loop while there is work.
@@ -75,6 +81,7 @@ NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a tu
 NEW_TOKENS_RUNGS = 4  # 4 lengths an octave (`bucket`): a 410-token prompt runs 448, not 512
 DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in it
 DECODE_CHUNK = 32  # decode steps per device call at most (fewer when a row finishes)
+RESERVE_STEPS = DECODE_CHUNK  # decode steps a parked session's slot waits for its next turn
 MAX_STOPS = 32  # stop tokens a request may have
 
 
@@ -162,6 +169,7 @@ class _Job:
     future: concurrent.futures.Future
     seed: int
     first_pos: int = 0  # the M-RoPE position of its first generated token
+    hold: bool = False  # submitted alone: its session's next turn may follow at once
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
 
@@ -176,6 +184,7 @@ class _Slot:
     images: tuple = ()
     session: str = ""
     used: int = 0  # when it last finished a request (least recently used is evicted first)
+    held_until: int = 0  # the engine's decode steps until which it waits for a next turn
     epoch: int = 0  # the `clear_cache` epoch its keys were computed in
     job: _Job | None = None  # the request decoding in it
 
@@ -224,6 +233,7 @@ class JaxEngine:
         self.compiles = 0  # traces of the prefill, insert and decode functions
         self.decode_steps = 0  # decode steps run, summed over calls
         self.prefilled = 0  # tokens prefilled (real ones, not padding)
+        self.prefill_steps = 0  # a prefill call's longest row's new tokens, summed over calls
         self.evictions = 0  # parked sessions whose slot another request took
         self._shardings = cache_shardings(self.mesh, self.shape, slots)
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("bound", "nucleus"))
@@ -256,18 +266,20 @@ class JaxEngine:
 
     # ---- the protocol ------------------------------------------------------------------
     def submit(self, request: Request) -> concurrent.futures.Future:
-        """A future of the request's `Completion`; the driver thread serves it."""
-        return self._submit([request])[0]
+        """A future of the request's `Completion`; the driver thread serves it. Its slot is
+        then held for the session's next turn (`RESERVE_STEPS`)."""
+        return self._submit([request], hold=True)[0]
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """All requests queued at once (admitted in order, as slots allow), then awaited."""
         return [f.result() for f in self._submit(list(requests))]
 
-    def _submit(self, requests: list[Request]) -> list[concurrent.futures.Future]:
+    def _submit(self, requests: list[Request],
+                hold: bool = False) -> list[concurrent.futures.Future]:
         jobs = []
         for r in requests:
             future, s = concurrent.futures.Future(), r.sampling
-            jobs.append(_Job(r, future, 0))
+            jobs.append(_Job(r, future, 0, hold=hold))
             if len(r.input_ids) + s.max_new_tokens > self.capacity:
                 future.set_exception(FatalEngineError(
                     f"a request of {len(r.input_ids)} tokens + max_new_tokens="
@@ -384,23 +396,34 @@ class JaxEngine:
         empty = [i for i in free if not self._slots[i].ids]
         if empty:
             return empty[0], 0
-        return min(free, key=lambda i: self._slots[i].used), 0
+        # another session's parked slot: held for its next turn while others decode
+        idle = not self._state["live"].any()
+        ready = [i for i in free if idle or self.decode_steps >= self._slots[i].held_until]
+        if not ready:
+            return None
+        return min(ready, key=lambda i: self._slots[i].used), 0
 
     def _admit(self) -> None:
-        """Move waiting requests into slots (FIFO, while non-decoding slots are left), prefill
-        them and insert their rows."""
-        admitted, taken = [], set()
+        """Move waiting requests into slots, prefill them and insert their rows: in order
+        while slots are left, and after that any request whose session's parked slot is free
+        (a next turn goes on in its own slot ahead of new sessions)."""
+        admitted, taken, kept, blocked = [], set(), collections.deque(), False
         with self._lock:
             while self._waiting:
-                job = self._waiting[0]
-                images = tuple(image_key(im) for im in job.request.images)
-                choice = self._pick(job.request, images, taken)
+                job = self._waiting.popleft()
+                r = job.request
+                images = tuple(image_key(im) for im in r.images)
+                own = any(s.job is None and i not in taken and r.session
+                          and s.session == r.session for i, s in enumerate(self._slots))
+                choice = None if blocked and not own else self._pick(r, images, taken)
                 if choice is None:
-                    break
-                self._waiting.popleft()
+                    blocked = True
+                    kept.append(job)
+                    continue
                 taken.add(choice[0])
                 admitted.append((job, images) + choice)
                 self._slots[choice[0]].job = job  # in flight: `_fail` finds it
+            self._waiting = kept
             epoch = self._epoch
         if not admitted:
             return
@@ -446,6 +469,7 @@ class JaxEngine:
         self._cache = self._insert(self._cache, rows, dest, index)
         tok, lp = np.asarray(tok), np.asarray(lp)
         self.prefilled += real
+        self.prefill_steps += int(batch["count"].max())
         st = self._state
         for b, (job, images, s, kept) in enumerate(admitted):
             r, w = job.request, expand[b]
@@ -479,6 +503,7 @@ class JaxEngine:
         with self._lock:
             self._tick += 1
             slot.job, slot.used = None, self._tick
+            slot.held_until = self.decode_steps + RESERVE_STEPS * job.hold
             if slot.epoch == self._epoch and self.keep_cache:
                 slot.ids = tuple(r.input_ids) + tuple(job.tokens[:-1])
                 slot.next_pos = job.first_pos + len(job.tokens) - 1

@@ -44,6 +44,8 @@ from absl import app, flags
 from common.engine import LENGTH, STOP, Completion, Request
 from common.env import EnvConfig
 from common.rollout import RolloutConfig, rollout
+from simulated_mix import (BUDGET, DECODE_MS, FEEDBACK_TOKENS, PREFILL_MS,
+                                   PROMPT_TOKENS, TURNS, draw_turn)
 
 _PROMPTS = flags.DEFINE_integer("prompts", 16, "Prompts per step.")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Episodes per prompt.")
@@ -52,9 +54,7 @@ _SCALE = flags.DEFINE_float("scale", 1.0, "Multiplies every simulated time.")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "Measured rollouts per schedule.")
 _STEPS = flags.DEFINE_integer("steps", 6, "Loop steps per staleness setting.")
 
-PREFILL_MS, DECODE_MS = 0.002, 0.05  # milliseconds per token, at scale 1
-MEDIAN_LEN, SIGMA, P_RIGHT = 400, 0.9, 0.45
-END, PROMPT_TOKENS = 1, 400
+END = 1
 
 
 class TokenRenderer:
@@ -67,7 +67,7 @@ class TokenRenderer:
         return [5] * PROMPT_TOKENS
 
     def observation_ids(self, message, last_token):
-        return [7] * 60  # the feedback turn
+        return [7] * FEEDBACK_TOKENS
 
     def decode(self, ids):
         return self.script.get(tuple(ids), "")
@@ -97,9 +97,7 @@ class SimulatedServer:
         """(new token ids, seconds) of a request, fixed by its session and length."""
         rng = np.random.default_rng([self.seed, zlib.crc32(req.session.encode()),
                                      len(req.input_ids)])
-        n = int(min(max(8, rng.lognormal(np.log(MEDIAN_LEN), SIGMA)),
-                    req.sampling.max_new_tokens - 1))
-        right = rng.random() < P_RIGHT
+        n, right = draw_turn(rng, req.sampling.max_new_tokens - 1)
         ids = [100 + int(right)] + [9] * (n - 1) + [END]
         self.renderer.script[tuple(ids[:-1])] = ('<tool_call>{"name": "calc_score", '
                                                  '"arguments": {"answer": "%s"}}</tool_call>'
@@ -131,11 +129,11 @@ def measure(schedule: str, seed: int) -> dict[str, float]:
     renderer = TokenRenderer()
     renderer.script = {}
     server = SimulatedServer(renderer, _CONCURRENCY.value, _SCALE.value, seed)
-    cfg = RolloutConfig(n_samples=_SAMPLES.value, max_response_tokens=4096,
+    cfg = RolloutConfig(n_samples=_SAMPLES.value, max_response_tokens=BUDGET,
                         max_context_tokens=8192, schedule=schedule)
     prompts = [Prompt(f"p{i}") for i in range(_PROMPTS.value)]
     start = time.perf_counter()
-    trajs = rollout(prompts, server, renderer, cfg, EnvConfig(max_turns=3))
+    trajs = rollout(prompts, server, renderer, cfg, EnvConfig(max_turns=TURNS))
     wall = time.perf_counter() - start
     server.pool.shutdown()
     return {"wall_s": wall, "ideal_s": max(server.busy_s.values()),
@@ -200,7 +198,7 @@ def loop_seconds(max_staleness: int, train_s: float, workdir: str) -> float:
     cfg = base.get_config()
     cfg.train.steps, cfg.train.prompts_per_step = _STEPS.value, _PROMPTS.value
     cfg.train.max_staleness, cfg.train.micro_batch_tokens = max_staleness, 8192
-    cfg.rollout.n_samples, cfg.rollout.max_response_tokens = _SAMPLES.value, 4096
+    cfg.rollout.n_samples, cfg.rollout.max_response_tokens = _SAMPLES.value, BUDGET
     cfg.rollout.max_context_tokens = 8192
     cfg.advantage.filter_equal_groups = False
     cfg.eval.every, cfg.checkpoint.every = 0, 10 ** 6

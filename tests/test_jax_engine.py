@@ -13,7 +13,7 @@ from common.batching import TrainSequence, pack
 from common.engine import Request, SamplingParams
 from common.processor import image_key
 from common.grpo import LossConfig
-from geo3k_jax.engine import JaxEngine
+from geo3k_jax.engine import DECODE_CHUNK, JaxEngine
 from geo3k_jax.learner import Learner
 from geo3k_torch.engine import LocalEngine
 from tests.jax_learner_setup import train_config
@@ -269,6 +269,42 @@ def test_a_finished_slot_takes_the_next_request_at_once(tiny):
     outs = engine.generate([long_] + shorts)
     assert [len(o.token_ids) for o in outs] == [24, 4, 4, 4]
     assert engine.decode_steps - steps == 23  # the first token of each comes from its prefill
+
+
+@one_arch("qwen2_5_vl")
+def test_a_submitted_sessions_next_turn_keeps_its_slot(tiny):
+    """Per-episode scheduling on 2 slots: a long request decodes (longer than a decode call),
+    a short one finishes and its session sends its next turn at once, while a new session
+    already waits. The next turn goes on in the short one's parked slot (its new tokens
+    prefilled only; the new session taking that slot first would make it prefill its whole
+    prompt again); the tokens are those of the lock-step engine."""
+    engine = tiny.engine(seed=4)
+    long_ = one_request(tiny.processor, 0, SamplingParams(0.0, 1.0, DECODE_CHUNK + 16), "long")
+    short = one_request(tiny.processor, 1, SamplingParams(0.0, 1.0, 4), "short")
+    new = one_request(tiny.processor, 2, SamplingParams(0.0, 1.0, 4), "new")
+    feedback = (7, 8, 9)
+    follow: list = []
+
+    def next_turn(f):  # runs in the engine's thread as the short request finishes
+        ids = short.input_ids + tuple(f.result().token_ids) + feedback
+        follow.append(engine.submit(Request(ids, short.images, short.sampling, "short")))
+    prefilled = engine.prefilled
+    first = [engine.submit(long_), engine.submit(short)]
+    first[1].add_done_callback(next_turn)
+    later = engine.submit(new)
+    outs = [f.result() for f in first] + [follow[0].result(), later.result()]
+    whole = len(short.input_ids) + 4 + len(feedback)
+    turn_two = (engine.prefilled - prefilled
+                - sum(len(r.input_ids) for r in (long_, short, new)))
+    assert turn_two == len(feedback) + 1  # the last sampled token and the feedback
+    assert turn_two < whole
+    lockstep = tiny.engine(seed=4)
+    again = lockstep.generate([long_, short, new])
+    again.append(lockstep.generate([Request(short.input_ids + tuple(again[1].token_ids)
+                                            + feedback, short.images, short.sampling,
+                                            "short")])[0])
+    for a, b in zip(outs, [again[0], again[1], again[3], again[2]]):
+        assert a.token_ids == b.token_ids
 
 
 @one_arch("qwen3_vl")
