@@ -434,6 +434,16 @@ _DRAW = {"triangle_angles": _triangle_angles, "parallel_lines": _parallel_lines,
          "longest_segment": _longest_segment}
 
 
+_CAPTIONS = {"polygon_sides": "sides: {}", "right_angle": "right angle: {}",
+             "longest_segment": "longest: {}"}
+
+
+def caption(family: str, answer: str) -> str:
+    """What a perception figure shows, in words ending with its answer (not a choice letter):
+    caption("polygon_sides", "5") -> "sides: 5" (the tiny checkpoint's vision pretraining)."""
+    return _CAPTIONS[family].format(answer)
+
+
 def problem_kind(problem: str) -> str:
     """The perception family a problem text asks (`QUESTIONS`), else "geometry"."""
     text = problem.replace("<image>", "").strip()

@@ -51,7 +51,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_dir = "data/tiny-qwen3_vl-small"
     c.model.tiny_arch = "qwen3_vl"
     c.model.tiny_vocab = "small"
+    # A new tiny checkpoint's vision pretraining (geo3k_torch.pretrain), before the priming:
+    # steps of its vision tower classifying perception figures, then of captions with it frozen
+    # (off: with it the CPU default still ends at chance, docs/results.md's third attempt).
+    c.model.tiny_see_steps = 0
+    c.model.tiny_caption_steps = 0
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
+    c.model.tiny_prime_vision = True  # False: the priming leaves the vision tower as it is
     # How the tool reaches the model: auto (the template's own tool support where it has it,
     # else the schema in the system prompt, as for Qwen2.5-VL) | template | system_prompt.
     c.model.tool_format = "auto"

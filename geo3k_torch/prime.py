@@ -41,13 +41,17 @@ def prime_config(lr: float, steps: int):
 
 
 def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float = 3e-3,
-                 batch: int = 8) -> list[float]:
+                 batch: int = 8, train_vision: bool = True) -> list[float]:
     """`steps` SFT steps on random-letter tool calls; saves the weights back into `model_dir`.
-    prompts: `common.data.Prompt`s with choices (rendered with the tool's schema). Returns the
-    losses (mean per target token)."""
+    prompts: `common.data.Prompt`s with choices (rendered with the tool's schema);
+    train_vision=False leaves the vision tower as it is (the random letters carry no signal
+    about the figure, yet at this lr they move every vision weight by about its own norm:
+    docs/results.md).
+    Returns the losses (mean per target token)."""
     processor = load_processor(model_dir)
     renderer = ChatRenderer(processor)
     model = load_model(model_dir)
+    model.model.visual.requires_grad_(train_vision)
     learner = SFTLearner(model, processor, prime_config(lr, steps), model_dir=model_dir)
     rng = np.random.default_rng(seed)
     usable = [p for p in prompts if p.choices]
