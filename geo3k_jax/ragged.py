@@ -1,8 +1,9 @@
 """Decode attention that reads each slot's own keys: a page table, and attention over its pages.
 
-A decode step attends one new token per slot. The bounded attention of `geo3k_jax.decode`
-reads every slot up to the longest live row; with slots refilled as rows finish, one long row
-makes every slot pay its length. Here the cache's positions are cut into pages of `PAGE` tokens
+A decode step attends one new token per slot. Attention bounded by the longest row
+(`geo3k_jax.decode.extend`'s `bound`, as the prefill uses it) would read every slot up to the
+longest live one; with slots refilled as rows finish, one long row makes every slot pay its
+length. Here the cache's positions are cut into pages of `PAGE` tokens
 and the step reads only the pages a live slot holds, so its cost follows the live tokens:
 
     table = page_table(lengths, live, reach, capacity, shards)   # host: (shards, N) page ids
