@@ -26,7 +26,8 @@ from geo3k_jax.buckets import bucket
 from geo3k_jax.layers import wide_dtype
 
 PAGE = 32  # cache positions a page
-TABLE_UNIT = 8  # a table's pages per shard come in buckets of this (4 sizes an octave)
+TABLE_UNIT = 8  # a table's pages per shard come in buckets of this (2 sizes an octave: each
+# is a compile of the decode call, a minute or more at a real model's size)
 
 
 def page_table(lengths: np.ndarray, live: np.ndarray, reach: int, capacity: int,
@@ -47,7 +48,7 @@ def page_table(lengths: np.ndarray, live: np.ndarray, reach: int, capacity: int,
     ids = [np.concatenate([(s % local) * per_slot + np.arange(counts[s])
                            for s in range(k * local, (k + 1) * local)] or [np.zeros(0, int)])
            for k in range(shards)]
-    n = bucket(max(1, max(map(len, ids))), TABLE_UNIT, 4)
+    n = bucket(max(1, max(map(len, ids))), TABLE_UNIT)
     table = np.full((shards, n), -1, np.int32)
     for k, row in enumerate(ids):
         table[k, :len(row)] = row
