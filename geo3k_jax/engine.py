@@ -83,6 +83,9 @@ DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in
 DECODE_CHUNK = 32  # decode steps per device call at most (fewer when a row finishes)
 RESERVE_STEPS = DECODE_CHUNK  # decode steps a parked session's slot waits for its next turn
 MAX_STOPS = 32  # stop tokens a request may have
+MIN_REQUESTS = 8  # a prefill samples first tokens for at least this many requests (padding):
+# per-episode admission groups 1, 2, 4 ... requests by timing, each a compile of the prefill
+# and the insert; sampling 8 rows costs little beside a prefill
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
@@ -448,7 +451,7 @@ class JaxEngine:
             expand.append(len(work))
             work.append((r, s, kept))
         batch, source, lengths, first_pos, real = self._work_arrays(work)
-        n_req = power_of_two(len(admitted), 1)
+        n_req = power_of_two(max(len(admitted), MIN_REQUESTS), 1)
         bound = min(self.capacity, bucket(int((lengths + batch["count"]).max()), LENGTH_UNIT))
         jobs = [a[0] for a in admitted]
         pad = n_req - len(jobs)
