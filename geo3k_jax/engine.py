@@ -384,14 +384,19 @@ class JaxEngine:
             return 0
         return c
 
+    def _own_slot(self, r: Request, taken: set) -> int | None:
+        """The non-decoding slot not `taken` that r's session parked, if any."""
+        return next((i for i, s in enumerate(self._slots) if s.job is None and i not in taken
+                     and r.session and s.session == r.session), None)
+
     def _pick(self, r: Request, images: tuple, taken: set) -> tuple[int, int] | None:
         """(slot, tokens it keeps) for r among the non-decoding slots not `taken`, or None."""
+        own = self._own_slot(r, taken)
+        if own is not None:
+            return own, self._continues(self._slots[own], r, images)
         free = [i for i, s in enumerate(self._slots) if s.job is None and i not in taken]
         if not free:
             return None
-        own = [i for i in free if r.session and self._slots[i].session == r.session]
-        if own:
-            return own[0], self._continues(self._slots[own[0]], r, images)
         best = max(free, key=lambda i: self._continues(self._slots[i], r, images))
         kept = self._continues(self._slots[best], r, images)
         if kept * 2 >= len(r.input_ids):
@@ -415,10 +420,10 @@ class JaxEngine:
             while self._waiting:
                 job = self._waiting.popleft()
                 r = job.request
-                images = tuple(image_key(im) for im in r.images)
-                own = any(s.job is None and i not in taken and r.session
-                          and s.session == r.session for i, s in enumerate(self._slots))
-                choice = None if blocked and not own else self._pick(r, images, taken)
+                choice = None
+                if not blocked or self._own_slot(r, taken) is not None:
+                    images = tuple(image_key(im) for im in r.images)
+                    choice = self._pick(r, images, taken)
                 if choice is None:
                     blocked = True
                     kept.append(job)

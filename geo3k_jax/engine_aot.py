@@ -7,9 +7,9 @@ The TPU compiler (libtpu) builds the engine's three programs for the chips of `-
 with the parameters built abstractly (bf16, the engine's layout: `geo3k_jax.backend`) from a
 published model config (`configs/models`), the cache sharded as the engine shards it
 (`geo3k_jax.kv_budget`), and the shapes of the recipe's rollout: `--slots` decode slots of
-`--context` tokens (decode reading every page of every slot: its costliest page table), a prefill of `--rows`
-work rows of `--new-tokens` tokens with one image of `--patches` patches each, inserted into
-`--rows` x 8 slots (a group's 8 episodes share a prompt row). Prints one JSON line per program:
+`--context` tokens (decode reading every page of every slot: its costliest page table), a
+prefill of `--rows` work rows of `--new-tokens` tokens with one image of `--patches` patches
+each, inserted into `--rows` x 8 slots (a group's 8 episodes share a prompt row). Prints one JSON line per program:
 per-device bytes of arguments, outputs, temporaries, the cache's share, against the chip's HBM.
 Nothing runs on a TPU: a compile that fits is no proof of speed.
 """
