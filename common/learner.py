@@ -18,6 +18,14 @@ from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from common.batching import PackedBatch
 
+VISION_PREFIX = "model.visual."  # the vision tower's parameters, its merger included
+
+
+def is_vision(name: str) -> bool:
+    """Whether parameter `name` (as transformers names it) belongs to the vision tower: what
+    `train.freeze_vision` leaves untrained in both learners."""
+    return name.startswith(VISION_PREFIX)
+
 
 class Learner(Protocol):
     """One policy under training: its weights, optimizer and schedule."""

@@ -1,8 +1,11 @@
 """The scoring tool's schema and the system prompts a Geometry3K prompt starts with.
 
-Two prompt styles (`data.prompt_style`): `tool` (the multi-turn task: the tool's schema goes to
-the chat template, the system prompt asks for a tool call) and `boxed` (the single-turn task of
-slime's single-turn example and of SFT: no tool, the final answer in `\\boxed{}`).
+Three prompt styles (`data.prompt_style`): `tool` (the multi-turn task: the tool's schema goes to
+the chat template, the system prompt asks for a tool call), `brief` (the same task in one short
+system sentence and no schema, for a tiny checkpoint that learns the call from its priming: a
+synthetic perception prompt is ~95 tokens in its vocabulary instead of ~500, and its 16 image
+tokens 5x the prompt's share) and `boxed` (the single-turn task of slime's single-turn example
+and of SFT: no tool, the final answer in `\\boxed{}`).
 
 The schema is in the form chat templates take as `tools=` (OpenAI / Qwen function format), so
 `processor.apply_chat_template(messages, tools=TOOLS)` renders it in the model's own way.
@@ -47,8 +50,11 @@ BOXED_SYSTEM_PROMPT = (
     "the diagram, reason step by step, and put the final answer in \\boxed{}."
 )
 
+BRIEF_SYSTEM_PROMPT = "Answer with a calc_score call; if it is wrong, answer again."
+
 # style -> (system prompt, tools for the chat template)
-PROMPT_STYLES = {"tool": (SYSTEM_PROMPT, TOOLS), "boxed": (BOXED_SYSTEM_PROMPT, None)}
+PROMPT_STYLES = {"tool": (SYSTEM_PROMPT, TOOLS), "brief": (BRIEF_SYSTEM_PROMPT, None),
+                 "boxed": (BOXED_SYSTEM_PROMPT, None)}
 
 
 def prompt_style(name: str) -> tuple[str, list[dict] | None]:

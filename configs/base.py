@@ -34,8 +34,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.train_split = "train"
     c.data.test_split = "test"
     c.data.skip_bad_rows = False
-    # tool: the scoring tool's system prompt and schema (multi-turn); boxed: "reason, then the
-    # final answer in \boxed{}" and no tool (single-turn, SFT). common.prompts.PROMPT_STYLES
+    # tool: the scoring tool's system prompt and schema (multi-turn); brief: the same task in one
+    # short system sentence, no schema (a tiny model primed on the call); boxed: "reason, then
+    # the final answer in \boxed{}" and no tool (single-turn, SFT). common.prompts.PROMPT_STYLES
     c.data.prompt_style = "tool"
     c.data.synthetic_dir = "data/synthetic"  # where the synthetic set is generated when path is ""
     c.data.synthetic_train_size = 512
@@ -58,6 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_caption_steps = 0
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
     c.model.tiny_prime_vision = True  # False: the priming leaves the vision tower as it is
+    c.model.tiny_prime_answer = "letter"  # its random calls answer a choice's letter | value
     # How the tool reaches the model: auto (the template's own tool support where it has it,
     # else the schema in the system prompt, as for Qwen2.5-VL) | template | system_prompt.
     c.model.tool_format = "auto"
@@ -176,6 +178,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.beta2 = 0.98
     c.train.eps = 1e-8
     c.train.weight_decay = 0.1
+    # Train the language model alone: the vision tower (its merger included) is not updated.
+    c.train.freeze_vision = False
     c.train.grad_clip = 1.0
     # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, at any world
     # size), the KL reference and the local engine in bf16. CPU always trains in fp32.

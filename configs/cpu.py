@@ -21,8 +21,10 @@ def get_config():
     # the letter it answers is uniform, so what it learns about the answers comes from GRPO).
     c.model.tiny_prime_steps = 150
     c.rollout.n_samples = 8
-    c.rollout.max_response_tokens = 96
-    c.rollout.max_context_tokens = 512
+    # Room for all 3 turns: 3 calls and 2 feedback messages are ~180 tokens after a ~420-token
+    # prompt (96 and 512 cut every episode after turn 2: tests/test_prime.py).
+    c.rollout.max_response_tokens = 256
+    c.rollout.max_context_tokens = 768
     c.train.steps = 60
     c.train.prompts_per_step = 4
     c.train.micro_batch_tokens = 2048

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 from common import storage
 from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms
-from common.learner import Collectives, Deferred, SingleProcess
+from common.learner import Collectives, Deferred, SingleProcess, is_vision
 from common.schedule import horizon, lr_table
 from geo3k_jax.batch import host_row
 from geo3k_jax.buckets import Ladder, agree, fit, reuse, slice_sizes, step_slices
@@ -49,16 +49,30 @@ STATE_DIR = "jax_state"  # the orbax learner state inside a checkpoint directory
 SHAPES_FILE = "jax_shapes.json"  # and the slice shapes the run has used (`buckets.reuse`)
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, names: Iterable[str] = ()) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW whose learning rate at step s is
-    `lr * common.schedule.lr_factor(s)` (tabulated; the count advances only on applied steps)."""
+    `lr * common.schedule.lr_factor(s)` (tabulated; the count advances only on applied steps).
+    With `train_cfg.freeze_vision` the vision tower's parameters (`model.visual.*`, its merger
+    included) among `names` (the parameter dict's keys) get no update, and the norm clipped is
+    the rest's."""
     table = jnp.asarray(lr_table(train_cfg.lr, train_cfg.lr_schedule, *horizon(train_cfg),
                                  train_cfg.min_lr_ratio))
     schedule = lambda count: table[jnp.minimum(count, table.shape[0] - 1)]  # noqa: E731
+    frozen = {k for k in names if is_vision(k)} if train_cfg.freeze_vision else set()
+    if train_cfg.freeze_vision and not frozen:
+        raise ValueError("train.freeze_vision: the model has no vision tower parameters "
+                         "(model.visual.*)")
+    # Stateless masks before and after (the moments keep every parameter's shape, so the
+    # state shards as the parameters do): a frozen gradient is 0 before the clip and AdamW,
+    # and a frozen update (AdamW's weight decay) 0 after.
+    zero = optax.stateless(lambda updates, _: {
+        k: jnp.zeros_like(u) if k in frozen else u for k, u in updates.items()})
     return optax.chain(
+        *([zero] if frozen else []),
         optax.clip_by_global_norm(train_cfg.grad_clip),
         optax.adamw(schedule, b1=train_cfg.beta1, b2=train_cfg.beta2, eps=train_cfg.eps,
-                    weight_decay=train_cfg.weight_decay))
+                    weight_decay=train_cfg.weight_decay),
+        *([zero] if frozen else []))
 
 
 def current_lr(tx_state, train_cfg) -> jax.Array:
@@ -151,7 +165,7 @@ class Learner:
         self.compiles = 0  # traces of the compiled functions: each one compilation
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
         self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
-        self.tx = make_optimizer(train_cfg)
+        self.tx = make_optimizer(train_cfg, params)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
         # Without a mesh, the state lives committed to this process's device, as a restored
         # state does: the programs' argument placements, hence the compiled programs, stay the

@@ -157,7 +157,7 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
 
 def adamw_on(grads: dict, params: dict, train_cfg) -> dict:
     """The JAX optimizer's first step from `params` with the given gradients (numpy dicts)."""
-    tx = make_optimizer(train_cfg)
+    tx = make_optimizer(train_cfg, params)
     p = {k: jnp.asarray(v) for k, v in params.items()}
     updates, _ = tx.update({k: jnp.asarray(grads[k]) for k in p}, tx.init(p), p)
     return {k: np.asarray(v) for k, v in optax.apply_updates(p, updates).items()}

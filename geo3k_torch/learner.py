@@ -24,7 +24,7 @@ import torch
 
 from common.batching import PackedBatch, TrainSequence, pack
 from common.grpo import LossConfig, per_token_terms, token_weights
-from common.learner import Collectives, SingleProcess
+from common.learner import Collectives, SingleProcess, is_vision
 from common.schedule import horizon, lr_factor
 from geo3k_torch import checkpoint
 from geo3k_torch.model import packed_inputs, token_logprobs
@@ -47,9 +47,17 @@ class Learner:
         self.world_size = comm.world
         if loss_cfg.kl_coef and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
+        if train_cfg.freeze_vision:
+            frozen = [p for name, p in model.named_parameters() if is_vision(name)]
+            if not frozen:
+                raise ValueError("train.freeze_vision: the model has no vision tower "
+                                 "parameters (model.visual.*)")
+            for p in frozen:
+                p.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
-            eps=train_cfg.eps, weight_decay=train_cfg.weight_decay)
+            [p for p in model.parameters() if p.requires_grad], lr=train_cfg.lr,
+            betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
+            weight_decay=train_cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, *horizon(train_cfg),
                                                 train_cfg.min_lr_ratio))

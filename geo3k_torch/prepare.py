@@ -14,7 +14,10 @@ from pathlib import Path
 
 import torch
 
+from common.env import EnvConfig
 from common.prepare import prepare_data
+from common.prompts import prompt_style
+from configs import to_dataclass
 from geo3k_torch.model import load_model, load_sharded
 
 PRETRAIN_SEED = 20_000  # + seed: the vision pretraining's figures (the splits use seed, + 10,000)
@@ -54,7 +57,10 @@ def prepare_model_dir(cfg) -> str:
         if cfg.model.tiny_prime_steps:
             train_set, _ = prepare_data(cfg)
             prime_format(str(tmp), train_set.prompts, cfg.model.tiny_prime_steps, cfg.seed,
-                         train_vision=cfg.model.tiny_prime_vision)
+                         train_vision=cfg.model.tiny_prime_vision,
+                         tools=prompt_style(cfg.data.prompt_style)[1],
+                         env_config=to_dataclass(EnvConfig, cfg.env),
+                         answer=cfg.model.tiny_prime_answer)
         shutil.rmtree(out, ignore_errors=True)  # an empty folder at most
         tmp.rename(out)  # a half-built checkpoint is never taken for a finished one
     return str(out)

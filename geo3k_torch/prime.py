@@ -6,9 +6,12 @@ gives the tiny one the same starting point: a few SFT steps (`geo3k_torch.sft`) 
 
     <prompt> -> <tool_call>{"name": "calc_score", "arguments": {"answer": "<L>"}}</tool_call>
 
-where L is a choice letter drawn UNIFORMLY at random, independently of the problem. The primed
-policy thus knows the format and nothing about the answers (about 1 in 4 per turn); what GRPO
-then learns (use the feedback, do not repeat a rejected letter, read the diagram) is its own.
+where L is a choice letter drawn UNIFORMLY at random, independently of the problem, in turn 1
+or in a later turn (the earlier turns random calls too, the environment's own feedback between
+them: a model primed on first turns alone wrote its second call malformed). The primed policy
+thus knows the format and nothing about the answers (about 1 in 4 per turn, a rejected letter as
+likely as any); what GRPO then learns (use the feedback, do not repeat a rejected letter, read the
+diagram) is its own.
 Only a freshly built tiny checkpoint is primed (`model.tiny_prime_steps`), never `model.path`.
 """
 
@@ -16,20 +19,26 @@ from __future__ import annotations
 
 import json
 import types
+from typing import Sequence
 
 import numpy as np
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn)
 
 from common.chat import ChatRenderer
+from common.env import EnvConfig, Geo3kEnv
 from common.processor import load_processor
-from common.sft import sft_example, sft_messages
+from common.prompts import TOOLS
+from common.sft import sft_example
 from geo3k_torch.model import load_model
 from geo3k_torch.learner import SFTLearner, sft_step
 
 
-def format_target(letter: str) -> str:
-    call = {"name": "calc_score", "arguments": {"answer": letter}}
+PRIME_ANSWERS = ("letter", "value")
+
+
+def format_target(answer: str) -> str:
+    call = {"name": "calc_score", "arguments": {"answer": answer}}
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
@@ -37,19 +46,59 @@ def prime_config(lr: float, steps: int):
     """AdamW at a constant `lr`, no weight decay, no clipping: the fields `SFTLearner` reads."""
     return types.SimpleNamespace(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                                  grad_clip=float("inf"), lr_schedule="constant", warmup_steps=0,
-                                 steps=steps, updates_per_rollout=1, min_lr_ratio=0.0, bf16=False)
+                                 steps=steps, updates_per_rollout=1, min_lr_ratio=0.0, bf16=False,
+                                 freeze_vision=False)
+
+
+def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
+                    answer: str = "letter", wrong: Sequence[int] | None = None) -> list[dict]:
+    """`prompt`'s messages, then 1 to `env_config.max_turns` assistant turns (uniformly many), each
+    a call answering a choice by its letter or its value (`answer`), with the environment's
+    feedback between them. The last turn, the one trained, answers a uniformly random choice;
+    the earlier ones, context only, a random wrong one (`wrong`: their indices in
+    `prompt.choices`, found with the environment's grader when None), as a later turn in a
+    rollout always follows wrong ones. Were a solving call allowed to end it early, the trained
+    call would be the right answer more often than 1 in 4."""
+    if answer not in PRIME_ANSWERS:
+        raise ValueError(f"the priming answers by one of {PRIME_ANSWERS}, got {answer!r}")
+    env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
+    if wrong is None:
+        wrong = wrong_choices(prompt, env_config)
+    messages = list(prompt.messages)
+    turns = int(rng.integers(1, env_config.max_turns + 1)) if wrong else 1
+    for turn in range(1, turns + 1):
+        k = int(rng.integers(len(prompt.choices))) if turn == turns else int(rng.choice(wrong))
+        reply = format_target(chr(ord("A") + k) if answer == "letter" else prompt.choices[k])
+        messages.append({"role": "assistant", "content": reply})
+        if turn < turns:
+            observation, _, _ = env.step(reply)
+            messages.append(Geo3kEnv.format_observation(observation))
+    return messages
+
+
+def wrong_choices(prompt, env_config: EnvConfig) -> list[int]:
+    """Indices of `prompt.choices` that the environment scores wrong."""
+    out = []
+    for k, choice in enumerate(prompt.choices):
+        env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
+        if not env.step(format_target(choice))[2]["correct"]:
+            out.append(k)
+    return out
 
 
 def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float = 3e-3,
-                 batch: int = 8, train_vision: bool = True) -> list[float]:
+                 batch: int = 8, train_vision: bool = True, tools=TOOLS,
+                 env_config: EnvConfig = EnvConfig(), answer: str = "letter") -> list[float]:
     """`steps` SFT steps on random-letter tool calls; saves the weights back into `model_dir`.
-    prompts: `common.data.Prompt`s with choices (rendered with the tool's schema);
+    prompts: `common.data.Prompt`s with choices, rendered with `tools` (the run's prompt style's
+    schemas, or None), played under the run's `env_config`, answering by `answer`
+    (`primer_messages`);
     train_vision=False leaves the vision tower as it is (the random letters carry no signal
     about the figure, yet at this lr they move every vision weight by about its own norm:
     docs/results.md).
     Returns the losses (mean per target token)."""
     processor = load_processor(model_dir)
-    renderer = ChatRenderer(processor)
+    renderer = ChatRenderer(processor, tools=tools)
     model = load_model(model_dir)
     model.model.visual.requires_grad_(train_vision)
     learner = SFTLearner(model, processor, prime_config(lr, steps), model_dir=model_dir)
@@ -57,6 +106,7 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
     usable = [p for p in prompts if p.choices]
     if not usable:
         raise ValueError("priming needs prompts with choices")
+    wrong = [wrong_choices(p, env_config) for p in usable]
     losses = []
     progress = Progress(TextColumn("[bold]prime tiny model"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
@@ -66,9 +116,8 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
             seqs = []
             for i in rng.choice(len(usable), min(batch, len(usable)), replace=False):
                 p = usable[i]
-                letter = chr(ord("A") + int(rng.integers(len(p.choices))))
-                seqs.append(sft_example(renderer, sft_messages(p, format_target(letter)),
-                                        p.images, int(i)))
+                messages = primer_messages(p, rng, env_config, answer, wrong[i])
+                seqs.append(sft_example(renderer, messages, p.images, int(i)))
             budget = max(len(s) for s in seqs) * len(seqs)  # one micro-batch
             losses.append(sft_step(learner, seqs, budget)["loss"])
             progress.update(task, advance=1, info=f"loss {losses[-1]:.3f}")

@@ -79,6 +79,6 @@ def model_and_batch(arch: str = "qwen3_vl", rows_multiple: int = 1, agg: str = "
 def train_config(**kw):
     c = ml_collections.ConfigDict(dict(lr=1e-3, lr_schedule="cosine", warmup_steps=1, steps=6,
                                        min_lr_ratio=0.1, updates_per_rollout=1, beta1=0.9, beta2=0.98, eps=1e-8,
-                                       weight_decay=0.1, grad_clip=1.0))
+                                       weight_decay=0.1, grad_clip=1.0, freeze_vision=False))
     c.update(kw)
     return c

@@ -107,7 +107,7 @@ def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
     padded to its own length) against every micro-batch in one slice: the same gradient."""
     import geo3k_jax.buckets as jb
     import geo3k_jax.learner as jl
-    monkeypatch.setattr(jl, "make_optimizer", lambda c: capture_gradients())
+    monkeypatch.setattr(jl, "make_optimizer", lambda c, names=(): capture_gradients())
     monkeypatch.setattr(jl, "current_lr", lambda s, c: jnp.float32(0.0))
     monkeypatch.setattr(jb, "ROW_UNIT", 32)  # the setup's short micro-batches, several lengths
     cfg = LossConfig(tis_cap=2.0)

@@ -255,3 +255,30 @@ def test_one_update_per_rollout_is_the_plain_step(make_learner, tiny):
     assert ma == mb
     for (k, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(pa, pb), k
+
+
+@LEARNERS
+def test_a_frozen_vision_tower_is_not_trained(make_learner, tiny):
+    """train.freeze_vision: after a step (with weight decay) every vision tower parameter is
+    as loaded, and the language model's moved."""
+    from common.learner import is_vision
+    from safetensors.numpy import load_file as load_numpy
+
+    learner = make_learner(tiny, train_config(lr=0.05, freeze_vision=True))
+    step(learner, tiny)
+    before = load_numpy(str(Path(tiny["path"]) / "model.safetensors"))
+    after = params_of(learner)
+    vision = [k for k in before if is_vision(k)]
+    assert vision and len(vision) < len(before)
+    for k in vision:
+        np.testing.assert_array_equal(after[k], before[k], err_msg=k)
+    assert all(not np.array_equal(after[k], before[k]) for k in before
+               if not is_vision(k) and "norm" not in k)
+
+
+def params_of(learner) -> dict:
+    """The learner's parameters as numpy arrays under transformers' names."""
+    if hasattr(learner, "model"):
+        return {k: v.detach().numpy() for k, v in learner.model.state_dict().items()}
+    from geo3k_jax.stacking import to_hf
+    return {k: np.asarray(v) for k, v in to_hf(learner.params).items()}

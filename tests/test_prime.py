@@ -1,0 +1,141 @@
+"""geo3k_torch.prime: the tiny checkpoint's format priming plays the environment with random
+letters, and what it trains on is what a rollout of the same turns produces."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+
+from common.chat import ChatRenderer
+from common.data import row_to_prompt
+from common.engine import STOP, Completion
+from common.env import EnvConfig, Geo3kEnv
+from common.prompts import prompt_style
+from common.rollout import RolloutConfig, rollout
+from common.sft import sft_example
+from common.synthetic import generate
+from geo3k_torch.prime import format_target, primer_messages
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt")
+
+
+def _prompt(style="tool", seed=3):
+    system, _ = prompt_style(style)
+    row = generate(1, seed=seed, image_size="112", families=("polygon_sides",))[0]
+    return row_to_prompt(row, uid="p0", system=system)
+
+
+def test_primer_plays_the_environment_with_uniform_letters():
+    prompt = _prompt()
+    rng = np.random.default_rng(0)
+    turns, letters = collections.Counter(), collections.Counter()
+    for _ in range(600):
+        messages = primer_messages(prompt, rng, EnvConfig(max_turns=3))
+        assert messages[:len(prompt.messages)] == prompt.messages
+        played = messages[len(prompt.messages):]
+        replies = played[::2]
+        assert all(m["role"] == "assistant" for m in replies)
+        turns[len(replies)] += 1
+        letters[replies[-1]["content"]] += 1
+        # between the calls: the environment's own feedback to each of them, all wrong (a later
+        # turn of a rollout follows wrong ones)
+        env = Geo3kEnv(prompt.answer, EnvConfig(max_turns=3), choices=prompt.choices)
+        for reply, feedback in zip(replies, played[1::2]):
+            observation, done, info = env.step(reply["content"])
+            assert not done and info["reason"] in ("wrong", "repeated")
+            assert feedback == Geo3kEnv.format_observation(observation)
+    # the trained (last) turn is turn 1, 2 or 3, its letter uniform: the priming says nothing
+    # about the answer (a solving call that ended it early made it the answer 270 times in 600)
+    assert set(turns) == {1, 2, 3} and min(turns.values()) > 150
+    assert set(letters) == {format_target(x) for x in "ABCD"}
+    assert all(110 < n < 190 for n in letters.values()), letters
+
+
+def test_primer_answers_by_value_or_refuses():
+    prompt = _prompt()
+    rng = np.random.default_rng(0)
+    values = {primer_messages(prompt, rng, EnvConfig(), "value")[-1]["content"]
+              for _ in range(100)}
+    assert values == {format_target(c) for c in prompt.choices}
+    with pytest.raises(ValueError, match="letter"):
+        primer_messages(prompt, rng, EnvConfig(), "number")
+
+
+class ScriptEngine:
+    """Answers each session from a script of texts, tokenized by the real tokenizer."""
+
+    def __init__(self, tokenizer, stop, script):
+        self.tok, self.stop, self.script = tokenizer, stop, list(script)
+
+    def generate(self, requests):
+        out = []
+        for _ in requests:
+            ids = self.tok.encode(self.script.pop(0), add_special_tokens=False) + [self.stop]
+            out.append(Completion(ids, [-0.5] * len(ids), STOP))
+        return out
+
+
+@pytest.mark.parametrize("style", ["tool", "brief"])
+def test_a_primed_later_turn_is_the_rollouts_own_tokens(tiny, style):
+    """The priming's sequence for a turn-3 call equals, token for token, what a rollout
+    writing the same calls holds, and trains that turn alone."""
+    from common.processor import load_processor
+    renderer = ChatRenderer(load_processor(tiny), tools=prompt_style(style)[1])
+    prompt = _prompt(style)
+    rng = np.random.default_rng(1)
+    messages = next(m for m in iter(lambda: primer_messages(prompt, rng, EnvConfig()), None)
+                    if len(m) == len(prompt.messages) + 5)
+    seq = sft_example(renderer, messages, prompt.images)
+    replies = [m["content"] for m in messages[len(prompt.messages)::2]]
+    engine = ScriptEngine(renderer.tokenizer, renderer.turn_end_id, replies)
+    traj, = rollout([prompt], engine, renderer, RolloutConfig(n_samples=1))
+    assert len(traj.turns) == 3
+    assert seq.token_ids.tolist() == traj.token_ids.tolist()
+    last = renderer.tokenizer.encode(replies[-1], add_special_tokens=False)
+    assert seq.token_ids[seq.loss_mask == 1].tolist() == last + [renderer.turn_end_id]
+
+
+def test_the_brief_style_leaves_the_schema_out(tiny):
+    from common.processor import load_processor
+    processor = load_processor(tiny)
+    texts = {}
+    for style in ("tool", "brief"):
+        renderer = ChatRenderer(processor, tools=prompt_style(style)[1])
+        prompt = _prompt(style)
+        texts[style] = renderer.decode(renderer.prompt_ids(prompt.messages, prompt.images))
+    assert "<tools>" in texts["tool"] and "<tools>" not in texts["brief"]
+    assert prompt_style("brief")[0] in texts["brief"]
+    assert len(texts["brief"]) < len(texts["tool"]) / 2
+
+
+def test_the_cpu_default_has_room_for_every_turn(tiny):
+    """A primed policy answering wrong every turn gets all of the CPU default's turns on its
+    longest prompt: the token budget fits max_turns calls and the feedback between them (at 96
+    response tokens the episode was cut after turn 2, so "with feedback, 3 turns" and its 0.75
+    elimination line measured a 2-turn run)."""
+    from common.processor import load_processor
+    from common.rollout import RolloutConfig
+    from configs import cpu, to_dataclass
+    from geo3k_torch.prime import wrong_choices
+
+    cfg = cpu.get_config()
+    system, tools = prompt_style(cfg.data.prompt_style)
+    renderer = ChatRenderer(load_processor(tiny), tools=tools)
+    families = tuple(cfg.data.synthetic_families.split(","))
+    prompts = [row_to_prompt(row, uid=f"p{i}", system=system) for i, row in enumerate(
+        generate(24, seed=5, image_size=cfg.data.synthetic_image_size, families=families))]
+    prompt = max(prompts, key=lambda p: len(renderer.prompt_ids(p.messages, p.images)))
+    env = to_dataclass(EnvConfig, cfg.env)
+    wrong = chr(ord("A") + wrong_choices(prompt, env)[0])
+    engine = ScriptEngine(renderer.tokenizer, renderer.turn_end_id,
+                          [format_target(wrong)] * env.max_turns)
+    rollout_cfg = dataclasses.replace(to_dataclass(RolloutConfig, cfg.rollout), n_samples=1)
+    traj, = rollout([prompt], engine, renderer, rollout_cfg, env)
+    assert len(traj.turns) == env.max_turns and traj.status == "completed"
