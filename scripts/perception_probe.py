@@ -1,0 +1,105 @@
+"""How many labelled examples a checkpoint needs before its answer reads the figure.
+
+    python scripts/perception_probe.py --model=data/tiny-qwen3_vl-small --lr=1e-3 --steps=150
+
+Supervised steps (`geo3k_torch.learner.SFTLearner`, AdamW at a constant lr) on perception
+problems (`common.synthetic.PERCEPTION`, drawn afresh: seed 777 to train, 778 held out) with the
+right tool call as the target, answering by the choice's letter or its value (`--answer`), in a
+prompt style (`--prompt_style`). Every `--every` steps it prints the held-out accuracy: the share
+of held-out problems whose answer token gets the highest logit among the four choices' tokens,
+teacher-forced (chance 0.25). An upper bound on what GRPO's reward can teach in as many episodes
+(docs/results.md, the fourth attempt). `--freeze_vision` trains the language model alone. The
+checkpoint directory is only read.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import numpy as np
+import torch
+from absl import app, flags
+
+from common.batching import pack
+from common.chat import ChatRenderer
+from common.data import load_split
+from common.processor import load_processor
+from common.prompts import PROMPT_STYLES, prompt_style
+from common.sft import sft_example, sft_messages
+from common.synthetic import PERCEPTION, write_split
+from geo3k_torch.learner import SFTLearner, sft_step
+from geo3k_torch.model import load_model, packed_inputs
+from geo3k_torch.prime import PRIME_ANSWERS, format_target, prime_config
+
+_MODEL = flags.DEFINE_string("model", None, "a (tiny) Qwen-VL checkpoint directory", required=True)
+_LR = flags.DEFINE_float("lr", 1e-3, "AdamW's constant learning rate")
+_BATCH = flags.DEFINE_integer("batch", 8, "labelled problems a step")
+_STEPS = flags.DEFINE_integer("steps", 150, "supervised steps")
+_EVERY = flags.DEFINE_integer("every", 25, "steps between held-out evaluations")
+_ANSWER = flags.DEFINE_enum("answer", "letter", PRIME_ANSWERS, "the call answers by")
+_STYLE = flags.DEFINE_enum("prompt_style", "brief", sorted(PROMPT_STYLES), "data.prompt_style")
+_FREEZE = flags.DEFINE_bool("freeze_vision", False, "leave the vision tower untrained")
+_TRAIN, _HELD_OUT = 1024, 96
+
+
+def examples(renderer, prompts, answer: str) -> list[tuple]:
+    """(sequence, the four candidate answer token ids) of each prompt, its right call the
+    target."""
+    out = []
+    for i, p in enumerate(prompts):
+        k = p.choices.index(p.answer)
+        texts = [chr(ord("A") + j) for j in range(len(p.choices))] if answer == "letter" \
+            else list(p.choices)
+        seq = sft_example(renderer, sft_messages(p, format_target(texts[k])), p.images, i)
+        out.append((seq, [renderer.tokenizer.encode(t, add_special_tokens=False)[-1]
+                          for t in texts]))
+    return out
+
+
+@torch.no_grad()
+def accuracy(model, processor, held_out) -> float:
+    """Share of `held_out` whose answer token has the highest logit among its candidates."""
+    model.eval()
+    hits = 0
+    for seq, candidates in held_out:
+        ids = seq.token_ids
+        at = max(k for k in np.flatnonzero(seq.loss_mask) if ids[k] in candidates)
+        inputs = packed_inputs(pack([seq], len(seq))[0], processor, model.config)
+        logits = model(**inputs, use_cache=False,
+                       logits_to_keep=torch.tensor([at - 1])).logits[0, 0]
+        hits += int(candidates[int(torch.argmax(logits[candidates]))] == ids[at])
+    model.train()
+    return hits / len(held_out)
+
+
+def main(argv) -> None:
+    del argv
+    torch.manual_seed(0)
+    system, tools = prompt_style(_STYLE.value)
+    with tempfile.TemporaryDirectory() as data:
+        write_split(data, "train", _TRAIN, seed=777, image_size="112", families=PERCEPTION)
+        write_split(data, "test", _HELD_OUT, seed=778, image_size="112", families=PERCEPTION)
+        train = load_split(data, split="train", system=system).prompts
+        test = load_split(data, split="test", system=system).prompts
+    processor = load_processor(_MODEL.value)
+    renderer = ChatRenderer(processor, tools=tools)
+    model = load_model(_MODEL.value)
+    model.model.visual.requires_grad_(not _FREEZE.value)
+    learner = SFTLearner(model, processor, prime_config(_LR.value, _STEPS.value))
+    train_examples = examples(renderer, train, _ANSWER.value)
+    held_out = examples(renderer, test, _ANSWER.value)
+    rng, start = np.random.default_rng(0), time.perf_counter()
+    print(f"step 0: held-out accuracy {accuracy(model, processor, held_out):.2f}")
+    for step in range(1, _STEPS.value + 1):
+        seqs = [train_examples[i][0] for i in rng.choice(len(train), _BATCH.value,
+                                                          replace=False)]
+        loss = sft_step(learner, seqs, max(map(len, seqs)) * len(seqs))["loss"]
+        if step % _EVERY.value == 0:
+            print(f"step {step} ({step * _BATCH.value} examples): loss {loss:.3f} a token, "
+                  f"held-out accuracy {accuracy(model, processor, held_out):.2f}, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
