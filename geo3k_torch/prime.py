@@ -42,12 +42,12 @@ def format_target(answer: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def prime_config(lr: float, steps: int):
+def prime_config(lr: float, steps: int, freeze_vision: bool = False):
     """AdamW at a constant `lr`, no weight decay, no clipping: the fields `SFTLearner` reads."""
     return types.SimpleNamespace(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                                  grad_clip=float("inf"), lr_schedule="constant", warmup_steps=0,
                                  steps=steps, updates_per_rollout=1, min_lr_ratio=0.0, bf16=False,
-                                 freeze_vision=False)
+                                 freeze_vision=freeze_vision)
 
 
 def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
@@ -89,7 +89,7 @@ def wrong_choices(prompt, env_config: EnvConfig) -> list[int]:
 def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float = 3e-3,
                  batch: int = 8, train_vision: bool = True, tools=TOOLS,
                  env_config: EnvConfig = EnvConfig(), answer: str = "letter") -> list[float]:
-    """`steps` SFT steps on random-letter tool calls; saves the weights back into `model_dir`.
+    """`steps` SFT steps on random tool calls; saves the weights back into `model_dir`.
     prompts: `common.data.Prompt`s with choices, rendered with `tools` (the run's prompt style's
     schemas, or None), played under the run's `env_config`, answering by `answer`
     (`primer_messages`);
@@ -100,8 +100,8 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
     processor = load_processor(model_dir)
     renderer = ChatRenderer(processor, tools=tools)
     model = load_model(model_dir)
-    model.model.visual.requires_grad_(train_vision)
-    learner = SFTLearner(model, processor, prime_config(lr, steps), model_dir=model_dir)
+    learner = SFTLearner(model, processor, prime_config(lr, steps, not train_vision),
+                         model_dir=model_dir)
     rng = np.random.default_rng(seed)
     usable = [p for p in prompts if p.choices]
     if not usable:
