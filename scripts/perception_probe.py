@@ -39,16 +39,21 @@ from geo3k_torch.learner import SFTLearner, sft_step
 from geo3k_torch.model import load_model, packed_inputs
 from geo3k_torch.prime import PRIME_ANSWERS, format_target, prime_config
 
-_MODEL = flags.DEFINE_string("model", None, "a (tiny) Qwen-VL checkpoint directory", required=True)
-_LR = flags.DEFINE_float("lr", 1e-3, "AdamW's constant learning rate")
-_BATCH = flags.DEFINE_integer("batch", 8, "labelled problems a step")
-_STEPS = flags.DEFINE_integer("steps", 150, "supervised steps")
-_EVERY = flags.DEFINE_integer("every", 25, "steps between held-out evaluations")
-_ANSWER = flags.DEFINE_enum("answer", "letter", PRIME_ANSWERS, "the call answers by")
-_STYLE = flags.DEFINE_enum("prompt_style", "brief", sorted(PROMPT_STYLES), "data.prompt_style")
-_FREEZE = flags.DEFINE_bool("freeze_vision", False, "leave the vision tower untrained")
-_REACH = flags.DEFINE_bool("reach", False, "print the figure's share of the answer's state")
 _TRAIN, _HELD_OUT = 1024, 96
+
+
+def define_flags() -> None:
+    """The command line's flags, defined when the probe runs as a script only: imported (its
+    test), it leaves absl's global flags to the modules that own them."""
+    flags.DEFINE_string("model", None, "a (tiny) Qwen-VL checkpoint directory", required=True)
+    flags.DEFINE_float("lr", 1e-3, "AdamW's constant learning rate")
+    flags.DEFINE_integer("batch", 8, "labelled problems a step")
+    flags.DEFINE_integer("steps", 150, "supervised steps")
+    flags.DEFINE_integer("every", 25, "steps between held-out evaluations")
+    flags.DEFINE_enum("answer", "letter", PRIME_ANSWERS, "the call answers by")
+    flags.DEFINE_enum("prompt_style", "brief", sorted(PROMPT_STYLES), "data.prompt_style")
+    flags.DEFINE_bool("freeze_vision", False, "leave the vision tower untrained")
+    flags.DEFINE_bool("reach", False, "print the figure's share of the answer's state")
 
 
 def examples(renderer, prompts, answer: str) -> list[tuple]:
@@ -119,35 +124,38 @@ def print_reach(model, processor, held_out, families) -> None:
 
 def main(argv) -> None:
     del argv
+    FLAGS = flags.FLAGS
     torch.manual_seed(0)
-    system, tools = prompt_style(_STYLE.value)
+    system, tools = prompt_style(FLAGS.prompt_style)
     with tempfile.TemporaryDirectory() as data:
         write_split(data, "train", _TRAIN, seed=777, image_size="112", families=PERCEPTION)
         write_split(data, "test", _HELD_OUT, seed=778, image_size="112", families=PERCEPTION)
         train = load_split(data, split="train", system=system).prompts
         test = load_split(data, split="test", system=system).prompts
-    processor = load_processor(_MODEL.value)
+    processor = load_processor(FLAGS.model)
     renderer = ChatRenderer(processor, tools=tools)
-    model = load_model(_MODEL.value)
-    learner = SFTLearner(model, processor, prime_config(_LR.value, _STEPS.value, _FREEZE.value))
-    train_examples = examples(renderer, train, _ANSWER.value)
-    held_out = examples(renderer, test, _ANSWER.value)
+    model = load_model(FLAGS.model)
+    learner = SFTLearner(model, processor,
+                         prime_config(FLAGS.lr, FLAGS.steps, FLAGS.freeze_vision))
+    train_examples = examples(renderer, train, FLAGS.answer)
+    held_out = examples(renderer, test, FLAGS.answer)
     families = [problem_kind(p.problem) for p in test]
-    if _REACH.value:
+    if FLAGS.reach:
         print_reach(model, processor, held_out, families)
     rng, start = np.random.default_rng(0), time.perf_counter()
     print(f"step 0: held-out accuracy {accuracy(model, processor, held_out):.2f}")
-    for step in range(1, _STEPS.value + 1):
-        seqs = [train_examples[i][0] for i in rng.choice(len(train), _BATCH.value,
+    for step in range(1, FLAGS.steps + 1):
+        seqs = [train_examples[i][0] for i in rng.choice(len(train), FLAGS.batch,
                                                           replace=False)]
         loss = sft_step(learner, seqs, max(map(len, seqs)) * len(seqs))["loss"]
-        if step % _EVERY.value == 0:
-            print(f"step {step} ({step * _BATCH.value} examples): loss {loss:.3f} a token, "
+        if step % FLAGS.every == 0:
+            print(f"step {step} ({step * FLAGS.batch} examples): loss {loss:.3f} a token, "
                   f"held-out accuracy {accuracy(model, processor, held_out):.2f}, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
-    if _REACH.value:
+    if FLAGS.reach:
         print_reach(model, processor, held_out, families)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -24,6 +24,17 @@ def probe():
     return importlib.import_module("perception_probe")
 
 
+def test_importing_the_probe_defines_no_flags():
+    """Other scripts define `--steps` too (benchmark_trl, benchmark_jax): a test worker that
+    imported one of them first failed on a duplicate flag."""
+    from absl import flags
+    sys.modules.pop("perception_probe", None)
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    importlib.import_module("perception_probe")
+    assert "perception_probe" not in flags.FLAGS.flags_by_module_dict()
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from geo3k_torch.tiny import build_tiny_checkpoint
