@@ -87,11 +87,15 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
     renderer = run.renderer or make_renderer(cfg, run.processor)
     sampler = PromptSampler(len(run.train_set), cfg.seed, stream=comm.rank)  # its own share
+    ckpt_root = checkpoints.root(cfg, workdir, learner)  # may be a URL (common.storage)
+    last = checkpoints.latest(ckpt_root)
+    if last and not cfg.train.resume:  # a new run here would overwrite it and mix its metrics
+        raise ValueError(f"{last} holds an earlier run's checkpoint: pass "
+                         "--config.train.resume=True to go on from it, or another --workdir")
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     start = 0
-    ckpt_root = checkpoints.root(cfg, workdir, learner)  # may be a URL (common.storage)
-    if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):
+    if cfg.train.resume and last:
         state = checkpoints.load_loop_state(last)
         if len(state["engine_rng"]) != comm.world:
             raise ValueError(f"{last} was written by {len(state['engine_rng'])} processes, "

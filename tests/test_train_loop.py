@@ -125,6 +125,13 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
     w0 = load_file(str(shared / "tiny" / "model.safetensors"))
     assert max(float(np.abs(w_full[k] - w0[k]).max()) for k in w_full) > 1e-4  # it trained
 
+    # a new run into a workdir that holds a run's checkpoints stops and changes nothing there
+    before = (full / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="resume=True"):
+        train_main.train(small_config(shared, 3), str(full))
+    assert (full / "metrics.jsonl").read_bytes() == before
+    assert sorted(p.name for p in (full / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
 
 @pytest.mark.slow
 def test_checkpoint_is_an_hf_model_directory(shared, tmp_path):
