@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # (test workers, the multi-process tests' children) would then compile torch from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-fast test-all train train-jax clean
+.PHONY: install test test-fast test-all train train-jax train-perception clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ train: install
 
 train-jax: install
 	$(PY) -m geo3k_jax.train --config=configs/cpu.py
+
+# The run that learns to read the figures (docs/results.md, sixth attempt): ~30 min on one core.
+train-perception: install
+	$(PY) -m geo3k_torch.main --config=configs/cpu_perception.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

@@ -10,13 +10,15 @@ from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.rollout import RolloutConfig
 from common.reward import RewardConfig
-from configs import base, cpu, h100, h100_areal, h100_single_turn, sft, to_dataclass, tpu
+from configs import (base, cpu, cpu_perception, h100, h100_areal, h100_single_turn, sft,
+                     to_dataclass, tpu)
 
 SECTIONS = {"env": EnvConfig, "reward": RewardConfig, "rollout": RolloutConfig,
             "loss": LossConfig}
 
 
-@pytest.mark.parametrize("module", [base, cpu, h100, tpu, h100_single_turn, h100_areal, sft])
+@pytest.mark.parametrize("module", [base, cpu, cpu_perception, h100, tpu, h100_single_turn,
+                                    h100_areal, sft])
 def test_sections_build_their_dataclasses(module):
     cfg = module.get_config()
     for name, cls in SECTIONS.items():
