@@ -32,10 +32,15 @@ _STEP = re.compile(r"^step_(\d+)$")
 LOOP_STATE = "loop_state.json"
 
 
+def location(cfg, workdir: str | os.PathLike):
+    """Where a run's checkpoints go: `checkpoint.dir`, else <workdir>/checkpoints."""
+    return cfg.checkpoint.dir or storage.path(workdir) / "checkpoints"
+
+
 def root(cfg, workdir: str | os.PathLike, learner: Learner):
-    """Where a run's checkpoints go: `checkpoint.dir`, else <workdir>/checkpoints. An object
-    store (a URL) only for a learner that writes there (`Learner.remote_checkpoints`)."""
-    where = cfg.checkpoint.dir or storage.path(workdir) / "checkpoints"
+    """`location`, checked: an object store (a URL) only for a learner that writes there
+    (`Learner.remote_checkpoints`)."""
+    where = location(cfg, workdir)
     if storage.is_remote(where) and not getattr(learner, "remote_checkpoints", False):
         raise ValueError(f"checkpoint.dir={where}: {type(learner).__module__} writes its "
                          "checkpoints to a local or shared POSIX path (every process reads "

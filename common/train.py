@@ -70,6 +70,15 @@ def step_config(cfg, processor=None) -> StepConfig:
                       on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local")
 
 
+def check_workdir(cfg, workdir: str | Path) -> None:
+    """Stop before a run is built where it would overwrite an earlier run's checkpoints and
+    append to its metrics: a checkpoint there and `train.resume` unset."""
+    last = checkpoints.latest(checkpoints.location(cfg, workdir))
+    if last and not cfg.train.resume:
+        raise ValueError(f"{last} holds an earlier run's checkpoint: pass "
+                         "--config.train.resume=True to go on from it, or another --workdir")
+
+
 def train(cfg, workdir: str | Path, run: Run) -> dict:
     """Run the configured training, then close the run's backend (on errors too); returns the
     last step's metrics."""
@@ -87,15 +96,11 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
     renderer = run.renderer or make_renderer(cfg, run.processor)
     sampler = PromptSampler(len(run.train_set), cfg.seed, stream=comm.rank)  # its own share
-    ckpt_root = checkpoints.root(cfg, workdir, learner)  # may be a URL (common.storage)
-    last = checkpoints.latest(ckpt_root)
-    if last and not cfg.train.resume:  # a new run here would overwrite it and mix its metrics
-        raise ValueError(f"{last} holds an earlier run's checkpoint: pass "
-                         "--config.train.resume=True to go on from it, or another --workdir")
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     start = 0
-    if cfg.train.resume and last:
+    ckpt_root = checkpoints.root(cfg, workdir, learner)  # may be a URL (common.storage)
+    if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):
         state = checkpoints.load_loop_state(last)
         if len(state["engine_rng"]) != comm.world:
             raise ValueError(f"{last} was written by {len(state['engine_rng'])} processes, "

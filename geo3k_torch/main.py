@@ -68,6 +68,7 @@ def build(cfg, workdir: str) -> loop.Run:
 
 def train(cfg, workdir: str) -> dict:
     """Build the torch run and train it; returns the last step's metrics."""
+    loop.check_workdir(cfg, workdir)
     return loop.train(cfg, workdir, build(cfg, workdir))
 
 

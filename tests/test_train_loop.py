@@ -125,8 +125,10 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
     w0 = load_file(str(shared / "tiny" / "model.safetensors"))
     assert max(float(np.abs(w_full[k] - w0[k]).max()) for k in w_full) > 1e-4  # it trained
 
-    # a new run into a workdir that holds a run's checkpoints stops and changes nothing there
+    # a new run into a workdir that holds a run's checkpoints stops before it builds anything
+    # and changes nothing there
     before = (full / "metrics.jsonl").read_bytes()
+    monkeypatch.setattr(train_main, "build", lambda *a: pytest.fail("built the run"))
     with pytest.raises(ValueError, match="resume=True"):
         train_main.train(small_config(shared, 3), str(full))
     assert (full / "metrics.jsonl").read_bytes() == before
