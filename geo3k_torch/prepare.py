@@ -39,8 +39,12 @@ def prepare_model_dir(cfg) -> str:
                              "another folder (it is built there)")
     else:
         from geo3k_torch.pretrain import pretrain_vision
-        from geo3k_torch.prime import prime_format
+        from geo3k_torch.prime import PRIME_ANSWERS, PRIME_RETRIES, prime_format
         from geo3k_torch.tiny import build_tiny_checkpoint
+        for key, allowed in (("tiny_prime_answer", PRIME_ANSWERS),
+                             ("tiny_prime_retry", PRIME_RETRIES)):
+            if cfg.model[key] not in allowed:  # before minutes of pretraining, not after
+                raise ValueError(f"model.{key}={cfg.model[key]!r}: choose one of {allowed}")
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"model.tiny_dir={str(out)!r} exists but holds no checkpoint "
                                   "(no config.json): remove it or point tiny_dir elsewhere")
@@ -60,7 +64,7 @@ def prepare_model_dir(cfg) -> str:
                          train_vision=cfg.model.tiny_prime_vision,
                          tools=prompt_style(cfg.data.prompt_style)[1],
                          env_config=to_dataclass(EnvConfig, cfg.env),
-                         answer=cfg.model.tiny_prime_answer)
+                         answer=cfg.model.tiny_prime_answer, retry=cfg.model.tiny_prime_retry)
         shutil.rmtree(out, ignore_errors=True)  # an empty folder at most
         tmp.rename(out)  # a half-built checkpoint is never taken for a finished one
     return str(out)

@@ -10,8 +10,8 @@ where L is a choice letter drawn UNIFORMLY at random, independently of the probl
 or in a later turn (the earlier turns random calls too, the environment's own feedback between
 them: a model primed on first turns alone wrote its second call malformed). The primed policy
 thus knows the format and nothing about the answers (about 1 in 4 per turn, a rejected letter as
-likely as any); what GRPO then learns (use the feedback, do not repeat a rejected letter, read the
-diagram) is its own.
+likely as any, unless `model.tiny_prime_retry` is "new"); what GRPO then learns (use the feedback,
+do not repeat a rejected letter, read the diagram) is its own.
 Only a freshly built tiny checkpoint is primed (`model.tiny_prime_steps`), never `model.path`.
 """
 
@@ -35,6 +35,7 @@ from geo3k_torch.learner import SFTLearner, sft_step
 
 
 PRIME_ANSWERS = ("letter", "value")
+PRIME_RETRIES = ("any", "new")
 
 
 def format_target(answer: str) -> str:
@@ -51,23 +52,40 @@ def prime_config(lr: float, steps: int, freeze_vision: bool = False):
 
 
 def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
-                    answer: str = "letter", wrong: Sequence[int] | None = None) -> list[dict]:
+                    answer: str = "letter", wrong: Sequence[int] | None = None,
+                    retry: str = "any") -> list[dict]:
     """`prompt`'s messages, then 1 to `env_config.max_turns` assistant turns (uniformly many), each
     a call answering a choice by its letter or its value (`answer`), with the environment's
     feedback between them. The last turn, the one trained, answers a uniformly random choice;
     the earlier ones, context only, a random wrong one (`wrong`: their indices in
     `prompt.choices`, found with the environment's grader when None), as a later turn in a
     rollout always follows wrong ones. Were a solving call allowed to end it early, the trained
-    call would be the right answer more often than 1 in 4."""
+    call would be the right answer more often than 1 in 4.
+
+    retry="new": the earlier calls are distinct, and the trained call is uniform over the
+    choices no earlier call gave (an Instruct model's manners after "try a different answer":
+    it carries nothing about which of those is right; with 4 choices a turn-2 call is right 1 in
+    3, a turn-3 call 1 in 2, as for the elimination baseline). "any": over every choice."""
     if answer not in PRIME_ANSWERS:
         raise ValueError(f"the priming answers by one of {PRIME_ANSWERS}, got {answer!r}")
+    if retry not in PRIME_RETRIES:
+        raise ValueError(f"the priming's later calls choose from one of {PRIME_RETRIES} "
+                         f"(every choice, or those not yet given), got {retry!r}")
     env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
     if wrong is None:
         wrong = wrong_choices(prompt, env_config)
     messages = list(prompt.messages)
-    turns = int(rng.integers(1, env_config.max_turns + 1)) if wrong else 1
+    most = env_config.max_turns if retry == "any" else min(env_config.max_turns, len(wrong) + 1)
+    turns = int(rng.integers(1, most + 1)) if wrong else 1
+    earlier = ([int(k) for k in rng.choice(wrong, turns - 1, replace=False)]
+               if retry == "new" else [])
     for turn in range(1, turns + 1):
-        k = int(rng.integers(len(prompt.choices))) if turn == turns else int(rng.choice(wrong))
+        if retry == "new":
+            left = [k for k in range(len(prompt.choices)) if k not in earlier]
+            k = int(rng.choice(left)) if turn == turns else earlier[turn - 1]
+        else:
+            k = (int(rng.integers(len(prompt.choices))) if turn == turns
+                 else int(rng.choice(wrong)))
         reply = format_target(chr(ord("A") + k) if answer == "letter" else prompt.choices[k])
         messages.append({"role": "assistant", "content": reply})
         if turn < turns:
@@ -88,11 +106,12 @@ def wrong_choices(prompt, env_config: EnvConfig) -> list[int]:
 
 def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float = 3e-3,
                  batch: int = 8, train_vision: bool = True, tools=TOOLS,
-                 env_config: EnvConfig = EnvConfig(), answer: str = "letter") -> list[float]:
+                 env_config: EnvConfig = EnvConfig(), answer: str = "letter",
+                 retry: str = "any") -> list[float]:
     """`steps` SFT steps on random tool calls; saves the weights back into `model_dir`.
     prompts: `common.data.Prompt`s with choices, rendered with `tools` (the run's prompt style's
-    schemas, or None), played under the run's `env_config`, answering by `answer`
-    (`primer_messages`);
+    schemas, or None), played under the run's `env_config`, answering by `answer`, later calls
+    choosing by `retry` (`primer_messages`);
     train_vision=False leaves the vision tower as it is (the random letters carry no signal
     about the figure, yet at this lr they move every vision weight by about its own norm:
     docs/results.md).
@@ -116,7 +135,7 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
             seqs = []
             for i in rng.choice(len(usable), min(batch, len(usable)), replace=False):
                 p = usable[i]
-                messages = primer_messages(p, rng, env_config, answer, wrong[i])
+                messages = primer_messages(p, rng, env_config, answer, wrong[i], retry)
                 seqs.append(sft_example(renderer, messages, p.images, int(i)))
             budget = max(len(s) for s in seqs) * len(seqs)  # one micro-batch
             losses.append(sft_step(learner, seqs, budget)["loss"])

@@ -104,3 +104,16 @@ def test_the_tiny_checkpoint_is_pretrained_when_the_config_asks(tmp_path, capsys
     built = load_file(f"{out}/model.safetensors")
     key = "model.visual.patch_embed.proj.weight"
     assert not np.array_equal(plain[key].numpy(), built[key].numpy())  # the tower was trained
+
+
+def test_an_unknown_priming_setting_stops_before_anything_is_built(tmp_path):
+    from configs import cpu
+    from geo3k_torch.prepare import prepare_model_dir
+    for key in ("tiny_prime_answer", "tiny_prime_retry"):
+        cfg = cpu.get_config()
+        cfg.model.tiny_dir = str(tmp_path / "tiny")
+        cfg.model.tiny_see_steps = 600  # minutes, were it reached
+        cfg.model[key] = "sometimes"
+        with pytest.raises(ValueError, match=f"model.{key}='sometimes'"):
+            prepare_model_dir(cfg)
+        assert not (tmp_path / "tiny").exists() and not (tmp_path / "tiny.tmp").exists()

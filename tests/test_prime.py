@@ -68,6 +68,30 @@ def test_primer_answers_by_value_or_refuses():
         primer_messages(prompt, rng, EnvConfig(), "number")
 
 
+def test_primer_retries_only_choices_not_yet_given():
+    from geo3k_torch.prime import wrong_choices
+
+    prompt = _prompt()
+    (right,) = set(range(len(prompt.choices))) - set(wrong_choices(prompt, EnvConfig()))
+    rng = np.random.default_rng(0)
+    by_turn = collections.defaultdict(collections.Counter)
+    for _ in range(900):
+        messages = primer_messages(prompt, rng, EnvConfig(max_turns=3), retry="new")
+        replies = [m["content"] for m in messages[len(prompt.messages)::2]]
+        assert len(set(replies)) == len(replies)  # no call repeats an earlier one
+        env = Geo3kEnv(prompt.answer, EnvConfig(max_turns=3), choices=prompt.choices)
+        for reply in replies[:-1]:
+            assert env.step(reply)[2]["reason"] == "wrong"
+        # the trained call is uniform over what is left: the right letter 1 in (5 - turn)
+        by_turn[len(replies)][replies[-1] == format_target("ABCD"[right])] += 1
+    assert set(by_turn) == {1, 2, 3}
+    for turn, counts in by_turn.items():
+        right = counts[True] / sum(counts.values())
+        assert abs(right - 1 / (5 - turn)) < 0.07, (turn, counts)
+    with pytest.raises(ValueError, match="new"):
+        primer_messages(prompt, rng, EnvConfig(), retry="never")
+
+
 class ScriptEngine:
     """Answers each session from a script of texts, tokenized by the real tokenizer."""
 
