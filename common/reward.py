@@ -12,6 +12,7 @@ environment the same source):
 
 reward = max over turns t of correct(answer_t) * turn_discount ** (t - 1)
          + format_bonus * (at least one well-formed tool call)
+         - repeat_penalty * (turns that gave an answer the environment had already rejected)
 
 (AReaL's rule; with a discount <= 1 the max is at the first correct turn, `correct_turn`.) A
 turn is correct when the environment graded its answer correct (`info["correct"]`): the reward
@@ -33,7 +34,7 @@ import importlib
 import math
 from typing import Callable, Sequence
 
-from common.env import SOURCES, EnvConfig
+from common.env import REPEATED, SOURCES, EnvConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RewardConfig:
     source: str = "tool_or_boxed"
     turn_discount: float = 1.0
     format_bonus: float = 0.0
+    repeat_penalty: float = 0.0  # per turn whose answer repeats a rejected one (env "repeated")
     fn: str = ""  # "package.module:function" replaces score_episode; empty: the built-in
 
     def __post_init__(self):
@@ -48,6 +50,8 @@ class RewardConfig:
             raise ValueError(f"reward source must be one of {SOURCES}, got {self.source!r}")
         if not 0 < self.turn_discount <= 1:
             raise ValueError(f"turn_discount must be in (0, 1], got {self.turn_discount}")
+        if not 0 <= self.repeat_penalty < math.inf:
+            raise ValueError(f"repeat_penalty must be finite and >= 0, got {self.repeat_penalty}")
         if self.fn:
             load_reward_fn(self.fn)  # a bad name stops the run here, before any rollout
 
@@ -80,6 +84,7 @@ def score_episode(texts: Sequence[str], infos: Sequence[dict], answer: str,
     reward = cfg.turn_discount ** (turn - 1) if correct else 0.0
     if cfg.format_bonus and any(i.get("tool_score") is not None for i in infos):
         reward += cfg.format_bonus
+    reward -= cfg.repeat_penalty * sum(i.get("reason") == REPEATED for i in infos)
     return EpisodeScore(float(reward), correct, turn)
 
 

@@ -82,6 +82,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward.source = "tool_or_boxed"
     c.reward.turn_discount = 1.0
     c.reward.format_bonus = 0.0
+    # Subtracted once per turn that repeats an answer the environment already rejected.
+    c.reward.repeat_penalty = 0.0
     c.reward.fn = ""  # "package.module:function" with score_episode's signature: your own reward
 
     # Multi-turn sampling (common.rollout.RolloutConfig).

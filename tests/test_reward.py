@@ -137,3 +137,18 @@ def test_repeats_are_found_by_equivalence():
 def test_mismatched_turns_are_an_error():
     with pytest.raises(ValueError, match="turn infos"):
         score_episode(["a", "b"], [{}], "7")
+
+
+def test_each_repeat_of_a_rejected_answer_costs_the_penalty():
+    cfg = RewardConfig(turn_discount=0.5, repeat_penalty=0.3)
+    # A, then A again (rejected, repeated), then C: solved on turn 3, one repeat
+    s = episode([call("A"), call("3"), call("C")], cfg)
+    assert (s.correct_turn, s.reward) == (3, pytest.approx(0.25 - 0.3))
+    s = episode([call("A"), call("A"), call("A")], cfg)  # two repeats, never solved
+    assert (s.correct, s.reward) == (False, pytest.approx(-0.6))
+    s = episode([call("A"), call("B"), call("C")], cfg)  # no repeat: the discounted reward
+    assert s.reward == pytest.approx(0.25)
+    assert episode([call("A"), call("A"), call("C")]).reward == 1.0  # off by default
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="repeat_penalty"):
+            RewardConfig(repeat_penalty=bad)
