@@ -39,12 +39,10 @@ def prepare_model_dir(cfg) -> str:
                              "another folder (it is built there)")
     else:
         from geo3k_torch.pretrain import pretrain_vision
-        from geo3k_torch.prime import PRIME_ANSWERS, PRIME_RETRIES, prime_format
+        from geo3k_torch.prime import check_settings, prime_format
         from geo3k_torch.tiny import build_tiny_checkpoint
-        for key, allowed in (("tiny_prime_answer", PRIME_ANSWERS),
-                             ("tiny_prime_retry", PRIME_RETRIES)):
-            if cfg.model[key] not in allowed:  # before minutes of pretraining, not after
-                raise ValueError(f"model.{key}={cfg.model[key]!r}: choose one of {allowed}")
+        # before minutes of pretraining, not after
+        check_settings(cfg.model.tiny_prime_answer, cfg.model.tiny_prime_retry)
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"model.tiny_dir={str(out)!r} exists but holds no checkpoint "
                                   "(no config.json): remove it or point tiny_dir elsewhere")

@@ -51,6 +51,17 @@ def prime_config(lr: float, steps: int, freeze_vision: bool = False):
                                  freeze_vision=freeze_vision)
 
 
+def check_settings(answer: str, retry: str) -> None:
+    """Refuse an `answer` (model.tiny_prime_answer) or `retry` (model.tiny_prime_retry) the
+    priming does not know."""
+    if answer not in PRIME_ANSWERS:
+        raise ValueError(f"model.tiny_prime_answer={answer!r}: the priming answers by one of "
+                         f"{PRIME_ANSWERS}")
+    if retry not in PRIME_RETRIES:
+        raise ValueError(f"model.tiny_prime_retry={retry!r}: the priming's later calls choose "
+                         f"from one of {PRIME_RETRIES} (every choice, or those not yet given)")
+
+
 def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
                     answer: str = "letter", wrong: Sequence[int] | None = None,
                     retry: str = "any") -> list[dict]:
@@ -66,11 +77,7 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
     choices no earlier call gave (an Instruct model's manners after "try a different answer":
     it carries nothing about which of those is right; with 4 choices a turn-2 call is right 1 in
     3, a turn-3 call 1 in 2, as for the elimination baseline). "any": over every choice."""
-    if answer not in PRIME_ANSWERS:
-        raise ValueError(f"the priming answers by one of {PRIME_ANSWERS}, got {answer!r}")
-    if retry not in PRIME_RETRIES:
-        raise ValueError(f"the priming's later calls choose from one of {PRIME_RETRIES} "
-                         f"(every choice, or those not yet given), got {retry!r}")
+    check_settings(answer, retry)
     env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
     if wrong is None:
         wrong = wrong_choices(prompt, env_config)
@@ -82,7 +89,7 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
     for turn in range(1, turns + 1):
         if retry == "new":
             left = [k for k in range(len(prompt.choices)) if k not in earlier]
-            k = int(rng.choice(left)) if turn == turns else earlier[turn - 1]
+            k = earlier[turn - 1] if turn < turns else int(rng.choice(left))
         else:
             k = (int(rng.integers(len(prompt.choices))) if turn == turns
                  else int(rng.choice(wrong)))

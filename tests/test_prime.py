@@ -64,7 +64,7 @@ def test_primer_answers_by_value_or_refuses():
     values = {primer_messages(prompt, rng, EnvConfig(), "value")[-1]["content"]
               for _ in range(100)}
     assert values == {format_target(c) for c in prompt.choices}
-    with pytest.raises(ValueError, match="letter"):
+    with pytest.raises(ValueError, match="tiny_prime_answer='number'"):
         primer_messages(prompt, rng, EnvConfig(), "number")
 
 
@@ -72,7 +72,7 @@ def test_primer_retries_only_choices_not_yet_given():
     from geo3k_torch.prime import wrong_choices
 
     prompt = _prompt()
-    (right,) = set(range(len(prompt.choices))) - set(wrong_choices(prompt, EnvConfig()))
+    (solution,) = set(range(len(prompt.choices))) - set(wrong_choices(prompt, EnvConfig()))
     rng = np.random.default_rng(0)
     by_turn = collections.defaultdict(collections.Counter)
     for _ in range(900):
@@ -83,12 +83,12 @@ def test_primer_retries_only_choices_not_yet_given():
         for reply in replies[:-1]:
             assert env.step(reply)[2]["reason"] == "wrong"
         # the trained call is uniform over what is left: the right letter 1 in (5 - turn)
-        by_turn[len(replies)][replies[-1] == format_target("ABCD"[right])] += 1
+        by_turn[len(replies)][replies[-1] == format_target("ABCD"[solution])] += 1
     assert set(by_turn) == {1, 2, 3}
     for turn, counts in by_turn.items():
-        right = counts[True] / sum(counts.values())
-        assert abs(right - 1 / (5 - turn)) < 0.07, (turn, counts)
-    with pytest.raises(ValueError, match="new"):
+        share = counts[True] / sum(counts.values())
+        assert abs(share - 1 / (5 - turn)) < 0.07, (turn, counts)
+    with pytest.raises(ValueError, match="tiny_prime_retry='never'"):
         primer_messages(prompt, rng, EnvConfig(), retry="never")
 
 
