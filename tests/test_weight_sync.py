@@ -65,8 +65,9 @@ def test_bf16_shards_load_back_in_transformers(tiny, tmp_path):
 CONSUMER = """
 import base64, json, pickle, sys
 import torch
-named = pickle.loads(base64.b64decode(sys.stdin.read()))
-print(json.dumps({n: [str(t.device), t.float().sum().item()] for n, t in named}))
+for line in sys.stdin:  # one payload a line; each answered before the learner moves on
+    named = pickle.loads(base64.b64decode(line))
+    print(json.dumps({n: [str(t.device), t.float().sum().item()] for n, t in named}), flush=True)
 """
 
 
@@ -74,7 +75,8 @@ print(json.dumps({n: [str(t.device), t.float().sum().item()] for n, t in named})
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_payloads_open_in_another_process(tiny):
     """On CUDA a payload carries IPC handles: another process on the same GPU (as a colocated
-    SGLang server is) opens them and reads the learner's bf16 weights, on the learner's device."""
+    SGLang server is) opens them and reads the learner's bf16 weights, on the learner's device.
+    One consumer process reads every bucket while the learner holds it, as SGLang does."""
     import subprocess
     import sys
 
@@ -82,11 +84,18 @@ def test_cuda_payloads_open_in_another_process(tiny):
     model = model.to("cuda")
     device = f"cuda:{torch.cuda.current_device()}"
     seen = {}
-    for payload, _ in TorchWeights(model, d / "src").tensor_buckets(1 << 16):
-        out = subprocess.run([sys.executable, "-c", CONSUMER], input=payload, text=True,
-                             capture_output=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        seen.update(json.loads(out.stdout))
+    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for payload, _ in TorchWeights(model, d / "src").tensor_buckets(1 << 16):
+            consumer.stdin.write(payload.strip() + "\n")
+            consumer.stdin.flush()
+            line = consumer.stdout.readline()
+            assert line, consumer.stderr.read()[-2000:]
+            seen.update(json.loads(line))
+    finally:
+        consumer.stdin.close()
+        assert consumer.wait(timeout=60) == 0, consumer.stderr.read()[-2000:]
     assert sorted(seen) == sorted(exported)
     for n, (dev, total) in seen.items():
         want = exported[n].to(torch.bfloat16).float().sum().item()
