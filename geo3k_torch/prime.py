@@ -10,7 +10,7 @@ where L is a choice letter drawn UNIFORMLY at random, independently of the probl
 or in a later turn (the earlier turns random calls too, the environment's own feedback between
 them: a model primed on first turns alone wrote its second call malformed). The primed policy
 thus knows the format and nothing about the answers (about 1 in 4 per turn, a rejected letter as
-likely as any, unless `model.tiny_prime_retry` is "new"); what GRPO then learns (use the feedback,
+likely as any, unless `model.tiny_prime_retry` is "new" or "new_after_repeats"); what GRPO then learns (use the feedback,
 do not repeat a rejected letter, read the diagram) is its own.
 Only a freshly built tiny checkpoint is primed (`model.tiny_prime_steps`), never `model.path`.
 """
@@ -35,7 +35,7 @@ from geo3k_torch.learner import SFTLearner, sft_step
 
 
 PRIME_ANSWERS = ("letter", "value")
-PRIME_RETRIES = ("any", "new")
+PRIME_RETRIES = ("any", "new", "new_after_repeats")
 
 
 def format_target(answer: str) -> str:
@@ -76,13 +76,17 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
     retry="new": the earlier calls are distinct, and the trained call is uniform over the
     choices no earlier call gave (an Instruct model's manners after "try a different answer":
     it carries nothing about which of those is right; with 4 choices a turn-2 call is right 1 in
-    3, a turn-3 call 1 in 2, as for the elimination baseline). "any": over every choice."""
+    3, a turn-3 call 1 in 2, as for the elimination baseline). "new_after_repeats": the trained
+    call as for "new", the earlier calls wrong ones drawn independently, so that the context may
+    repeat one and carry the environment's "repeated" feedback, as a policy's rollouts do (primed
+    with "new", the tiny model never saw that feedback and broke the format of the turn after it).
+    "any": the earlier calls as for "new_after_repeats", the trained call over every choice."""
     check_settings(answer, retry)
     env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
     if wrong is None:
         wrong = wrong_choices(prompt, env_config)
     messages = list(prompt.messages)
-    most = env_config.max_turns if retry == "any" else min(env_config.max_turns, len(wrong) + 1)
+    most = env_config.max_turns if retry != "new" else min(env_config.max_turns, len(wrong) + 1)
     turns = int(rng.integers(1, most + 1)) if wrong else 1
     earlier = ([int(k) for k in rng.choice(wrong, turns - 1, replace=False)]
                if retry == "new" else [])
@@ -90,9 +94,13 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
         if retry == "new":
             left = [k for k in range(len(prompt.choices)) if k not in earlier]
             k = earlier[turn - 1] if turn < turns else int(rng.choice(left))
+        elif turn < turns:
+            k = int(rng.choice(wrong))
+            earlier.append(k)
+        elif retry == "new_after_repeats":
+            k = int(rng.choice([k for k in range(len(prompt.choices)) if k not in earlier]))
         else:
-            k = (int(rng.integers(len(prompt.choices))) if turn == turns
-                 else int(rng.choice(wrong)))
+            k = int(rng.integers(len(prompt.choices)))
         reply = format_target(chr(ord("A") + k) if answer == "letter" else prompt.choices[k])
         messages.append({"role": "assistant", "content": reply})
         if turn < turns:

@@ -92,6 +92,36 @@ def test_primer_retries_only_choices_not_yet_given():
         primer_messages(prompt, rng, EnvConfig(), retry="never")
 
 
+def test_primer_retries_a_new_choice_after_repeated_ones():
+    """"new_after_repeats": the earlier calls are wrong and may repeat (the context then holds
+    the environment's "repeated" feedback, as rollouts do); the trained call is one of the
+    choices no earlier call gave, uniformly: right 1 in (number of choices left)."""
+    from geo3k_torch.prime import wrong_choices
+
+    prompt = _prompt()
+    (solution,) = set(range(len(prompt.choices))) - set(wrong_choices(prompt, EnvConfig()))
+    rng = np.random.default_rng(0)
+    right = collections.defaultdict(collections.Counter)
+    reasons = collections.Counter()
+    for _ in range(1500):
+        messages = primer_messages(prompt, rng, EnvConfig(max_turns=3),
+                                   retry="new_after_repeats")
+        replies = [m["content"] for m in messages[len(prompt.messages)::2]]
+        assert replies[-1] not in replies[:-1]
+        env = Geo3kEnv(prompt.answer, EnvConfig(max_turns=3), choices=prompt.choices)
+        for reply in replies[:-1]:
+            reason = env.step(reply)[2]["reason"]
+            assert reason in ("wrong", "repeated")
+            reasons[reason] += 1
+        left = len(prompt.choices) - len(set(replies[:-1]))
+        right[left][replies[-1] == format_target("ABCD"[solution])] += 1
+    assert reasons["repeated"] > 0.1 * sum(reasons.values())
+    assert set(right) == {2, 3, 4}
+    for left, counts in right.items():
+        share = counts[True] / sum(counts.values())
+        assert abs(share - 1 / left) < 0.07, (left, counts)
+
+
 class ScriptEngine:
     """Answers each session from a script of texts, tokenized by the real tokenizer."""
 
