@@ -1,9 +1,7 @@
 """scripts/benchmark_trl.py gives TRL the same work: the same prompt ids (our messages and tool
 schema through TRL's path), the same reward, TRL keeping the checkpoint's chat template."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -13,18 +11,15 @@ from common.prompts import SCORE_TOOL
 from common.prepare import make_renderer
 from configs import cpu
 from geo3k_torch.tiny import build_tiny_checkpoint
+from tests.script_module import load_script
 from tests.tiny_models import image
 
 trl = pytest.importorskip("trl")
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "benchmark_trl.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_trl", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark_trl")
 
 
 @pytest.fixture(scope="module", params=["own", "qwen3_vl"])

@@ -1,9 +1,6 @@
 """scripts/retry_probe.py: the scripted contexts hold the environment's own feedback ("repeated"
 after the same wrong call twice), and a real checkpoint's third turns are graded, one each."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -13,16 +10,13 @@ from common.prompts import prompt_style
 from common.synthetic import PERCEPTION, generate
 from configs import cpu_perception
 from geo3k_torch.prime import wrong_choices
+from tests.script_module import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "retry_probe.py"
 
 
 @pytest.fixture(scope="module")
 def retry_probe():
-    spec = importlib.util.spec_from_file_location("retry_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("retry_probe")
 
 
 def _problems(n):
