@@ -10,8 +10,8 @@ where L is a choice letter drawn UNIFORMLY at random, independently of the probl
 or in a later turn (the earlier turns random calls too, the environment's own feedback between
 them: a model primed on first turns alone wrote its second call malformed). The primed policy
 thus knows the format and nothing about the answers (about 1 in 4 per turn, a rejected letter as
-likely as any, unless `model.tiny_prime_retry` is "new" or "new_after_repeats"); what GRPO then learns (use the feedback,
-do not repeat a rejected letter, read the diagram) is its own.
+likely as any, unless `model.tiny_prime_retry` is "new" or "new_after_repeats"); what GRPO then
+learns (use the feedback, do not repeat a rejected letter, read the diagram) is its own.
 Only a freshly built tiny checkpoint is primed (`model.tiny_prime_steps`), never `model.path`.
 """
 
