@@ -1,20 +1,26 @@
 """What a run needs before it starts, for any learner: the data splits and a sane config.
 
-With `data.path` empty the synthetic set is generated into `data.synthetic_dir` (once: an
-existing split is reused). The model directory is the learner's business (a tiny checkpoint is
-built with torch: `geo3k_torch.prepare.prepare_model_dir`).
+With `data.path` empty the synthetic set is generated into `data.synthetic_dir` once, from
+`data.synthetic_seed` (never the run's `seed`: runs of every seed, in any order, read the same
+problems). The folder records what each split was made from (`synthetic.json`); a split of other
+settings is never reused, and never overwritten. The model directory is the learner's business (a
+tiny checkpoint is built with torch: `geo3k_torch.prepare.prepare_model_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import DataError, load_split
 from common.prompts import prompt_style
-from common.synthetic import FAMILIES, write_split
+from common.synthetic import FAMILIES, parse_image_size, write_split
 
 
 def prepare_data(cfg, shard: tuple[int, int] = (0, 1)):
@@ -28,19 +34,65 @@ def prepare_data(cfg, shard: tuple[int, int] = (0, 1)):
                  for s in (cfg.data.train_split, cfg.data.test_split))
 
 
-def write_synthetic(cfg) -> str:
-    """Generate the synthetic splits into `data.synthetic_dir` unless they exist there; returns
-    that folder."""
-    path = cfg.data.synthetic_dir
+SYNTHETIC_RECORD = "synthetic.json"  # {split: synthetic_spec's entry} in data.synthetic_dir
+TEST_SEED_OFFSET = 10_000  # the test split is drawn from data.synthetic_seed + this
+
+
+def synthetic_spec(cfg) -> dict:
+    """{split name: {"n", "seed", "image_size": [lo, hi], "families": [...]}}: what each split of
+    the synthetic set is generated from."""
     spec = cfg.data.synthetic_families.replace(" ", "")
-    families = tuple(spec.split(",")) if spec else FAMILIES
-    for split, n, seed in ((cfg.data.train_split, cfg.data.synthetic_train_size, cfg.seed),
-                           (cfg.data.test_split, cfg.data.synthetic_test_size,
-                            cfg.seed + 10_000)):
-        if not list(Path(path).glob(f"{split}-*.parquet")):
-            write_split(path, split, n, seed, image_size=cfg.data.synthetic_image_size,
-                        families=families)
-    return path
+    families = list(spec.split(",") if spec else FAMILIES)
+    size = list(parse_image_size(cfg.data.synthetic_image_size))
+    seed = cfg.data.synthetic_seed
+    return {split: {"n": n, "seed": s, "image_size": size, "families": families}
+            for split, n, s in ((cfg.data.train_split, cfg.data.synthetic_train_size, seed),
+                                (cfg.data.test_split, cfg.data.synthetic_test_size,
+                                 seed + TEST_SEED_OFFSET))}
+
+
+@contextlib.contextmanager
+def build_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive lock on `target`'s sibling `.<name>.lock` file: two runs started at once
+    on a fresh folder build it one after the other (the second then finds it built)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def write_synthetic(cfg) -> str:
+    """Generate the synthetic splits into `data.synthetic_dir` unless they are there; returns
+    that folder. Raises `DataError` if a split there was made from other settings than
+    `synthetic_spec(cfg)`'s, or without a record of them."""
+    path = Path(cfg.data.synthetic_dir)
+    with build_lock(path):
+        record_file = path / SYNTHETIC_RECORD
+        record = json.loads(record_file.read_text()) if record_file.exists() else {}
+        for split, want in synthetic_spec(cfg).items():
+            if list(path.glob(f"{split}-*.parquet")):
+                if record.get(split) != want:
+                    made = (f"from {record[split]}" if split in record else
+                            f"with no record of its settings ({SYNTHETIC_RECORD})")
+                    raise DataError(
+                        f"data.synthetic_dir={str(path)!r} holds a {split!r} split made {made}, "
+                        f"but this config asks for {want}: point data.synthetic_dir at another "
+                        f"folder (it is generated there), remove this one, or read it as it is "
+                        f"with data.path={str(path)!r}")
+                continue
+            # recorded first: a split cut short leaves no parquet, and is generated again
+            record[split] = want
+            path.mkdir(parents=True, exist_ok=True)
+            tmp = record_file.with_name(f".{SYNTHETIC_RECORD}.tmp")
+            tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+            tmp.replace(record_file)
+            write_split(path, split, want["n"], want["seed"], image_size=want["image_size"],
+                        families=tuple(want["families"]))
+    return str(path)
 
 
 def load_data(cfg, comm):

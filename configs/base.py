@@ -39,6 +39,9 @@ def get_config() -> ml_collections.ConfigDict:
     # the final answer in \boxed{}" and no tool (single-turn, SFT). common.prompts.PROMPT_STYLES
     c.data.prompt_style = "tool"
     c.data.synthetic_dir = "data/synthetic"  # where the synthetic set is generated when path is ""
+    # The synthetic set's seed (the test split's is this + 10,000), not the run's `seed`: runs of
+    # every seed read the same problems.
+    c.data.synthetic_seed = 0
     c.data.synthetic_train_size = 512
     c.data.synthetic_test_size = 64
     c.data.synthetic_image_size = "112"  # one size "112" or a range "112,224"
@@ -52,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_dir = "data/tiny-qwen3_vl-small"
     c.model.tiny_arch = "qwen3_vl"
     c.model.tiny_vocab = "small"
+    c.model.tiny_seed = 0  # the tiny checkpoint's init, pretraining and priming (not `seed`)
     # A new tiny checkpoint's vision pretraining (geo3k_torch.pretrain), before the priming:
     # steps of its vision tower classifying perception figures, then of captions with it frozen
     # (off: with it the CPU default still ends at chance, docs/results.md's third attempt).

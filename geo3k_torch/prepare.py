@@ -1,12 +1,16 @@
 """What a torch run needs before it starts: its device, a model directory, its models.
 
-With `model.path` empty a tiny checkpoint is built into `model.tiny_dir` (once; the JAX entry
-point uses this too). Real runs point `model.path` at a local copy of the download. The data
-splits are prepared by `common.prepare.prepare_data`.
+With `model.path` empty a tiny checkpoint is built into `model.tiny_dir` once, from
+`model.tiny_seed` (never the run's `seed`: runs of every seed, in any order, start from the same
+checkpoint), and the JAX entry point uses it too. The folder records the settings it was built
+from (`tiny_build.json`); a checkpoint of other settings is never reused, and never overwritten.
+Real runs point `model.path` at a local copy of the download. The data splits are prepared by
+`common.prepare.prepare_data`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,12 +19,56 @@ from pathlib import Path
 import torch
 
 from common.env import EnvConfig
-from common.prepare import prepare_data
+from common.prepare import build_lock, prepare_data, synthetic_spec
 from common.prompts import prompt_style
+from common.synthetic import parse_image_size
 from configs import to_dataclass
 from geo3k_torch.model import load_model, load_sharded
 
-PRETRAIN_SEED = 20_000  # + seed: the vision pretraining's figures (the splits use seed, + 10,000)
+PRETRAIN_SEED = 20_000  # + tiny_seed: the vision pretraining's figures (the splits: 0 and 10,000)
+BUILD_RECORD = "tiny_build.json"
+
+
+def tiny_build_spec(cfg) -> dict:
+    """The settings a tiny checkpoint of `cfg` is built from: only those its build reads (the
+    pretraining's when it pretrains, the priming's, with its data and environment, when it
+    primes)."""
+    m = cfg.model
+    spec = {"arch": m.tiny_arch, "vocab": m.tiny_vocab, "seed": m.tiny_seed}
+    if m.tiny_see_steps or m.tiny_caption_steps:
+        spec.update(see_steps=m.tiny_see_steps, caption_steps=m.tiny_caption_steps,
+                    image_size=list(parse_image_size(cfg.data.synthetic_image_size)))
+    if m.tiny_prime_steps:
+        data = ({"path": cfg.data.path, "split": cfg.data.train_split} if cfg.data.path
+                else synthetic_spec(cfg)[cfg.data.train_split])
+        spec.update(prime_steps=m.tiny_prime_steps, prime_vision=m.tiny_prime_vision,
+                    prime_answer=m.tiny_prime_answer, prime_retry=m.tiny_prime_retry,
+                    prompt_style=cfg.data.prompt_style, data=data,
+                    env=dataclasses.asdict(to_dataclass(EnvConfig, cfg.env)))
+    return json.loads(json.dumps(spec))  # as it reads back from the record
+
+
+def _check_built(out: Path, cfg) -> None:
+    """Raise unless the checkpoint in `out` was built from `tiny_build_spec(cfg)`."""
+    kind = json.loads((out / "config.json").read_text()).get("model_type")
+    if kind != cfg.model.tiny_arch:
+        raise ValueError(f"model.tiny_dir={str(out)!r} holds a {kind} checkpoint but "
+                         f"model.tiny_arch={cfg.model.tiny_arch!r}: point tiny_dir at "
+                         "another folder (it is built there)")
+    record = out / BUILD_RECORD
+    have = json.loads(record.read_text()) if record.exists() else None
+    want = tiny_build_spec(cfg)
+    if have == want:
+        return
+    if have is None:
+        made = f"with no record of its settings ({BUILD_RECORD})"
+    else:
+        made = "with " + ", ".join(f"{k}={have.get(k)!r} where this config asks for {want.get(k)!r}"
+                                   for k in sorted(set(have) | set(want))
+                                   if have.get(k) != want.get(k))
+    raise ValueError(f"model.tiny_dir={str(out)!r} holds a tiny checkpoint built {made}: point "
+                     "model.tiny_dir at another folder (it is built there), remove this one, or "
+                     f"train it as it is with model.path={str(out)!r}")
 
 
 def prepare_model_dir(cfg) -> str:
@@ -31,41 +79,43 @@ def prepare_model_dir(cfg) -> str:
                                     "it at a local Hugging Face checkpoint directory")
         return cfg.model.path
     out = Path(cfg.model.tiny_dir)
-    if (out / "config.json").exists():
-        kind = json.loads((out / "config.json").read_text()).get("model_type")
-        if kind != cfg.model.tiny_arch:
-            raise ValueError(f"model.tiny_dir={str(out)!r} holds a {kind} checkpoint but "
-                             f"model.tiny_arch={cfg.model.tiny_arch!r}: point tiny_dir at "
-                             "another folder (it is built there)")
-    else:
-        from geo3k_torch.pretrain import pretrain_vision
-        from geo3k_torch.prime import check_settings, prime_format
-        from geo3k_torch.tiny import build_tiny_checkpoint
-        # before minutes of pretraining, not after
-        check_settings(cfg.model.tiny_prime_answer, cfg.model.tiny_prime_retry)
-        if out.exists() and any(out.iterdir()):
-            raise FileExistsError(f"model.tiny_dir={str(out)!r} exists but holds no checkpoint "
-                                  "(no config.json): remove it or point tiny_dir elsewhere")
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_checkpoint(tmp, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab,
-                              seed=cfg.seed)
-        if cfg.model.tiny_see_steps or cfg.model.tiny_caption_steps:
-            seen = pretrain_vision(str(tmp), cfg.model.tiny_see_steps,
-                                   cfg.model.tiny_caption_steps, PRETRAIN_SEED + cfg.seed,
-                                   image_size=cfg.data.synthetic_image_size)
-            print("vision pretraining, held-out accuracy (chance 0.25): tower "
-                  f"{seen['tower_accuracy']:.2f}, captions {seen['caption_accuracy']:.2f}")
-        if cfg.model.tiny_prime_steps:
-            train_set, _ = prepare_data(cfg)
-            prime_format(str(tmp), train_set.prompts, cfg.model.tiny_prime_steps, cfg.seed,
-                         train_vision=cfg.model.tiny_prime_vision,
-                         tools=prompt_style(cfg.data.prompt_style)[1],
-                         env_config=to_dataclass(EnvConfig, cfg.env),
-                         answer=cfg.model.tiny_prime_answer, retry=cfg.model.tiny_prime_retry)
-        shutil.rmtree(out, ignore_errors=True)  # an empty folder at most
-        tmp.rename(out)  # a half-built checkpoint is never taken for a finished one
+    with build_lock(out):
+        if (out / "config.json").exists():
+            _check_built(out, cfg)
+        else:
+            _build(out, cfg)
     return str(out)
+
+
+def _build(out: Path, cfg) -> None:
+    """Build the tiny checkpoint of `cfg` into `out` (through `out.tmp`, renamed when done)."""
+    from geo3k_torch.pretrain import pretrain_vision
+    from geo3k_torch.prime import check_settings, prime_format
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    check_settings(cfg.model.tiny_prime_answer, cfg.model.tiny_prime_retry)  # before minutes
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"model.tiny_dir={str(out)!r} exists but holds no checkpoint "
+                              "(no config.json): remove it or point tiny_dir elsewhere")
+    seed = cfg.model.tiny_seed
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_checkpoint(tmp, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab, seed=seed)
+    if cfg.model.tiny_see_steps or cfg.model.tiny_caption_steps:
+        seen = pretrain_vision(str(tmp), cfg.model.tiny_see_steps, cfg.model.tiny_caption_steps,
+                               PRETRAIN_SEED + seed, image_size=cfg.data.synthetic_image_size)
+        print("vision pretraining, held-out accuracy (chance 0.25): tower "
+              f"{seen['tower_accuracy']:.2f}, captions {seen['caption_accuracy']:.2f}")
+    if cfg.model.tiny_prime_steps:
+        train_set, _ = prepare_data(cfg)
+        prime_format(str(tmp), train_set.prompts, cfg.model.tiny_prime_steps, seed,
+                     train_vision=cfg.model.tiny_prime_vision,
+                     tools=prompt_style(cfg.data.prompt_style)[1],
+                     env_config=to_dataclass(EnvConfig, cfg.env),
+                     answer=cfg.model.tiny_prime_answer, retry=cfg.model.tiny_prime_retry)
+    (tmp / BUILD_RECORD).write_text(json.dumps(tiny_build_spec(cfg), indent=1, sort_keys=True)
+                                    + "\n")
+    shutil.rmtree(out, ignore_errors=True)  # an empty folder at most
+    tmp.rename(out)  # a half-built checkpoint is never taken for a finished one
 
 
 def resolve_device(cfg) -> torch.device:

@@ -338,6 +338,83 @@ def test_each_process_reads_its_share_after_process_0_wrote_the_synthetic_set(ra
     assert train.rows == list(range(rank, 6, 2)) and test.rows == list(range(rank, 3, 2))
 
 
+def test_the_synthetic_set_is_the_same_for_every_run_seed_and_other_settings_are_refused(
+        tmp_path):
+    """Runs of seeds 3 and 4, in either order, read the same problems; a folder of other
+    settings (or of none recorded) stops the run and keeps its files."""
+    from common import prepare
+    from configs import cpu
+
+    def config(folder, seed=0, **data):
+        cfg = cpu.get_config()
+        cfg.seed = seed
+        cfg.data.synthetic_dir = str(tmp_path / folder)
+        cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 4, 2
+        cfg.data.update(data)
+        return cfg
+
+    def files(folder):
+        return {p.name: p.read_bytes() for p in sorted((tmp_path / folder).glob("*.parquet"))}
+
+    prepare.write_synthetic(config("a", seed=3))
+    prepare.write_synthetic(config("b", seed=4))
+    assert len(files("a")) == 2 and files("a") == files("b")
+    assert prepare.write_synthetic(config("a", seed=4)) == str(tmp_path / "a")
+    before = {**files("a"), "record": (tmp_path / "a" / prepare.SYNTHETIC_RECORD).read_bytes()}
+    for key, value in (("synthetic_seed", 1), ("synthetic_train_size", 5),
+                       ("synthetic_test_size", 3), ("synthetic_image_size", "56"),
+                       ("synthetic_families", "polygon_sides")):
+        with pytest.raises(DataError, match="but this config asks for") as e:
+            prepare.write_synthetic(config("a", **{key: value}))
+        assert "data.synthetic_dir=" in str(e.value) and "data.path=" in str(e.value)
+    prepare.write_synthetic(config("c", synthetic_seed=1))
+    assert files("c") != files("a")
+    (tmp_path / "a" / prepare.SYNTHETIC_RECORD).unlink()
+    with pytest.raises(DataError, match="no record of its settings"):
+        prepare.write_synthetic(config("a"))
+    assert {**files("a"), "record": before["record"]} == before
+
+
+def test_a_missing_split_is_generated_beside_a_recorded_one(tmp_path):
+    """A bigger test split in a new run: the train split is kept, the test split written."""
+    from common import prepare
+    from configs import cpu
+
+    cfg = cpu.get_config()
+    cfg.data.synthetic_dir = str(tmp_path)
+    cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 4, 2
+    prepare.write_synthetic(cfg)
+    train = (tmp_path / "train-00000-of-00001.parquet").read_bytes()
+    (tmp_path / "test-00000-of-00001.parquet").unlink()
+    cfg.data.synthetic_test_size = 3
+    prepare.write_synthetic(cfg)
+    assert (tmp_path / "train-00000-of-00001.parquet").read_bytes() == train
+    assert len(load_split(tmp_path, split="test").prompts) == 3
+
+
+def test_the_build_lock_lets_one_holder_in_at_a_time(tmp_path):
+    import threading
+    import time
+    from common.prepare import build_lock
+
+    order = []
+
+    def hold(name):
+        with build_lock(tmp_path / "target"):
+            order.append(f"{name} in")
+            time.sleep(0.2)
+            order.append(f"{name} out")
+
+    threads = [threading.Thread(target=hold, args=(n,)) for n in "ab"]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert order == ["a in", "a out", "b in", "b out"]
+    assert not (tmp_path / "target").exists()
+
+
 def test_a_process_that_cannot_read_its_share_stops_every_process(tmp_path):
     from common import prepare
     from configs import cpu

@@ -99,7 +99,7 @@ def test_the_tiny_checkpoint_is_pretrained_when_the_config_asks(tmp_path, capsys
     cfg.model.tiny_prime_steps, cfg.model.tiny_prime_vision = 1, False
     out = prepare_model_dir(cfg)
     assert "vision pretraining, held-out accuracy" in capsys.readouterr().out
-    plain = load_file(str(build_tiny_checkpoint(tmp_path / "plain", seed=cfg.seed)
+    plain = load_file(str(build_tiny_checkpoint(tmp_path / "plain", seed=cfg.model.tiny_seed)
                           / "model.safetensors"))
     built = load_file(f"{out}/model.safetensors")
     key = "model.visual.patch_embed.proj.weight"

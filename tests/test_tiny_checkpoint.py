@@ -461,5 +461,40 @@ def test_tiny_dir_of_another_arch_is_an_error(tmp_path):
     cfg.model.tiny_dir, cfg.model.tiny_arch = str(tmp_path), "qwen2_5_vl"
     with pytest.raises(ValueError, match="holds a qwen3_vl checkpoint"):
         prepare_model_dir(cfg)
-    cfg.model.tiny_arch = "qwen3_vl"
-    assert prepare_model_dir(cfg) == str(tmp_path)
+
+
+def test_the_tiny_checkpoint_is_the_same_for_every_run_seed_and_other_builds_are_refused(
+        tmp_path):
+    """Runs of any seed start from the checkpoint of `model.tiny_seed`; a folder built from
+    other settings, or with none recorded, stops the run and is left as it was."""
+    from configs import cpu
+    from geo3k_torch.prepare import BUILD_RECORD, prepare_model_dir
+
+    def config(seed=0, **model):
+        cfg = cpu.get_config()
+        cfg.seed = seed
+        cfg.model.tiny_dir, cfg.model.tiny_prime_steps = str(tmp_path / "tiny"), 0
+        cfg.model.update(model)
+        return cfg
+
+    out = Path(prepare_model_dir(config(seed=3)))
+    plain = build_tiny_checkpoint(tmp_path / "plain", arch="qwen3_vl", vocab="small", seed=0)
+    assert (out / "model.safetensors").read_bytes() == (plain / "model.safetensors").read_bytes()
+    same = config(seed=4)
+    same.env.max_turns = 5  # the environment is read by the priming only, which is off
+    assert prepare_model_dir(same) == str(out)
+    files = {f.name: f.read_bytes() for f in out.iterdir()}
+    for key, value, said in (("tiny_seed", 1, "seed=0 where this config asks for 1"),
+                             ("tiny_vocab", "qwen", "vocab='small' where this config asks for "
+                                                    "'qwen'"),
+                             ("tiny_prime_steps", 2, "prime_steps=None where this config asks "
+                                                     "for 2")):
+        with pytest.raises(ValueError, match=said) as e:
+            prepare_model_dir(config(**{key: value}))
+        assert f"model.path={str(out)!r}" in str(e.value)
+    (out / BUILD_RECORD).unlink()
+    with pytest.raises(ValueError, match="no record of its settings"):
+        prepare_model_dir(config())
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == {
+        k: v for k, v in files.items() if k != BUILD_RECORD}
+    assert prepare_model_dir(config(path=str(out))) == str(out)  # as it is, on purpose
