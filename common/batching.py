@@ -34,13 +34,14 @@ from common.rollout import ABORTED, Trajectory, split_turns
 @dataclasses.dataclass
 class TrainSequence:
     """One training sequence. Arrays are (T,); `traj_index` points back at its trajectory.
+    `advantage`: its episode's, or (T,) one per token (`turn_token_advantages`).
     `episode_tokens`: the trained tokens of its whole episode when it is one turn of it (the
     `individual` export), so that a per-sequence mean weighs each episode once; 0: its own."""
 
     token_ids: np.ndarray
     loss_mask: np.ndarray
     rollout_logprobs: np.ndarray
-    advantage: float
+    advantage: float | np.ndarray
     images: list
     traj_index: int
     episode_tokens: int = 0
@@ -59,12 +60,26 @@ class TrainSequence:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def token_advantages(self) -> np.ndarray:
+        """(T,) float32: the advantage of each token."""
+        return np.broadcast_to(np.asarray(self.advantage, np.float32), (len(self),))
 
-def training_sequences(trajectories: Sequence[Trajectory], advantages: np.ndarray,
+
+def turn_token_advantages(traj: Trajectory, per_turn: np.ndarray) -> np.ndarray:
+    """(T,) float32: `per_turn[k]` on the tokens of the trajectory's turn k + 1, 0 elsewhere
+    (prompt and feedback tokens, which are not trained). per_turn: (K,), K >= its turns."""
+    out = np.zeros(len(traj.token_ids), np.float32)
+    for k, turn in enumerate(traj.turns):
+        out[turn.start:turn.end] = per_turn[k]
+    return out
+
+
+def training_sequences(trajectories: Sequence[Trajectory], advantages: Sequence,
                        export_style: str = "concat",
                        keep: np.ndarray | None = None) -> list[TrainSequence]:
     """Sequences to train on: aborted trajectories, `keep == False` ones and those with no
-    generated token are left out. advantages, keep: (N,) per trajectory."""
+    generated token are left out. advantages: one per trajectory, a float or (T_i,) per token;
+    keep: (N,)."""
     if len(advantages) != len(trajectories):
         raise ValueError(f"{len(advantages)} advantages for {len(trajectories)} trajectories")
     if export_style not in ("concat", "individual"):
@@ -75,10 +90,12 @@ def training_sequences(trajectories: Sequence[Trajectory], advantages: np.ndarra
             continue
         pieces = [traj] if export_style == "concat" else split_turns(traj)
         total = int(traj.loss_mask.sum()) if len(pieces) > 1 else 0
-        for p in pieces:
+        a = advantages[i]
+        for p in pieces:  # a piece is a prefix of its trajectory
             if p.loss_mask.any():
                 out.append(TrainSequence(p.token_ids, p.loss_mask, p.rollout_logprobs,
-                                         float(advantages[i]), p.images, i, total))
+                                         float(a) if np.ndim(a) == 0 else a[:len(p.token_ids)],
+                                         p.images, i, total))
     return out
 
 
@@ -123,7 +140,7 @@ def _concat(seqs: Sequence[TrainSequence], index: Sequence[int],
             parents: Sequence[int] | None = None) -> PackedBatch:
     lens = np.array([len(s) for s in seqs], np.int64)
     mask = np.concatenate([s.loss_mask for s in seqs]).astype(np.float32)
-    adv = np.concatenate([np.full(len(s), s.advantage, np.float32) for s in seqs]) * mask
+    adv = np.concatenate([s.token_advantages() for s in seqs]) * mask
     return PackedBatch(
         input_ids=np.concatenate([s.token_ids for s in seqs]).astype(np.int64),
         loss_mask=mask,
@@ -208,7 +225,8 @@ def _concat_shared(seqs: Sequence[TrainSequence], units: Sequence[_Unit]) -> Pac
         for i in unit.members:
             s = seqs[i]
             parts.append(TrainSequence(s.token_ids[n:], s.loss_mask[n:], s.rollout_logprobs[n:],
-                                       s.advantage, [], s.traj_index, int(s.mean_over)))
+                                       s.token_advantages()[n:], [], s.traj_index,
+                                       int(s.mean_over)))
             index.append(i)
             parents.append(root)
     return _concat(parts, index, parents)
@@ -295,7 +313,7 @@ def pad(seqs: Sequence[TrainSequence], pad_id: int, length: int | None = None) -
         ids[b, :n] = s.token_ids
         attn[b, :n] = 1
         mask[b, :n] = s.loss_mask
-        adv[b, :n] = s.advantage * s.loss_mask
+        adv[b, :n] = s.token_advantages() * s.loss_mask
         lps[b, :n] = s.rollout_logprobs
     return PaddedBatch(ids, attn.astype(np.int64), mask, adv, lps,
                        np.array([len(s.images) for s in seqs], np.int64),

@@ -60,6 +60,32 @@ def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool =
     return adv.reshape(-1)
 
 
+def turn_advantages(rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray,
+                    turns: np.ndarray, normalize_std: bool = True) -> np.ndarray:
+    """Advantages per turn: the tokens of an episode's turn t are scored against the valid
+    episodes of its group that reached turn t, not the whole group. Against the whole group, a
+    later turn that solved is ranked below the group's first-try solves when a turn discount
+    pays it less (docs/results.md: a turn-2 solve's advantage was negative 38-45% of the time);
+    against the episodes that reached turn t, it is ranked against the other answers given
+    there, after the same failed turns.
+
+    rewards, group_ids, valid, turns (the turns each episode played): (N,). Returns (N, K), K
+    the most turns played (at least 1): column t - 1 for turn t, column 0 equal to
+    `episode_advantages`'. Turns an episode did not play, and invalid episodes, get 0; a turn
+    only one episode of its group reached gets 0 (nothing to compare it with).
+    """
+    rewards, turns = np.asarray(rewards, np.float64), np.asarray(turns)
+    k = int(max(turns[valid], default=1))
+    adv = np.zeros((len(rewards), max(k, 1)))
+    for g in np.unique(group_ids):
+        for t in range(1, k + 1):
+            members = np.nonzero((group_ids == g) & valid & (turns >= t))[0]
+            if len(members):
+                adv[members, t - 1] = group_advantages(rewards[members], len(members),
+                                                       normalize_std)
+    return adv
+
+
 def dynamic_sampling_keep(rewards: np.ndarray, group_size: int) -> np.ndarray:
     """Boolean (N,): False for every sample of a group whose rewards are all equal."""
     g = np.asarray(rewards, np.float64).reshape(-1, group_size)

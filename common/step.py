@@ -13,9 +13,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from common.batching import PackedBatch, TrainSequence, pack, training_sequences
+from common.batching import (PackedBatch, TrainSequence, pack, training_sequences,
+                             turn_token_advantages)
 from common.env import EnvConfig
-from common.grpo import episode_advantages
+from common.grpo import episode_advantages, turn_advantages
 from common.learner import Collectives, Deferred, Learner, SingleProcess
 from common.grader import STATS as reward_stats
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
@@ -30,6 +31,7 @@ class StepConfig:
     reward: RewardConfig
     normalize_std: bool = True
     filter_equal_groups: bool = True
+    turn_baseline: bool = False  # each turn's tokens against the group's episodes that reached it
     micro_batch_tokens: int = 8192
     updates_per_rollout: int = 1
     image_token_id: int | None = None  # given: a group's samples share its prompt (`pack`)
@@ -84,6 +86,10 @@ def learn(trajs: list[Trajectory], learner: Learner, cfg: StepConfig,
         valid = np.array([t.status != ABORTED for t in trajs], dtype=bool)
         adv, keep = episode_advantages(rewards, groups, valid, cfg.normalize_std,
                                        cfg.filter_equal_groups)
+        if cfg.turn_baseline:
+            per_turn = turn_advantages(rewards, groups, valid,
+                                       np.array([len(t.turns) for t in trajs]), cfg.normalize_std)
+            adv = [turn_token_advantages(t, a) for t, a in zip(trajs, per_turn)]
         seqs = training_sequences(trajs, adv, cfg.rollout.export_style, keep)
         seed = int(groups.min()) if len(groups) else 0  # the step's first group: reproducible
         minis = [pack(part, cfg.micro_batch_tokens, cfg.image_token_id)

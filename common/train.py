@@ -65,8 +65,9 @@ def step_config(cfg, processor=None) -> StepConfig:
                              "(a Qwen-VL processor)")
     return StepConfig(to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
                       to_dataclass(RewardConfig, cfg.reward), cfg.advantage.normalize_std,
-                      cfg.advantage.filter_equal_groups, cfg.train.micro_batch_tokens,
-                      cfg.train.updates_per_rollout, image_token_id,
+                      cfg.advantage.filter_equal_groups, cfg.advantage.turn_baseline,
+                      cfg.train.micro_batch_tokens, cfg.train.updates_per_rollout,
+                      image_token_id,
                       on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local")
 
 

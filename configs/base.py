@@ -161,6 +161,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.advantage = ml_collections.ConfigDict()
     c.advantage.normalize_std = True
     c.advantage.filter_equal_groups = True  # dynamic sampling: drop groups with equal rewards
+    # True: the tokens of turn t are scored against the group's episodes that reached turn t
+    # (common.grpo.turn_advantages); False: every token against the whole group
+    c.advantage.turn_baseline = False
 
     c.train = ml_collections.ConfigDict()
     c.train.device = "auto"  # auto | cpu | cuda

@@ -15,7 +15,7 @@ backends' inputs identical, which is what the cross-backend check compares.
                                   segment continues, NO_PREFIX for none: its queries also see
                                   every key of that segment
     loss_mask    (B, T) float32   1 on the model's own tokens
-    advantages   (B, T) float32   the sequence's advantage on its masked tokens
+    advantages   (B, T) float32   each masked token's advantage (its sequence's, or its turn's)
     rollout_logprobs (B, T) float32
     weights      (B, T) float32   loss weights (`common.grpo.token_weights`) for the global batch
     old_logprobs (B, T) float32   the behaviour policy's log-probs, only when the micro-batches

@@ -165,3 +165,24 @@ def test_episode_advantages_skip_invalid_and_filter_equal_groups():
     assert keep.tolist() == [True, True, True, False, False, False, False, False]
     _, keep = episode_advantages(rewards, groups, valid, filter_equal=False)
     assert keep.tolist() == [True, True, True, False, True, True, True, False]
+
+
+def test_turn_advantages_rank_each_turn_among_the_episodes_that_reached_it():
+    """One group of five: turn 1 of every valid episode is scored against the whole group (as
+    `episode_advantages`), turn 2 against the three that reached it, turn 3 against the two;
+    the aborted one and the turns an episode never played get 0. Another group, whose turn 2
+    only one episode reached, gives that turn 0."""
+    from common.grpo import episode_advantages, turn_advantages
+    rewards = np.array([1.0, 0.5, 0.25, 0.0, 0.0, 1.0, 0.0])
+    groups = np.array([0, 0, 0, 0, 0, 1, 1])
+    valid = np.array([True, True, True, True, False, True, True])
+    turns = np.array([1, 2, 3, 3, 3, 1, 2])
+    adv = turn_advantages(rewards, groups, valid, turns)
+    assert adv.shape == (7, 3)
+    np.testing.assert_allclose(adv[:, 0], episode_advantages(rewards, groups, valid)[0])
+    # turn 2: rewards 0.5, 0.25, 0 -> mean 0.25, std 0.25; turn 3: 0.25, 0 -> +-1/sqrt(2)
+    np.testing.assert_allclose(adv[:4, 1], [0, 1, 0, -1], atol=1e-5)
+    np.testing.assert_allclose(adv[:4, 2], [0, 0, 2 ** -0.5, -(2 ** -0.5)], atol=1e-5)
+    assert not adv[4].any() and not adv[5:, 1:].any()
+    unscaled = turn_advantages(rewards, groups, valid, turns, normalize_std=False)
+    np.testing.assert_allclose(unscaled[1:4, 1], [0.25, 0.0, -0.25])

@@ -71,6 +71,30 @@ def test_each_prompt_once_and_every_sequence_rebuilt(data):
     assert sorted(batch.seq_index[batch.seq_index >= 0].tolist()) == list(range(8))
 
 
+def test_per_token_advantages_follow_their_tokens(data):
+    """Advantages given per token (`advantage.turn_baseline`) land on the same tokens whether a
+    group's prompt is shared or not, padded or packed."""
+    import dataclasses
+    from common.batching import pad
+    processor, seqs = data
+    rng = np.random.default_rng(1)
+    seqs = [dataclasses.replace(s, advantage=rng.normal(size=len(s)).astype(np.float32))
+            for s in seqs]
+    batch, = pack(seqs, 10_000, image_token_id=IMG)
+    parents, cu = batch.parent_of(), batch.cu_seqlens
+    for s, i in enumerate(batch.seq_index):
+        if i >= 0:
+            p = parents[s]
+            head = np.arange(cu[p], cu[p + 1]) if p >= 0 else np.arange(0)
+            rows = np.concatenate([head, np.arange(cu[s], cu[s + 1])])
+            want = seqs[i].advantage * seqs[i].loss_mask
+            assert np.array_equal(batch.advantages[rows][seqs[i].loss_mask > 0],
+                                  want[seqs[i].loss_mask > 0])
+    padded = pad(seqs, pad_id=0)
+    for b, s in enumerate(seqs):
+        assert np.array_equal(padded.advantages[b, :len(s)], s.advantage * s.loss_mask)
+
+
 def test_positions_are_those_of_the_separate_sequences(data):
     processor, seqs = data
     batch, = pack(seqs, 10_000, image_token_id=IMG)

@@ -93,3 +93,48 @@ def test_turns_exported_apart_weigh_each_episode_once(renderer):
         for s, i in enumerate(b.seq_index):
             weight[traj_of[i]] += w[b.cu_seqlens[s]:b.cu_seqlens[s + 1]].sum()
     assert weight == pytest.approx([0.25] * 4)
+
+
+def turn_advantage_rollout(renderer):
+    """One group: two episodes solve on turn 1, one on turn 2 (reward 0.5 with the discount),
+    one never (three turns, reward 0)."""
+    right, wrong = Reply(call("12")), Reply(call("7"))
+    script = {"0-0": [right], "0-1": [right], "0-2": [wrong, right], "0-3": [wrong] * 3}
+    return rollout([make_prompt(uid="p0")], ScriptedEngine(script), renderer,
+                   RolloutConfig(n_samples=4, max_response_tokens=2000, max_context_tokens=4000),
+                   EnvConfig(max_turns=3), RewardConfig(turn_discount=0.5))
+
+
+@pytest.mark.parametrize("export", ["concat", "individual"])
+def test_the_turn_baseline_scores_each_turn_against_the_episodes_that_reached_it(renderer,
+                                                                                 export):
+    """With `turn_baseline`, the turn-2 solve's tokens are ranked against the other episode that
+    reached turn 2 (+0.71), not against the two first-try solves (its turn 1 stays negative, as
+    in the whole-group baseline); the turn only one episode reached trains nothing. Before,
+    every token of an episode had the whole group's advantage: the turn-2 solve's -0.26."""
+    trajs = turn_advantage_rollout(renderer)
+    assert [t.reward for t in trajs] == [1.0, 1.0, 0.5, 0.0]
+    assert [len(t.turns) for t in trajs] == [1, 1, 2, 3]
+    cfg = StepConfig(RolloutConfig(n_samples=4, export_style=export), EnvConfig(max_turns=3),
+                     RewardConfig(turn_discount=0.5), micro_batch_tokens=4000,
+                     turn_baseline=True)
+    learner = Recorder()
+    learn(trajs, learner, cfg).settle()
+    (batches, _, _), = learner.steps
+    pieces = [(i, k) for i, t in enumerate(trajs)
+              for k in ([None] if export == "concat" else range(len(t.turns)))]
+    got = {}  # (episode, turn) -> the advantages on that turn's trained tokens
+    for b in batches:
+        for s, q in enumerate(b.seq_index):
+            i, only = pieces[q]
+            seg = slice(b.cu_seqlens[s], b.cu_seqlens[s + 1])
+            adv, mask = b.advantages[seg], b.loss_mask[seg]
+            for k, turn in enumerate(trajs[i].turns):
+                if only in (None, k):
+                    span = mask[turn.start:turn.end] > 0
+                    got[i, k + 1] = {round(float(x), 3) for x in adv[turn.start:turn.end][span]}
+    whole = (np.array([1, 1, 0.5, 0]) - 0.625) / np.std([1, 1, 0.5, 0], ddof=1)
+    first = [round(float(x), 3) for x in whole]
+    assert got == {(0, 1): {first[0]}, (1, 1): {first[1]}, (2, 1): {first[2]}, (3, 1): {first[3]},
+                   (2, 2): {0.707}, (3, 2): {-0.707}, (3, 3): {0.0}}
+    assert first == [0.783, 0.783, -0.261, -1.306]
