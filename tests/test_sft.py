@@ -74,6 +74,7 @@ def test_sft_lowers_the_loss_and_grpo_starts_from_its_checkpoint(shared, tmp_pat
     assert (ckpt / "config.json").exists() and (ckpt / "loop_state.json").exists()
 
     grpo = local(h100_single_turn, "cpu", shared)
+    grpo.data.synthetic_train_size = 4  # the SFT's problems (a set of other settings is refused)
     grpo.model.path = str(ckpt)
     grpo.train.steps, grpo.eval.every = 1, 0
     grpo.advantage.filter_equal_groups = False  # train on the step whatever the rewards
