@@ -116,6 +116,7 @@ def _build(framework: str, s: Settings, name: str, budget: int):
     cfg.model.path = shapes_checkpoint(s)
     cfg.train.device = s.device
     cfg.train.micro_batch_tokens = budget
+    cfg.data.synthetic_dir = str(Path(s.out) / "data")  # not the CPU default's set of other sizes
     cfg.data.synthetic_train_size = cfg.data.synthetic_test_size = 4
     cfg.jax.compute_dtype, cfg.jax.remat = "bfloat16", True
     if s.tiny:  # episodes that fit the tiny micro-batches
