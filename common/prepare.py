@@ -51,6 +51,21 @@ def synthetic_spec(cfg) -> dict:
                                  seed + TEST_SEED_OFFSET))}
 
 
+def read_record(path: Path, error: type[Exception]) -> dict | None:
+    """The JSON object in `path` (a folder's record of what it was built from), None if there is
+    no such file; raises `error` if it holds anything else."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: unreadable ({type(e).__name__}: {e}); remove its folder to have it "
+                    "built again") from None
+    if not isinstance(record, dict):
+        raise error(f"{path}: not a JSON object; remove its folder to have it built again")
+    return record
+
+
 @contextlib.contextmanager
 def build_lock(target: str | os.PathLike) -> Iterator[None]:
     """Hold an exclusive lock on `target`'s sibling `.<name>.lock` file: two runs started at once
@@ -72,7 +87,7 @@ def write_synthetic(cfg) -> str:
     path = Path(cfg.data.synthetic_dir)
     with build_lock(path):
         record_file = path / SYNTHETIC_RECORD
-        record = json.loads(record_file.read_text()) if record_file.exists() else {}
+        record = read_record(record_file, DataError) or {}
         for split, want in synthetic_spec(cfg).items():
             if list(path.glob(f"{split}-*.parquet")):
                 if record.get(split) != want:

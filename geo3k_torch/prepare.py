@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from common.env import EnvConfig
-from common.prepare import build_lock, prepare_data, synthetic_spec
+from common.prepare import build_lock, prepare_data, read_record, synthetic_spec
 from common.prompts import prompt_style
 from common.synthetic import parse_image_size
 from configs import to_dataclass
@@ -55,8 +55,7 @@ def _check_built(out: Path, cfg) -> None:
         raise ValueError(f"model.tiny_dir={str(out)!r} holds a {kind} checkpoint but "
                          f"model.tiny_arch={cfg.model.tiny_arch!r}: point tiny_dir at "
                          "another folder (it is built there)")
-    record = out / BUILD_RECORD
-    have = json.loads(record.read_text()) if record.exists() else None
+    have = read_record(out / BUILD_RECORD, ValueError)
     want = tiny_build_spec(cfg)
     if have == want:
         return

@@ -369,6 +369,9 @@ def test_the_synthetic_set_is_the_same_for_every_run_seed_and_other_settings_are
         assert "data.synthetic_dir=" in str(e.value) and "data.path=" in str(e.value)
     prepare.write_synthetic(config("c", synthetic_seed=1))
     assert files("c") != files("a")
+    (tmp_path / "a" / prepare.SYNTHETIC_RECORD).write_text("{not json")
+    with pytest.raises(DataError, match="synthetic.json: unreadable"):
+        prepare.write_synthetic(config("a"))
     (tmp_path / "a" / prepare.SYNTHETIC_RECORD).unlink()
     with pytest.raises(DataError, match="no record of its settings"):
         prepare.write_synthetic(config("a"))

@@ -492,6 +492,9 @@ def test_the_tiny_checkpoint_is_the_same_for_every_run_seed_and_other_builds_are
         with pytest.raises(ValueError, match=said) as e:
             prepare_model_dir(config(**{key: value}))
         assert f"model.path={str(out)!r}" in str(e.value)
+    (out / BUILD_RECORD).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="tiny_build.json: not a JSON object"):
+        prepare_model_dir(config())
     (out / BUILD_RECORD).unlink()
     with pytest.raises(ValueError, match="no record of its settings"):
         prepare_model_dir(config())
