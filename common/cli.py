@@ -27,7 +27,7 @@ def main(train: Callable[[object, str], dict], rank: Callable[[], int],
     beside its baselines (and writes it to <workdir>/eval, `common.evaluation.report`) and the
     summary. A `--workdir` URL (`common.storage.mirrored`): `train` gets a local folder that is
     copied up to it, and `checkpoint.dir`, when empty, becomes <workdir>/checkpoints."""
-    config_flags.DEFINE_config_file("config", "configs/cpu.py", "Training config.",
+    config_flags.DEFINE_config_file("config", "configs/cpu_perception.py", "Training config.",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "Output folder (default: runs/<time>); a URL "
                         "(gs://bucket/run) is written through a local folder copied up as it "

@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_seed = 0  # the tiny checkpoint's init, pretraining and priming (not `seed`)
     # A new tiny checkpoint's vision pretraining (geo3k_torch.pretrain), before the priming:
     # steps of its vision tower classifying perception figures, then of captions with it frozen
-    # (off: with it the CPU default still ends at chance, docs/results.md's third attempt).
+    # (off: with it the quick CPU run still ends at chance, docs/results.md's third attempt).
     c.model.tiny_see_steps = 0
     c.model.tiny_caption_steps = 0
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint

@@ -1,4 +1,7 @@
-"""The embedded CPU default: a tiny Qwen-VL, the synthetic set, 2 cores.
+"""The quick CPU run (`make train-quick`): every piece of the loop in about 2 minutes on 2 cores,
+a tiny Qwen3-VL on the synthetic set. It learns the tool-call protocol, not the figures: its
+accuracy stays at chance (docs/results.md). The learning run is `configs/cpu_perception.py`,
+which starts from this config.
 
     python -m geo3k_torch.main --config=configs/cpu.py
 """
@@ -37,7 +40,7 @@ def get_config():
 
 def runlocal(c, max_response_tokens: int = 32):
     """Shrink a GPU recipe `c` in place for a few-step CPU run (big_vision's `runlocal`): the
-    CPU default's tiny checkpoint and synthetic set, the local engine, 3 steps of 2 prompts x 3
+    quick run's tiny checkpoint and synthetic set, the local engine, 3 steps of 2 prompts x 3
     samples. The recipe's task settings (prompt style, turns, reward, loss) stay."""
     local = get_config()
     prompt_style = c.data.prompt_style

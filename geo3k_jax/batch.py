@@ -218,7 +218,7 @@ def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,
     One W and one Wp for the batch, at least `min_window` / `min_prefix_window` (buckets:
     fewer shapes), at most T (Wp = 0 when no block needs one): W a multiple of the block, Wp
     of PREFIX_UNIT (a prompt is no multiple of the block: rounding its 401 keys up to 512
-    would cost a sixth more scores than 416 or 448 on the CPU default).
+    would cost a sixth more scores than 416 or 448 on the quick CPU run).
     Returns {attn_starts, prefix_starts, window_prefix: (B, T / block), key_offsets: (W,),
     prefix_offsets: (Wp,)} int32, the offsets arange(W) and arange(Wp)."""
     rows, length = segments.shape

@@ -1,6 +1,6 @@
 """Multi-turn GRPO on Geometry3K with the JAX learner, through the shared loop.
 
-    python -m geo3k_jax.train --config=configs/cpu.py --workdir=runs/jax
+    python -m geo3k_jax.train --config=configs/cpu_perception.py --workdir=runs/jax
     python -m geo3k_jax.train --config=configs/tpu.py --config.model.path=/models/Qwen3-VL-2B-Instruct
 
 Builds the JAX pieces (mesh, Flax model from the HF checkpoint, learner) and a rollout backend,

@@ -1,7 +1,7 @@
 """Score a checkpoint on a split: first-try accuracy vs accuracy with feedback, and the rest.
 
-    python -m geo3k_torch.evaluate --config=configs/cpu.py \
-        --config.model.path=runs/demo/checkpoints/step_60 --out=runs/demo/eval [--split=test]
+    python -m geo3k_torch.evaluate --config=configs/cpu_perception.py \
+        --config.model.path=runs/demo/checkpoints/step_200 --out=runs/demo/eval [--split=test]
     python -m geo3k_torch.evaluate --config=configs/h100.py --config.model.path=/ckpt \
         --config.engine.sglang_urls=http://host:30000 --out=/ckpt/eval    # SGLang serves it
 
@@ -28,7 +28,8 @@ from common.prepare import make_renderer, prepare_data
 from common.train import evaluate_split
 from geo3k_torch.prepare import prepare_model_dir, resolve_device
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_perception.py", "Config.",
+                                          lock_config=True)
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "test"], "Which split to score.")
 _OUT = flags.DEFINE_string("out", "eval", "Folder for eval.json, eval.md and eval.png.")
 

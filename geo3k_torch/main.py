@@ -1,6 +1,6 @@
 """Multi-turn GRPO on Geometry3K with the torch learner: the project's main job.
 
-    python -m geo3k_torch.main --config=configs/cpu.py --workdir=runs/demo
+    python -m geo3k_torch.main --config=configs/cpu_perception.py --workdir=runs/demo
     torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100.py \\
         --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
 

@@ -1,4 +1,4 @@
-"""Teach a tiny random checkpoint the tool-call format, so that the CPU default has a signal.
+"""Teach a tiny random checkpoint the tool-call format, so that the CPU runs have a signal.
 
 A random tiny model never writes a well-formed tool call by chance, so its GRPO reward is 0 at
 every step and nothing is learned. Real Instruct checkpoints already speak the protocol; this

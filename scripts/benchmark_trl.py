@@ -3,7 +3,7 @@
     pip install -e .[benchmark]          # TRL: a benchmark extra, never in the default install
     python scripts/benchmark_trl.py --config=configs/cpu.py [--steps=5] [--budgets=512,2048,4096]
 
-The same work on both sides: the config's checkpoint (the CPU default's primed tiny Qwen3-VL),
+The same work on both sides: the config's checkpoint (the quick CPU run's primed tiny Qwen3-VL),
 the same prompts in the same order (`common.data`'s messages: system prompt, one diagram,
 problem and choices), rendered by the checkpoint's chat template with the scoring tool's schema,
 `train.prompts_per_step` prompts x `rollout.n_samples` samples per step, the same response budget,

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: <= 20 minutes
     python scripts/gpu_check.py --tiny --out /tmp/gpu_check   # the same code paths on a CPU
 
-Nothing is downloaded: the end-to-end runs use the CPU default's tiny checkpoint and synthetic
+Nothing is downloaded: the end-to-end runs use the quick CPU run's tiny checkpoint and synthetic
 set, the throughput sections a random-initialised model with Qwen3-VL-2B's published shapes
 (configs/models/qwen3_vl_2b.json). Sections (`scripts/gpu_sections.py`), each in a process of its
 own, in this order:

@@ -1,7 +1,7 @@
 """The measurements of `scripts/gpu_check.py`, one function per section, each run in a process
 of its own (a CUDA error or an out-of-memory cannot take the other sections down).
 
-    e2e_torch / e2e_jax       the CPU default (configs/cpu.py) trained end to end on the machine's
+    e2e_torch / e2e_jax       the quick CPU run (configs/cpu.py) trained end to end on the machine's
                               accelerator through each entry point's own `build` and the shared
                               loop: reward, tool-call rate, seconds per phase (from metrics.jsonl)
     learner_torch / learner_jax  learner steps of a random-initialised model with a published
@@ -116,7 +116,7 @@ def _build(framework: str, s: Settings, name: str, budget: int):
     cfg.model.path = shapes_checkpoint(s)
     cfg.train.device = s.device
     cfg.train.micro_batch_tokens = budget
-    cfg.data.synthetic_dir = str(Path(s.out) / "data")  # not the CPU default's set of other sizes
+    cfg.data.synthetic_dir = str(Path(s.out) / "data")  # not the quick CPU run's set of other sizes
     cfg.data.synthetic_train_size = cfg.data.synthetic_test_size = 4
     cfg.jax.compute_dtype, cfg.jax.remat = "bfloat16", True
     if s.tiny:  # episodes that fit the tiny micro-batches

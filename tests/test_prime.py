@@ -171,7 +171,7 @@ def test_the_brief_style_leaves_the_schema_out(tiny):
 
 
 def test_the_cpu_default_has_room_for_every_turn(tiny):
-    """A primed policy answering wrong every turn gets all of the CPU default's turns on its
+    """A primed policy answering wrong every turn gets all of the quick CPU run's turns on its
     longest prompt: the token budget fits max_turns calls and the feedback between them (at 96
     response tokens the episode was cut after turn 2, so "with feedback, 3 turns" and its 0.75
     elimination line measured a 2-turn run)."""
