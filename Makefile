@@ -44,7 +44,8 @@ test-all: $(TEST_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # The CPU default: GRPO teaches a tiny pretrained Qwen2.5-VL to read the figures; its held-out
-# accuracy rises past chance and elimination (docs/results.md): 25-45 min on one core.
+# accuracy rises past chance and elimination (docs/results.md): 22-32 min a run on one core,
+# plus 3 min to build the tiny checkpoint the first time.
 train: install
 	$(PY) -m geo3k_torch.main --config=configs/cpu_perception.py
 

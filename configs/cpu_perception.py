@@ -1,7 +1,7 @@
 """The CPU default (`make train`, `make train-jax`, and the flag's default): GRPO teaches a tiny,
 captioned Qwen2.5-VL to answer the perception questions from the figures, above chance on the
 first try and above elimination with feedback (docs/results.md, the sixth to ninth attempts).
-25-45 minutes on one core, plus about 4 minutes to build the data and checkpoint the first time.
+22-32 minutes a run on one core, plus 3 minutes to build the tiny checkpoint the first time.
 
     python -m geo3k_torch.main --config=configs/cpu_perception.py --config.seed=S
 
