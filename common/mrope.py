@@ -39,26 +39,30 @@ def mrope_position_ids(input_ids: np.ndarray, image_token_id: int, image_grid_th
     if is_image.sum() != counts.sum():
         raise ValueError(f"sequence has {int(is_image.sum())} image tokens but its {len(grid)} "
                          f"images need {int(counts.sum())}")
-    pos = np.empty((3, len(ids)), np.int64)
-    current, t, k = 0, 0, 0
-    while t < len(ids):
-        if not is_image[t]:
-            end = t
-            while end < len(ids) and not is_image[end]:
-                end += 1
-            pos[:, t:end] = np.arange(current, current + end - t)
-            current += end - t
-            t = end
-            continue
-        gt, gh, gw = grid[k, 0], grid[k, 1] // spatial_merge_size, grid[k, 2] // spatial_merge_size
-        n = int(counts[k])
-        if not is_image[t:t + n].all():
-            raise ValueError(f"image {k} needs {n} consecutive image tokens at position {t}")
-        it, ih, iw = np.meshgrid(np.arange(gt), np.arange(gh), np.arange(gw), indexing="ij")
-        pos[:, t:t + n] = np.stack([it.ravel(), ih.ravel(), iw.ravel()]) + current
-        current += int(max(gh, gw))
-        t += n
-        k += 1
+    n_img = counts.astype(np.int64)
+    if (n_img < 1).any():
+        raise ValueError(f"image {int(np.argmin(n_img))} of grid {grid[np.argmin(n_img)]} has no "
+                         f"tokens after a {spatial_merge_size}x{spatial_merge_size} merge")
+    at = np.flatnonzero(is_image)
+    first = np.concatenate([[0], np.cumsum(n_img)]).astype(np.int64)[:-1]  # among `at`
+    starts = at[first]
+    broken = np.flatnonzero(at[first + n_img - 1] - starts != n_img - 1)
+    if len(broken):
+        k = int(broken[0])
+        raise ValueError(f"image {k} needs {int(n_img[k])} consecutive image tokens at position "
+                         f"{int(starts[k])}")
+    h = grid[:, 1] // spatial_merge_size
+    w = grid[:, 2] // spatial_merge_size
+    # A token's position is its index, shifted by every image before it: an image of n tokens
+    # advances the positions by max(h, w), not n.
+    shift = np.zeros(len(ids) + 1, np.int64)
+    np.add.at(shift, starts + n_img, np.maximum(h, w) - n_img)
+    shift = np.cumsum(shift)[:-1]
+    pos = np.broadcast_to(np.arange(len(ids)) + shift, (3, len(ids))).copy()
+    for k, t in enumerate(starts):  # each image's tokens: its (t, h, w) grid from its start
+        gt, n = int(grid[k, 0]), int(n_img[k])
+        it, ih, iw = np.meshgrid(np.arange(gt), np.arange(h[k]), np.arange(w[k]), indexing="ij")
+        pos[:, t:t + n] = np.stack([it.ravel(), ih.ravel(), iw.ravel()]) + pos[0, t]
     return pos
 
 

@@ -145,6 +145,9 @@ def check_config(cfg, world: int) -> None:
     if cfg.engine.backend not in ENGINE_BACKENDS:
         raise ValueError(f"engine.backend must be one of {ENGINE_BACKENDS}, got "
                          f"{cfg.engine.backend!r}")
+    if cfg.train.activation_checkpointing not in ("full", "selective", "none"):
+        raise ValueError(f"train.activation_checkpointing must be full, selective or none, got "
+                         f"{cfg.train.activation_checkpointing!r}")
     if cfg.train.micro_batch_tokens < cfg.rollout.max_context_tokens:
         raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
                          f"whole episode: at least rollout.max_context_tokens="

@@ -196,7 +196,9 @@ def get_config() -> ml_collections.ConfigDict:
     # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, at any world
     # size), the KL reference and the local engine in bf16. CPU always trains in fp32.
     c.train.bf16 = True
-    c.train.gradient_checkpointing = True  # on CUDA only
+    # On CUDA: recompute each layer in the backward pass (full), only its elementwise work
+    # (selective: matmul and attention outputs kept), or nothing (none).
+    c.train.activation_checkpointing = "full"
     c.train.resume = False
     # How long a torch collective waits for the other ranks; above the SGLang start-up wait
     # (engine.sglang_startup_timeout_s), which rank 0 may spend while the others wait.

@@ -4,14 +4,21 @@ transformers' sdpa attends over a packed row with a dense block-diagonal mask: T
 a row of T tokens, ten times what ten ~T/10-token sequences cost alone. "packed_sdpa", registered
 with transformers' attention interfaces, attends each segment of the row on its own instead,
 when the forward is given the row's segments (`geo3k_torch.model.packed_inputs` passes them as
-`packed_segments`): a segment attends causally to itself and, when it continues a shared prefix
-(`common.batching`), to all of that prefix. Two kernels compute it:
+`packed_segments`, a `Segments`): a segment attends causally to itself and, when it continues a
+shared prefix (`common.batching`), to all of that prefix. Two kernels compute it:
 
     segments_varlen : CUDA, bf16/fp16 - one flash kernel per layer over the whole row
-                      (`torch.nn.attention.varlen.varlen_attn` with cu_seqlens); a continuing
-                      segment's keys are its prefix's gathered before its own (`varlen_layout`),
-                      causal aligned at the end (flash's bottom-right rule)
+                      (`torch.nn.attention.varlen.varlen_attn` with cu_seqlens, torch >= 2.10;
+                      before 2.12 it has no `enable_gqa` and K/V are repeated to the query
+                      heads); a continuing segment's keys are its prefix's gathered before its
+                      own (`varlen_layout`), causal aligned at the end (flash's bottom-right rule)
     segments_sdpa   : everywhere else, and the reference - one sdpa call per segment
+
+The varlen layout is computed once per micro-batch on the host and copied to the device once
+(`Segments.device_layout`), not per layer: no host sync inside the forward. For the same reason
+the forward is given a placeholder (`packed_mask`) in place of an attention mask:
+transformers would otherwise look for packed sequences in the position ids (a host sync) and
+build a dense (1, 1, T, T) mask that packed_sdpa never reads (268 MB at 16k tokens).
 
 Everything else (the engine's batched, cached generation, the vision tower's per-image calls) is
 transformers' own sdpa.
@@ -21,6 +28,7 @@ transformers' own sdpa.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Sequence
 
@@ -36,37 +44,82 @@ NAME = "packed_sdpa"
 
 
 def _varlen():
-    """torch's varlen_attn if it takes scale, window_size and enable_gqa (torch 2.13 does;
-    earlier releases had a narrower signature): else None, and every device runs segments_sdpa."""
+    """torch's varlen_attn if it takes `scale` and `window_size` (torch >= 2.10), with whether it
+    takes `enable_gqa` (2.12+); else (None, False), and every device runs segments_sdpa."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
+        return None, False
     params = set(inspect.signature(varlen_attn).parameters)
-    return varlen_attn if {"scale", "window_size", "enable_gqa"} <= params else None
+    if not {"scale", "window_size"} <= params:
+        return None, False
+    return varlen_attn, "enable_gqa" in params
 
 
-varlen_attn = _varlen()
+varlen_attn, varlen_has_gqa = _varlen()
+
+
+def packed_mask() -> torch.Tensor:
+    """What a packed forward passes as `attention_mask`: an empty (1, 1, 0, 0) mask, which
+    transformers hands to the attention as it is (a 4-D mask is "already prepared"), so it
+    neither scans the position ids nor builds a dense mask. packed_sdpa never reads it when it
+    has the row's segments; any other attention would fail on its shape instead of attending
+    without a mask."""
+    return torch.ones((1, 1, 0, 0), dtype=torch.bool)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory without blocking, so the copy
+    waits for nothing the device is still doing (a pageable copy is a host sync)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclasses.dataclass(eq=False)
+class Segments:
+    """A packed row's segments in order: lengths (S,) summing to T, parents (S,) the earlier
+    segment whose keys segment s also sees (-1 for none). Built on the host with the rest of a
+    micro-batch's inputs; `device_layout` copies the varlen layout to the device once."""
+
+    lengths: list[int]
+    parents: list[int]
+    _device: tuple | None = None
+
+    @classmethod
+    def of(cls, segments) -> Segments:
+        """A `Segments`, or one from a (lengths, parents) pair."""
+        return segments if isinstance(segments, Segments) else cls(*map(list, segments))
+
+    def device_layout(self, device: torch.device) -> tuple:
+        """`varlen_layout` as device tensors (cu_q, kv_index or None, cu_k, max_q, max_k),
+        copied once from pinned memory without waiting for the device."""
+        if self._device is None or self._device[0].device != device:
+            cu_q, kv_index, cu_k, max_q, max_k = varlen_layout(self.lengths, self.parents)
+            up = lambda a: to_device(torch.from_numpy(a), device)  # noqa: E731
+            self._device = (up(cu_q), None if kv_index is None else up(kv_index), up(cu_k),
+                            max_q, max_k)
+        return self._device
 
 
 def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
                 scaling: float | None = None,
-                packed_segments: tuple[Sequence[int], Sequence[int]] | None = None,
+                packed_segments: Segments | tuple[Sequence[int], Sequence[int]] | None = None,
                 **kwargs) -> tuple[torch.Tensor, None]:
-    """query (1, H, T, D), key / value (1, H_kv, T, D), packed_segments: (lengths, parents) of
-    the row's segments in order (lengths summing to T; parents[s] the earlier segment whose keys
-    segment s also sees, -1 for none) -> (1, T, H, D). Calls without segments (or not causal,
-    or with a KV cache) go to transformers' sdpa unchanged."""
+    """query (1, H, T, D), key / value (1, H_kv, T, D), packed_segments: the row's `Segments`
+    (or a (lengths, parents) pair) -> (1, T, H, D). Calls without segments (or not causal, or
+    with a KV cache) go to transformers' sdpa unchanged."""
     length = query.shape[2]
     if (packed_segments is None or not getattr(module, "is_causal", True)
             or query.shape[0] != 1 or key.shape[2] != length):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    lengths, parents = packed_segments
+    segments = Segments.of(packed_segments)
     if uses_varlen(query) and dropout == 0:
-        return segments_varlen(query, key, value, lengths, parents, scaling), None
-    return segments_sdpa(query, key, value, lengths, parents, scaling, dropout), None
+        return segments_varlen(query, key, value, segments, scaling), None
+    return segments_sdpa(query, key, value, segments.lengths, segments.parents, scaling,
+                         dropout), None
 
 
 def uses_varlen(query: torch.Tensor) -> bool:
@@ -114,19 +167,22 @@ def varlen_layout(lengths: Sequence[int], parents: Sequence[int]):
     return cu_q, np.concatenate(pieces), cu_k, int(lengths.max()), int(k_len.max())
 
 
-def segments_varlen(query, key, value, lengths: Sequence[int], parents: Sequence[int],
+def segments_varlen(query, key, value, segments: Segments,
                     scaling: float | None = None) -> torch.Tensor:
     """One varlen flash call over the row (CUDA). Shapes as `packed_sdpa`'s; returns
     (1, T, H, D)."""
-    cu_q, kv_index, cu_k, max_q, max_k = varlen_layout(lengths, parents)
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
-    dev = q.device
+    cu_q, kv_index, cu_k, max_q, max_k = segments.device_layout(q.device)
     if kv_index is not None:
-        index = torch.from_numpy(kv_index).to(dev, non_blocking=True)
-        k, v = k.index_select(0, index), v.index_select(0, index)  # (T_k, H_kv, D)
-    out = varlen_attn(q, k, v, torch.from_numpy(cu_q).to(dev), torch.from_numpy(cu_k).to(dev),
-                      max_q, max_k, scale=scaling, window_size=(-1, 0),  # causal, bottom-right
-                      enable_gqa=query.shape[1] != key.shape[1])
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)  # (T_k, H_kv, D)
+    gqa = {}
+    if q.shape[1] != k.shape[1]:
+        if varlen_has_gqa:
+            gqa = {"enable_gqa": True}
+        else:  # torch 2.10-2.11: each query head reads its group's key / value head
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
+                      window_size=(-1, 0), **gqa)  # causal, bottom-right
     return out[None]
 
 

@@ -11,13 +11,22 @@ size. The "old" log-probs of the ratio are a batch's `old_logprobs` (computed on
 before the first of several updates on one rollout) or, with one optimizer step per rollout (the
 anchor recipe), the learner's own log-probs at the current weights, detached; their distance to
 the engine's rollout log-probs is reported (mean and max over trained tokens).
+
+The device never waits for the host inside a step. A micro-batch's host work (the image
+processor, M-RoPE positions, the loss weights: `MicroBatch.prepare`) runs in a background thread
+while the device computes the previous one, and reaches the device through pinned memory; the
+metrics stay device tensors, summed over micro-batches and read once per step together with the
+grad norm (the one host sync of a step, which decides whether the step is skipped). On CUDA the
+optimizer is torch's fused AdamW.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +36,57 @@ from common.grpo import LossConfig, per_token_terms, token_weights
 from common.learner import Collectives, SingleProcess, is_vision
 from common.schedule import horizon, lr_factor
 from geo3k_torch import checkpoint
-from geo3k_torch.model import packed_inputs, token_logprobs
+from geo3k_torch.attention import to_device
+from geo3k_torch.model import host_inputs, token_logprobs, upload
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """One packed micro-batch of T tokens, K of them trained: the forward's inputs
+    (`geo3k_torch.model.host_inputs`) and (K,) tensors of the trained tokens' row positions
+    (`targets`, int64) and float32 constants (`advantages`, `rollout`, `old` or None,
+    `weights`: the loss weights of `common.grpo.token_weights`)."""
+
+    inputs: dict
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    rollout: torch.Tensor
+    old: torch.Tensor | None
+    weights: torch.Tensor
+
+    @classmethod
+    def prepare(cls, batch: PackedBatch, processor, config, agg: str, n_tokens: float,
+                n_seqs: float) -> MicroBatch:
+        """Everything the host computes for `batch` (no device work: safe in a thread)."""
+        idx = np.nonzero(batch.loss_mask)[0]
+        const = lambda a: torch.from_numpy(np.asarray(a, np.float32)[idx])  # noqa: E731
+        weights = token_weights(batch.loss_mask, agg, seq_ids=batch.seq_ids, n_tokens=n_tokens,
+                                n_seqs=n_seqs, mean_over=batch.mean_over)
+        return cls(host_inputs(batch, processor, config), torch.from_numpy(idx),
+                   const(batch.advantages), const(batch.rollout_logprobs),
+                   None if batch.old_logprobs is None else const(batch.old_logprobs),
+                   const(weights))
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """On `device`, copied without blocking (pinned memory on CUDA)."""
+        move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
+        return MicroBatch(upload(self.inputs, device), move(self.targets),
+                          move(self.advantages), move(self.rollout), move(self.old),
+                          move(self.weights))
+
+
+def prefetched(fn: Callable, items: Sequence) -> Iterator:
+    """fn(item) for each of `items` in order, the next one computed in a background thread
+    while the caller works on the current one."""
+    if not items:
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="micro-batch") as pool:
+        pending = pool.submit(fn, items[0])
+        for i in range(len(items)):
+            current = pending.result()
+            if i + 1 < len(items):
+                pending = pool.submit(fn, items[i + 1])
+            yield current
 
 
 class Learner:
@@ -57,47 +116,47 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=train_cfg.lr,
             betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
-            weight_decay=train_cfg.weight_decay)
+            weight_decay=train_cfg.weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, *horizon(train_cfg),
                                                 train_cfg.min_lr_ratio))
 
-    def _forward(self, model, batch: PackedBatch, targets: torch.Tensor, entropy: bool):
+    def _forward(self, model, mb: MicroBatch, entropy: bool):
         """The compute dtype is the model's: FSDP2's policy (bf16 over fp32 master weights, see
         `geo3k_torch.distributed`) or its parameters' own; never autocast, which leaves q and k
         fp32 beside a bf16 v in Qwen3-VL (its q/k RMSNorm) and fails in attention."""
-        inputs = packed_inputs(batch, self.processor, model.config, self.device)
-        return token_logprobs(model, inputs, targets, self.temperature, entropy, self.chunk)
+        return token_logprobs(model, mb.inputs, mb.targets, self.temperature, entropy,
+                              self.chunk)
 
-    def micro_batch_loss(self, batch: PackedBatch, n_tokens: float, n_seqs: float) -> tuple:
-        """Loss of one micro-batch (already scaled for accumulation) and its metric sums."""
-        idx = np.nonzero(batch.loss_mask)[0]
-        targets = torch.from_numpy(idx).to(self.device)
-        const = lambda a: torch.from_numpy(np.asarray(a, np.float32)[idx]).to(self.device)  # noqa
-        weights = token_weights(batch.loss_mask, self.loss_cfg.agg, seq_ids=batch.seq_ids,
-                                n_tokens=n_tokens, n_seqs=n_seqs, mean_over=batch.mean_over)
-        logp, entropy = self._forward(self.model, batch, targets, True)
+    def _micro_batches(self, batches: Sequence[PackedBatch], n_tokens: float = 1.0,
+                       n_seqs: float = 1.0) -> Iterator[MicroBatch]:
+        """`batches` prepared one ahead in a background thread, each moved to the device."""
+        prepare = lambda b: MicroBatch.prepare(  # noqa: E731
+            b, self.processor, self.model.config, self.loss_cfg.agg, n_tokens, n_seqs)
+        for mb in prefetched(prepare, batches):
+            yield mb.to(self.device)
+
+    def micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch (already scaled for accumulation) and its metric sums, all
+        device tensors (nothing read back)."""
+        logp, entropy = self._forward(self.model, mb, True)
         ref = None
         if self.loss_cfg.kl_coef:
             with torch.no_grad():
-                ref = self._forward(self.ref_model, batch, targets, False)
-        rollout = const(batch.rollout_logprobs)
-        old = logp.detach() if batch.old_logprobs is None else const(batch.old_logprobs)
-        terms = per_token_terms(logp, old, const(batch.advantages), self.loss_cfg,
-                                ref_logp=ref, rollout_logp=rollout, xp=torch,
-                                diag_logp=rollout if batch.old_logprobs is None else None)
-        loss = (terms["loss"] * const(weights)).sum() * self.world_size
+                ref = self._forward(self.ref_model, mb, False)
+        old = logp.detach() if mb.old is None else mb.old
+        terms = per_token_terms(logp, old, mb.advantages, self.loss_cfg, ref_logp=ref,
+                                rollout_logp=mb.rollout, xp=torch,
+                                diag_logp=mb.rollout if mb.old is None else None)
+        loss = (terms["loss"] * mb.weights).sum() * self.world_size
         with torch.no_grad():
-            diff = (logp - rollout).abs()
-            sums = {"tokens": float(len(idx)), "entropy": float(entropy.sum()),
-                    "clip_frac": float(terms["clipped"].sum()),
-                    "approx_kl": float(terms["approx_kl"].sum()),
-                    "logp_diff_mean": float(diff.sum()),
-                    "logp_diff_max": float(diff.max()) if len(idx) else 0.0}
-            if "kl" in terms:
-                sums["kl"] = float(terms["kl"].sum())
-            if "tis" in terms:
-                sums["tis_mean"] = float(terms["tis"].sum())
+            diff = (logp - mb.rollout).abs()
+            sums = {"entropy": entropy.sum(), "clip_frac": terms["clipped"].sum(),
+                    "approx_kl": terms["approx_kl"].sum(), "logp_diff_mean": diff.sum(),
+                    "logp_diff_max": diff.max() if len(diff) else diff.new_zeros(())}
+            sums |= {k: terms[k].sum() for k in ("kl", "tis") if k in terms}
+            if "tis" in sums:
+                sums["tis_mean"] = sums.pop("tis")
         return loss, sums
 
     def train_step(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
@@ -111,16 +170,14 @@ class Learner:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"loss": 0.0, "tokens": 0.0, "logp_diff_max": 0.0}
-        for batch in batches:
-            loss, s = self.micro_batch_loss(batch, n_tokens, n_seqs)
-            loss.backward()
-            sums["loss"] += float(loss.detach()) / self.world_size
-            for k, v in s.items():
-                sums[k] = max(sums[k], v) if k == "logp_diff_max" else sums.get(k, 0.0) + v
+        sums = self.accumulate(batches, n_tokens, n_seqs)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                          else grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
+            grad_norm = grad_norm.full_tensor()
+        names = sorted(sums)  # the step's one host sync: every metric and the grad norm
+        values = torch.stack([sums[k].float() for k in names] + [grad_norm.float()]).tolist()
+        host = dict(zip(names, values))
+        grad_norm = values[-1]
         skipped = not math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         if skipped:  # never applied; the schedule does not advance either
@@ -128,24 +185,46 @@ class Learner:
         else:
             self.optimizer.step()
             self.scheduler.step()
-        sums = self.comm.sum_scalars(sums, max_keys=("logp_diff_max",))
-        n = max(sums.pop("tokens"), 1.0)
+        host["tokens"] = float(sum(int(b.loss_mask.astype(bool).sum()) for b in batches))
+        host = self.comm.sum_scalars(host, max_keys=("logp_diff_max",))
+        n = max(host.pop("tokens"), 1.0)
         out = {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
         out.update({k: (v if k in ("loss", "logp_diff_max") else v / n)
-                    for k, v in sums.items()})
+                    for k, v in host.items()})
         return out
+
+    def accumulate(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
+                   ) -> dict[str, torch.Tensor]:
+        """Forward and backward over `batches`, gradients accumulated: the metric sums of the
+        step as 0-d device tensors ("loss" the step's loss; "logp_diff_max" a max). Reads
+        nothing back from the device."""
+        sums: dict[str, torch.Tensor] = {}
+        for mb in self._micro_batches(batches, n_tokens, n_seqs):
+            loss, s = self.micro_batch_loss(mb)
+            loss.backward()
+            s["loss"] = loss.detach() / self.world_size
+            for k, v in s.items():
+                if k not in sums:
+                    sums[k] = v
+                elif k == "logp_diff_max":
+                    sums[k] = torch.maximum(sums[k], v)
+                else:
+                    sums[k] = sums[k] + v
+        if not sums:
+            zero = torch.zeros((), device=self.device)
+            sums = {"loss": zero, "logp_diff_max": zero}
+        return sums
 
     @torch.no_grad()
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
         """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
         mask): the behaviour policy when several updates share one rollout."""
         self.model.eval()
+        got = [self._forward(self.model, mb, False) for mb in self._micro_batches(batches)]
         out = []
-        for batch in batches:
-            idx = np.nonzero(batch.loss_mask)[0]
-            logp = self._forward(self.model, batch, torch.from_numpy(idx).to(self.device), False)
+        for batch, logp in zip(batches, got):  # read back once the device has them all
             full = np.zeros(batch.num_tokens, np.float32)
-            full[idx] = logp.float().cpu().numpy()
+            full[np.nonzero(batch.loss_mask)[0]] = logp.float().cpu().numpy()
             out.append(full)
         return out
 
@@ -171,11 +250,10 @@ class SFTLearner(Learner):
         super().__init__(model, processor, LossConfig(), train_cfg, 1.0, device, comm=comm,
                          model_dir=model_dir)
 
-    def micro_batch_loss(self, batch, n_tokens: float, n_seqs: float) -> tuple:
-        targets = torch.from_numpy(np.nonzero(batch.loss_mask)[0]).to(self.device)
-        logp, entropy = self._forward(self.model, batch, targets, True)  # (K,), (K,)
-        loss = -logp.sum() / n_tokens * self.world_size  # FSDP averages gradients over ranks
-        return loss, {"tokens": float(len(targets)), "entropy": float(entropy.sum())}
+    def micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logp, entropy = self._forward(self.model, mb, True)  # (K,), (K,)
+        loss = -(logp * mb.weights).sum() * self.world_size  # FSDP averages gradients over ranks
+        return loss, {"entropy": entropy.sum()}
 
 
 def sft_step(learner: SFTLearner, seqs: Sequence[TrainSequence], micro_batch_tokens: int,

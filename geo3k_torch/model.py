@@ -34,14 +34,14 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
 
 def load_sharded(path: str, device: torch.device | str, bf16: bool,
                  dtype: torch.dtype = torch.float32, attn: str = attention.NAME,
-                 gradient_checkpointing: bool = False):
+                 activation_checkpointing: str = "none"):
     """The checkpoint at `path` as an FSDP2 model (`geo3k_torch.distributed.parallelize`; every
     rank of the process group calls this), without a full copy on any device: the model is
     built on the meta device, sharded, given storage on `device` for its own shards only, then
     rank 0 reads the safetensors (on CPU, in the checkpoint's dtype) and each tensor is
     broadcast and scattered to its shards. dtype: the stored parameters' (fp32 master weights
     for training, bf16 for the KL reference); bf16: compute under the bf16 policy;
-    gradient_checkpointing: recompute each layer in the backward pass (set before sharding)."""
+    activation_checkpointing: `checkpoint_layers`' mode (set before sharding)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -54,8 +54,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                         attn_implementation=attn)
-    if gradient_checkpointing:  # (its name before transformers 5.2x: gradient_checkpointing_*)
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    checkpoint_layers(model, activation_checkpointing)
     distributed.parallelize(model, bf16)
     model.to_empty(device=device)
     for module in model.modules():  # the rotary tables: buffers outside the checkpoint
@@ -72,6 +71,44 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
         full_state_dict=True, broadcast_from_rank0=True, strict=False))
     model.train()
     return model
+
+
+CHECKPOINTING = ("full", "selective", "none")
+# What "selective" keeps from a layer's forward: the outputs of its matmuls (the projections,
+# the MLP, the LM head) and of the attention kernels. Norms, RoPE, SwiGLU's activation and
+# the residual adds are recomputed in the backward pass: cheap elementwise work in place of
+# most of the layer's activation memory.
+_KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward")
+    if hasattr(torch.ops.aten, name))
+
+
+def checkpoint_layers(model, mode: str) -> None:
+    """Activation checkpointing of every decoder and vision block (transformers'
+    GradientCheckpointingLayer): "full" keeps only each block's inputs and recomputes the whole
+    block in the backward pass; "selective" also keeps its matmul and attention outputs
+    (`_KEPT_OPS`) and recomputes the rest; "none" keeps everything."""
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"train.activation_checkpointing must be one of {CHECKPOINTING}, "
+                         f"got {mode!r}")
+    if mode == "none":
+        return
+    kwargs = {"use_reentrant": False}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op in _KEPT_OPS
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def _tied(model) -> set[str]:
@@ -92,7 +129,17 @@ def _check_kind(config, path: str) -> None:
 def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | str = "cpu"
                   ) -> dict:
     """Keyword arguments for the model's forward on a packed micro-batch (batch dim 1),
-    `packed_segments` (for `geo3k_torch.attention`) included."""
+    `packed_segments` (for `geo3k_torch.attention`) included: `host_inputs` moved to `device`."""
+    return upload(host_inputs(batch, processor, config), torch.device(device))
+
+
+def host_inputs(batch: PackedBatch, processor, config) -> dict:
+    """The forward's inputs of a packed micro-batch, on the host: input_ids (1, T), position_ids
+    (4, 1, T) (row 0 the text position, rows 1-3 M-RoPE), packed_segments (a
+    `geo3k_torch.attention.Segments`), under packed_sdpa the placeholder attention mask
+    (`attention.packed_mask`), and pixel_values (P, C) / image_grid_thw (N, 3) when the row has
+    images. All the host work of a micro-batch (the image processor, the positions)
+    happens here, so it can run while the device computes the previous one."""
     parents = batch.parent_of()
     if (parents >= 0).any() and config._attn_implementation != attention.NAME:
         raise ValueError(f"a micro-batch with shared prefixes needs the {attention.NAME!r} "
@@ -102,14 +149,46 @@ def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | 
     pos = packed_position_ids(batch.input_ids, batch.cu_seqlens, batch.image_counts, grid,
                               config.image_token_id, config.vision_config.spatial_merge_size,
                               parents)
-    segments = (np.diff(batch.cu_seqlens).tolist(), parents.tolist())
-    out = {"input_ids": torch.from_numpy(batch.input_ids).to(device)[None],
-           "position_ids": torch.from_numpy(pos).to(device)[:, None, :],
-           "packed_segments": segments}
+    out = {"input_ids": torch.from_numpy(batch.input_ids)[None],
+           "position_ids": torch.from_numpy(pos)[:, None, :],
+           "packed_segments": attention.Segments(np.diff(batch.cu_seqlens).tolist(),
+                                                 parents.tolist())}
+    if config._attn_implementation == attention.NAME:  # no mask built (other kernels need it)
+        out["attention_mask"] = attention.packed_mask()
     if imgs:
-        out["pixel_values"] = torch.from_numpy(imgs["pixel_values"]).to(device)
-        out["image_grid_thw"] = torch.from_numpy(grid).to(device)
+        out["pixel_values"] = torch.from_numpy(imgs["pixel_values"])
+        out["image_grid_thw"] = torch.from_numpy(grid)
+        out |= vision_layout(config, out["image_grid_thw"])
     return out
+
+
+# Inputs the vision tower reads on the host (`vision_layout`): they stay there.
+HOST_ONLY = ("cu_seqlens", "cu_window_seqlens")
+
+
+def vision_layout(config, grid: torch.Tensor) -> dict:
+    """The vision tower's attention layout for images of `grid` (N, 3), computed here by
+    transformers' own functions and passed to the forward, whose vision tower takes them in
+    place of computing them: cu_seqlens (N+1,) per image and, for Qwen2.5-VL's windowed blocks,
+    window_index (patches,) and cu_window_seqlens. Its attention splits the patches by
+    `cu_seqlens.tolist()` in every block: a host tensor makes that free, where a device one
+    waits for the device three times a block."""
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
+
+    out = {"cu_seqlens": get_vision_cu_seqlens(grid)}
+    if config.model_type == "qwen2_5_vl":
+        v = config.vision_config
+        out["window_index"], out["cu_window_seqlens"] = get_vision_window_index(
+            grid, v.spatial_merge_size, v.window_size, v.patch_size)
+    return out
+
+
+def upload(inputs: dict, device: torch.device) -> dict:
+    """`host_inputs` on `device` (tensors copied without blocking from pinned memory on CUDA;
+    `HOST_ONLY` ones stay)."""
+    return {k: attention.to_device(v, device)
+            if isinstance(v, torch.Tensor) and k not in HOST_ONLY else v
+            for k, v in inputs.items()}
 
 
 def token_logprobs(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor,

@@ -141,8 +141,9 @@ def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference
     bf16 = device.type == "cuda" and cfg.train.bf16
     dtype = torch.bfloat16 if reference and bf16 else torch.float32
     if device.type == "cuda" or world > 1:
-        model = load_sharded(model_dir, device, bf16, dtype, gradient_checkpointing=(
-            device.type == "cuda" and cfg.train.gradient_checkpointing and not reference))
+        model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=(
+            cfg.train.activation_checkpointing if device.type == "cuda" and not reference
+            else "none"))
     else:
         model = load_model(model_dir, dtype)
     return model.eval().requires_grad_(False) if reference else model

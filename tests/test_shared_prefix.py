@@ -172,11 +172,7 @@ def test_torch_learner_shared_equals_separate(build, budget):
                 for b, full in zip(batches, learner.logprobs(batches))
                 for s, i in enumerate(b.seq_index) if i >= 0}
         model.zero_grad()
-        loss = 0.0
-        for b in batches:
-            part, _ = learner.micro_batch_loss(b, n_tokens, n_seqs)
-            part.backward()
-            loss += float(part.detach())
+        loss = float(learner.accumulate(batches, n_tokens, n_seqs)["loss"])
         grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
         results.append((logp, loss, grads))
     (lp_a, loss_a, g_a), (lp_b, loss_b, g_b) = results

@@ -19,9 +19,10 @@ def test_packed_row_equals_dense_block_diagonal_sdpa(build, monkeypatch):
     seqs = sequences(processor, np.random.default_rng(0), 6)
     row, = pack(seqs, sum(map(len, seqs)))
     inputs = packed_inputs(row, processor, model.config)
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("sdpa")  # transformers' own packed mask, from the positions
     with torch.no_grad():
-        dense = model(**inputs, use_cache=False).logits
+        dense = model(**{k: v for k, v in inputs.items() if k != "attention_mask"},
+                      use_cache=False).logits
     calls = []
     sdpa = attention.F.scaled_dot_product_attention
 
@@ -193,7 +194,8 @@ def test_varlen_equals_segments_sdpa_on_cuda(gqa):
     results = []
     for fn in (attention.segments_varlen, attention.segments_sdpa):
         q, k, v = (x.clone().requires_grad_() for x in leaves)
-        out = fn(q, k, v, lengths, parents, 0.125)
+        out = (fn(q, k, v, attention.Segments(lengths, parents), 0.125)
+               if fn is attention.segments_varlen else fn(q, k, v, lengths, parents, 0.125))
         out.backward(grad_out)
         results.append([out.float(), q.grad.float(), k.grad.float(), v.grad.float()])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
