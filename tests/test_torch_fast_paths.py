@@ -1,0 +1,235 @@
+"""The torch learner's fast paths against their plain twins, on CPU: no host sync inside the
+micro-batch loop, no dense mask for packed rows, varlen with K/V repeated where torch has no
+`enable_gqa`, activation checkpointing modes with the same gradients, and the one-ahead
+micro-batch preparation."""
+
+import collections
+import threading
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import transformers.masking_utils as masking_utils
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.masking_utils import AttentionMaskInterface
+
+import geo3k_torch.attention as attention
+from common.batching import pack
+from common.grpo import LossConfig
+from geo3k_torch.learner import Learner, prefetched
+from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, packed_inputs, token_logprobs
+from tests.jax_learner_setup import train_config
+from tests.test_jax_model import sequences
+from tests.test_shared_prefix import groups
+from tests.tiny_models import IMG, ImageOnlyProcessor, qwen2_5_vl, qwen3_vl
+
+BUILDERS = [qwen3_vl, qwen2_5_vl]
+# Tensor methods that make the host wait for the device when the tensor lives there.
+SYNCS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
+         "__format__", "nonzero")
+# transformers' vision tower reads its image grid on the host a few times per forward (not per
+# block: `geo3k_torch.model.vision_layout` hands it the per-block layouts). Any other sync fails.
+VISION_FRAMES = {"get_vision_position_ids", "get_image_features", "get_placeholder_mask",
+                 "get_vision_interpolation_indices_and_weights"}
+
+
+class HostSyncs:
+    """Within the block, a method of `SYNCS` called on a tensor from the main thread raises,
+    unless transformers' vision tower called it (`VISION_FRAMES`). The micro-batch thread does
+    host work on host tensors and is not watched."""
+
+    def __enter__(self):
+        self.saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, self._guard(name, method))
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+
+    @staticmethod
+    def _guard(name, method):
+        def guarded(self, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                callers = {f.name for f in traceback.extract_stack()[:-1]}
+                if not callers & VISION_FRAMES:
+                    raise AssertionError(f"host sync: Tensor.{name} in the micro-batch loop")
+            return method(self, *args, **kwargs)
+        return guarded
+
+
+def _learner(build, seed=0):
+    model, patch = build(seed=seed)
+    model.set_attn_implementation(attention.NAME)
+    model.train()
+    processor = ImageOnlyProcessor(patch)
+    return Learner(model, processor, LossConfig(kl_coef=0.0, tis_cap=2.0), train_config(), 0.8,
+                   chunk=7), processor
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+def test_no_host_sync_in_the_micro_batch_loop(build, monkeypatch):
+    """Forward, loss, backward and metric sums of every micro-batch (images, shared prompts,
+    several micro-batches) never read a device value back; the step's metrics are the ones
+    computed without the guard. A `float(loss)` planted in the loop is caught."""
+    learner, processor = _learner(build)
+    seqs = groups(processor, np.random.default_rng(1))
+    batches = pack(seqs, max(map(len, seqs)) + 40, image_token_id=IMG)
+    assert len(batches) >= 2 and any((b.parent_of() >= 0).any() for b in batches)
+    n_tokens, n_seqs = float(sum(s.loss_mask.sum() for s in seqs)), float(len(seqs))
+    with HostSyncs():
+        sums = learner.accumulate(batches, n_tokens, n_seqs)
+    assert {"loss", "entropy", "clip_frac", "approx_kl", "logp_diff_mean", "logp_diff_max",
+            "tis_mean"} <= set(sums)
+    assert all(isinstance(v, torch.Tensor) and v.ndim == 0 for v in sums.values())
+    learner.model.zero_grad()
+    plain = learner.accumulate(batches, n_tokens, n_seqs)
+    for k, v in sums.items():
+        assert float(v) == pytest.approx(float(plain[k]), rel=1e-6, abs=1e-7), k
+
+    loss_of = learner.micro_batch_loss
+    monkeypatch.setattr(learner, "micro_batch_loss",
+                        lambda mb: (lambda out: (float(out[0]), out)[1])(loss_of(mb)))
+    with pytest.raises(AssertionError, match="host sync: Tensor.__float__"), HostSyncs():
+        learner.accumulate(batches, n_tokens, n_seqs)
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+def test_a_packed_forward_builds_no_mask(build, monkeypatch):
+    """Under packed_sdpa transformers neither scans the position ids for packed sequences (a
+    host sync) nor builds a mask (T x T); the logits are those of the dense block-diagonal
+    reference. The placeholder mask fails loudly under any other attention."""
+    model, patch = build(seed=0)
+    processor = ImageOnlyProcessor(patch)
+    seqs = sequences(processor, np.random.default_rng(0), 5)
+    row, = pack(seqs, sum(map(len, seqs)))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        dense = model(**packed_inputs(row, processor, model.config), use_cache=False).logits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a mask was built for a packed row")
+
+    model.set_attn_implementation(attention.NAME)
+    inputs = packed_inputs(row, processor, model.config)
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", refuse)
+    AttentionMaskInterface.register(attention.NAME, refuse)
+    try:
+        with torch.no_grad():
+            packed = model(**inputs, use_cache=False).logits
+    finally:
+        AttentionMaskInterface.register(attention.NAME, masking_utils.sdpa_mask)
+    assert (packed - dense).abs().max() <= 1e-5 * dense.abs().max()
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(RuntimeError), torch.no_grad():
+        model(**inputs, use_cache=False)
+
+
+@pytest.mark.parametrize("has_gqa", [False, True])
+def test_varlen_repeats_kv_where_torch_has_no_enable_gqa(has_gqa, monkeypatch):
+    """torch 2.10-2.11's varlen_attn has no `enable_gqa`: each query head must get its group's
+    key / value head (repeat_interleave, not tile). Emulated on CPU by per-sequence sdpa with the
+    flash kernel's bottom-right causal rule, the call equals segments_sdpa; a tiled repeat
+    would pair query head 1 with key head 1 instead of 0 and differ."""
+    seen = []
+
+    def emulated(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, **kw):
+        assert window_size == (-1, 0) and ("enable_gqa" in kw) == has_gqa
+        seen.append((q.shape[1], k.shape[1]))
+        parts = []
+        for s in range(len(cu_q) - 1):
+            qs, ks, vs = (x[a:b].transpose(0, 1) for x, a, b in (
+                (q, cu_q[s], cu_q[s + 1]), (k, cu_k[s], cu_k[s + 1]), (v, cu_k[s], cu_k[s + 1])))
+            parts.append(torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=attention.causal_lower_right(qs.shape[1], ks.shape[1]),
+                scale=scale, enable_gqa=kw.get("enable_gqa", False)).transpose(0, 1))
+        return torch.cat(parts)
+
+    monkeypatch.setattr(attention, "varlen_attn", emulated)
+    monkeypatch.setattr(attention, "varlen_has_gqa", has_gqa)
+    g = torch.Generator().manual_seed(0)
+    lengths, parents = [7, 4, 3, 4, 2, 3], [-1, 0, 0, -1, -1, 4]
+    T, H, D = sum(lengths), 4, 8
+    q = torch.randn(1, H, T, D, generator=g)
+    k, v = (torch.randn(1, H // 2, T, D, generator=g) for _ in range(2))
+    out = attention.segments_varlen(q, k, v, attention.Segments(lengths, parents), 0.3)
+    ref = attention.segments_sdpa(q, k, v, lengths, parents, scaling=0.3)
+    assert torch.allclose(out, ref, rtol=0, atol=1e-6)
+    assert seen == [(H, H // 2 if has_gqa else H)]
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops that run inside the block, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops_and_grads(build, mode):
+    """The ops of one packed forward's backward pass, and its gradients."""
+    model, patch = build(seed=0)
+    model.set_attn_implementation(attention.NAME)
+    checkpoint_layers(model, mode)
+    model.train()
+    processor = ImageOnlyProcessor(patch)
+    seqs = sequences(processor, np.random.default_rng(1), 4)
+    row, = pack(seqs, sum(map(len, seqs)))
+    targets = torch.from_numpy(np.flatnonzero(row.loss_mask))
+    logp = token_logprobs(model, packed_inputs(row, processor, model.config), targets)
+    with _Ops() as ops:
+        (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
+    return ops.counts, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+def test_activation_checkpointing_modes_give_the_same_gradients(build):
+    """The modes differ in what the backward pass recomputes: full recomputes the blocks'
+    matmuls and activations, selective only the activations (SwiGLU's silu, the vision MLP's
+    gelu), none nothing. The gradients are the same."""
+    results = {mode: _backward_ops_and_grads(build, mode) for mode in CHECKPOINTING}
+    ops = {mode: r[0] for mode, r in results.items()}
+    act = {mode: c["silu"] + c["gelu"] for mode, c in ops.items()}
+    assert act["none"] == 0 and act["selective"] == act["full"] > 0, act
+    mm = {mode: c["mm"] + c["addmm"] for mode, c in ops.items()}
+    assert mm["none"] == mm["selective"] < mm["full"], mm
+    ref = results["none"][1]
+    for mode in ("full", "selective"):
+        for k, g in results[mode][1].items():
+            assert torch.linalg.norm(g - ref[k]) <= 1e-6 * max(torch.linalg.norm(ref[k]), 1e-8), \
+                (mode, k)
+
+
+def test_an_unknown_checkpointing_mode_is_refused():
+    model, _ = qwen3_vl(seed=0)
+    with pytest.raises(ValueError, match="full, selective, none|'full', 'selective', 'none'"):
+        checkpoint_layers(model, "some")
+
+
+def test_prefetched_keeps_order_and_works_one_ahead():
+    """Items come back in order, each computed in another thread, at most one ahead of the
+    consumer; an error in the preparation reaches the consumer."""
+    started, consumer = [], threading.current_thread()
+
+    def fn(i):
+        assert threading.current_thread() is not consumer
+        started.append(i)
+        return i * 10
+
+    got = []
+    for value in prefetched(fn, [0, 1, 2, 3]):
+        got.append(value)
+        assert len(started) <= len(got) + 1
+    assert got == [0, 10, 20, 30] and list(prefetched(fn, [])) == []
+
+    def broken(i):
+        raise KeyError(i)
+
+    with pytest.raises(KeyError):
+        list(prefetched(broken, [5]))
