@@ -78,37 +78,6 @@ class Completion:
             raise ValueError(f"unknown finish_reason {self.finish_reason!r}")
 
 
-class Decoding:
-    """What an in-process engine's decode loop keeps per request: the tokens sampled so far,
-    their log-probs, and why each request finished (a stop token, kept as its last token; or
-    its `max_new_tokens`). Tokens sampled for a finished request are ignored."""
-
-    def __init__(self, requests: Sequence[Request]):
-        self.stops = [set(r.sampling.stop_token_ids) for r in requests]
-        self.budget = [r.sampling.max_new_tokens for r in requests]
-        self.tokens: list[list[int]] = [[] for _ in requests]
-        self.logprobs: list[list[float]] = [[] for _ in requests]
-        self.finish: list[str | None] = [None] * len(requests)
-
-    def add(self, tokens: Sequence[int], logprobs: Sequence[float]) -> bool:
-        """One sampled token per request (rows past the requests are ignored); True once every
-        request has finished."""
-        for b, f in enumerate(self.finish):
-            if f is not None:
-                continue
-            t = int(tokens[b])
-            self.tokens[b].append(t)
-            self.logprobs[b].append(float(logprobs[b]))
-            if t in self.stops[b]:
-                self.finish[b] = STOP
-            elif len(self.tokens[b]) >= self.budget[b]:
-                self.finish[b] = LENGTH
-        return all(f is not None for f in self.finish)
-
-    def completions(self) -> list[Completion]:
-        return [Completion(t, lp, f) for t, lp, f in zip(self.tokens, self.logprobs, self.finish)]
-
-
 class FatalEngineError(RuntimeError):
     """A failure no retry can fix (the engine and the learner disagree on the inputs, say): the
     rollout re-raises it instead of retrying and aborting samples one by one."""

@@ -107,10 +107,11 @@ def get_config() -> ml_collections.ConfigDict:
     # its exported weights every step), or SGLang servers (GPU machines).
     c.engine = ml_collections.ConfigDict()
     c.engine.backend = "local"  # local | torch | sglang
-    # The in-process torch engine: most requests in one batch, and the KV cache one batch may
-    # pad out to (rows x (longest prompt + max new tokens)); a larger request is refused.
+    # The in-process torch engine: most decode slots, and the KV cache of the slots (rows x
+    # (longest prompt + max new tokens)); a larger request is refused.
     c.engine.local_max_batch = 256
     c.engine.local_kv_budget_gb = 24.0
+    c.engine.local_cuda_graphs = True  # on CUDA, replay each decode step as a CUDA graph
     c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
     # Launched here (common.sglang.placement): colocated, one server per sglang_gpus_per_server
     # (its tp) learner GPUs, each process generating through the one on its GPU; otherwise

@@ -3,25 +3,37 @@
 `LocalEngine` implements `common.engine.Engine` on the learner's own torch model (no copy, no
 disk round trip: after an optimizer step the next `generate` samples from the new weights).
 
-One `generate` call: the requests' new tokens are left-padded into one batch (each row behind
-its own left-padded KV cache from earlier turns, if any), prefilled once with their images and
-explicit 3-D M-RoPE positions (`common.mrope`), then decoded token by token with the KV cache.
-Requests with the same tokens and images and no cache (the samples of a GRPO group on their
-first turn) are prefilled once: their row's KV cache and first logits are copied to each of them
-(`share_prefill`).
-A call's requests run in consecutive batches of at most `max_batch` requests whose padded KV
-cache (rows x (longest prompt + largest max_new_tokens) x bytes per token) fits `kv_budget_gb`;
+One `generate` call decodes its requests in a fixed number of slots of one preallocated KV
+cache (`geo3k_torch.decode.Slots`: rows x capacity, capacity = the call's longest prompt plus
+its max_new_tokens), refilled as rows finish (continuous batching, as `geo3k_jax.engine`):
+
+    waiting requests ──admit──> prefill (HF forward, new tokens only) ──copy K/V──> free slots
+    decode: every slot one token a step (`decode.Decoder`, a CUDA graph on GPUs), on device;
+            every SYNC_STEPS steps (or when a row may have reached its max_new_tokens) the host
+            reads the done flags: finished rows are retired, their slots refilled
+    once nobody waits, the live rows move to the front and the step runs on fewer rows
+
+A prefill takes the admitted requests' new tokens left-padded into one batch (each row behind
+its session's KV cache from earlier turns, if any) with their images and explicit 3-D M-RoPE
+positions (`common.mrope`); its keys and values are copied into the slots, where a row's tokens
+sit in order from index 0. Requests with the same tokens and images and no cache (the samples of
+a GRPO group on their first turn) admitted together are prefilled once (`share_prefill`).
+The slots (rows x capacity x bytes per token) fit `kv_budget_gb` and are at most `max_batch`;
 a request that alone does not fit is refused (`common.engine.FatalEngineError`, naming the
-numbers and the settings). The caches kept between turns hold real tokens only (no padding, no
-unused budget) and come on top.
+numbers and the settings). A prefill's own cache, and the caches kept between turns (real tokens
+only), come on top.
 Each sampled token's log-prob is read from the raw logits at the request's temperature,
-log_softmax(logits / T), before any top-p truncation (`generate`'s scores are
-processed). Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its
-last token) or at its `max_new_tokens`.
+log_softmax(logits / T), before any top-p truncation (`generate`'s scores are processed).
+Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its last token)
+or at its `max_new_tokens`. Draws come from `generator` (seeded) in slot order; a call whose
+requests all fit the slots draws as one static batch would until the first compaction, after
+which fewer rows draw per step: with one seed the tokens are reproducible, but not those of an
+engine that batched differently.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -29,34 +41,22 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from common.engine import Completion, Decoding, FatalEngineError, Request
+from common.engine import LENGTH, STOP, Completion, FatalEngineError, Request
 from common.mrope import image_token_counts, mrope_position_ids
 from common.processor import image_inputs, image_key
+from geo3k_torch.decode import Decoder, Slots
+
+SYNC_STEPS = 8  # decode steps between the host's reads of the done flags, at most
+REFILL_SHARE = 8  # refill once 1/8 of the slots are free (or every waiting request fits)
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator, banned: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row. logits: (B, V) fp32 raw; temperature, top_p: (B,); banned:
-    token ids never sampled (image placeholders: a generated one would break the sequence).
-
-    Returns (tokens (B,), log-probs (B,) under log_softmax(logits / T) of the raw logits; T = 0
-    rows are greedy and report log_softmax(logits)).
-    """
-    greedy = temperature <= 0
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    logp = torch.log_softmax(logits / t[:, None], dim=-1)
-    if banned is not None:
-        logits = logits.index_fill(-1, banned, float("-inf"))
-    probs = torch.softmax(logits / t[:, None], dim=-1)
-    if bool((top_p < 1).any()):
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
-        sorted_p = torch.where(before < top_p[:, None], sorted_p, torch.zeros_like(sorted_p))
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    drawn = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    tokens = torch.where(greedy, logits.argmax(-1), drawn)
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+def row_counts(rows: int) -> list[int]:
+    """The row counts a decode step runs at (each a CUDA graph): 1, 2, 4, ... below `rows`,
+    then `rows` itself."""
+    out = [1]
+    while out[-1] * 2 < rows:
+        out.append(out[-1] * 2)
+    return out + [rows] if rows > 1 else out
 
 
 @dataclasses.dataclass
@@ -79,8 +79,10 @@ class LocalEngine:
 
     def __init__(self, model, processor, pad_id: int, seed: int = 0,
                  device: torch.device | str = "cpu", keep_cache: bool = True,
-                 share_prefill: bool = True, max_batch: int = 256, kv_budget_gb: float = 24.0):
-        """max_batch, kv_budget_gb: `engine.local_max_batch`, `engine.local_kv_budget_gb`."""
+                 share_prefill: bool = True, max_batch: int = 256, kv_budget_gb: float = 24.0,
+                 cuda_graphs: bool = True):
+        """max_batch, kv_budget_gb, cuda_graphs: `engine.local_max_batch`,
+        `engine.local_kv_budget_gb`, `engine.local_cuda_graphs` (used on CUDA only)."""
         if max_batch < 1 or kv_budget_gb <= 0:
             raise ValueError(f"engine.local_max_batch={max_batch} must be >= 1 and "
                              f"engine.local_kv_budget_gb={kv_budget_gb} > 0")
@@ -91,6 +93,7 @@ class LocalEngine:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.keep_cache, self.share_prefill = keep_cache, share_prefill
+        self.cuda_graphs = cuda_graphs
         self._cache: dict[str, _Cached] = {}
         cfg = model.config
         self.image_token_id = cfg.image_token_id
@@ -105,11 +108,11 @@ class LocalEngine:
         itemsize = next(self.model.parameters()).dtype.itemsize
         return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * itemsize
 
-    def batches(self, requests: Sequence[Request]) -> list[list[Request]]:
-        """`requests` in order, cut into batches that fit `max_batch` and the KV budget (each
-        batch padded to its longest prompt plus its largest max_new_tokens)."""
-        per_token = self.kv_bytes_per_token()
-        out, longest, most_new = [], 0, 0
+    def plan(self, requests: Sequence[Request]) -> tuple[int, int]:
+        """(slots, capacity) for these requests: capacity = the longest prompt + max_new_tokens
+        of any request, as many slots of it as `max_batch`, the requests and the KV budget
+        allow. A request that alone does not fit the budget raises FatalEngineError."""
+        per_token, capacity = self.kv_bytes_per_token(), 0
         for r in requests:
             n, new = len(r.input_ids), r.sampling.max_new_tokens
             need = (n + new) * per_token
@@ -118,15 +121,15 @@ class LocalEngine:
                     f"one request needs {need / 2**30:.2f} GiB of KV cache ({n} prompt + {new} "
                     f"new tokens x {per_token} bytes) but engine.local_kv_budget_gb="
                     f"{self.kv_budget / 2**30:g}: raise it, or lower rollout.max_context_tokens")
-            grown = (max(longest, n) + max(most_new, new)) * per_token
-            fits = out and (len(out[-1]) + 1) * grown <= self.kv_budget
-            if fits and len(out[-1]) < self.max_batch:
-                out[-1].append(r)
-                longest, most_new = max(longest, n), max(most_new, new)
-            else:
-                out.append([r])
-                longest, most_new = n, new
-        return out
+            capacity = max(capacity, n + new)
+        rows = min(self.max_batch, len(requests), int(self.kv_budget // (capacity * per_token)))
+        return rows, capacity
+
+    def batches(self, requests: Sequence[Request]) -> list[list[Request]]:
+        """`requests` in order, in groups of the slot count (`plan`): the first group fills the
+        slots, every later request waits for a slot a finished one frees."""
+        rows, _ = self.plan(requests)
+        return [list(requests[i:i + rows]) for i in range(0, len(requests), rows)]
 
     def clear_cache(self) -> None:
         """Forget every session's KV cache (stale once the weights change)."""
@@ -138,31 +141,119 @@ class LocalEngine:
             return []
         was_training = self.model.training
         self.model.eval()
-        out, kept = [], {}
         try:
-            for batch in self.batches(requests):
-                completions, kept_now = self._generate(batch)
-                out += completions
-                kept |= kept_now
+            out, kept = self._decode(list(requests))
         finally:
             self.model.train(was_training)
         self._cache = kept  # the sessions of this call (a finished one is not asked again)
         return out
 
-    def _reusable(self, req: Request, n_image_tokens_per_image: np.ndarray) -> _Cached | None:
-        """The session's cache if it holds a strict prefix of the request that ends between
-        images (so the new part starts with whole images or text)."""
-        entry = self._cache.get(req.session) if self.keep_cache and req.session else None
-        ids = list(req.input_ids)
-        if entry is None or len(entry.ids) >= len(ids) or ids[:len(entry.ids)] != entry.ids:
-            return None
-        in_prefix = sum(t == self.image_token_id for t in entry.ids)
-        if in_prefix not in np.concatenate([[0], np.cumsum(n_image_tokens_per_image)]):
-            return None
-        return entry
+    def _decode(self, requests: list[Request]) -> tuple[list[Completion], dict]:
+        """The slot loop of the module docstring: completions in order, and the KV caches to
+        keep, by session."""
+        rows, capacity = self.plan(requests)
+        slots = Slots.allocate(
+            self.model.config.get_text_config(), rows, capacity,
+            max(r.sampling.max_new_tokens for r in requests),
+            max(1, *(len(r.sampling.stop_token_ids) for r in requests)),
+            next(self.model.parameters()).dtype, self.device)
+        decoder = Decoder(self.model, slots, self.cuda_graphs)
+        nucleus = any(r.sampling.top_p < 1 for r in requests)
+        every = torch.arange(rows, device=self.device)
+        waiting = collections.deque(range(len(requests)))
+        owner = [-1] * rows  # slot -> its request (-1: free)
+        left = [0] * rows  # tokens a slot may still sample
+        out: list[Completion | None] = [None] * len(requests)
+        kept: dict[str, _Cached] = {}
+        n = rows  # the slots a step runs over
+        while True:
+            free = [s for s in range(rows) if owner[s] < 0]
+            if waiting and len(free) >= min(len(waiting), max(1, rows // REFILL_SHARE)):
+                take = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                self._admit(slots, [requests[i] for i in take], free[:len(take)], nucleus)
+                for s, i in zip(free, take):
+                    owner[s], left[s] = i, requests[i].sampling.max_new_tokens - 1
+            busy = [s for s in range(rows) if owner[s] >= 0]
+            if not busy:
+                break
+            if not waiting and min(c for c in row_counts(rows) if c >= len(busy)) < n:
+                slots.move(torch.tensor(busy, device=self.device))  # live rows to the front
+                slots.done[len(busy):] = True
+                owner = [owner[s] for s in busy] + [-1] * (rows - len(busy))
+                left = [left[s] for s in busy] + [0] * (rows - len(busy))
+                busy = list(range(len(busy)))
+                n = min(c for c in row_counts(rows) if c >= len(busy))
+            steps = min(SYNC_STEPS, min(left[s] for s in busy))
+            for _ in range(steps):
+                logits = decoder.step(n)
+                slots.advance(n)
+                slots.record(every[:n], logits, self.generator, self.banned, nucleus)
+            left = [max(x - steps, 0) for x in left]
+            done = slots.done[:n].tolist()  # the host's one read per SYNC_STEPS steps
+            finished = [s for s in busy if done[s]]
+            if finished:
+                self._retire(slots, finished, [owner[s] for s in finished], requests, out, kept)
+                for s in finished:
+                    owner[s] = -1
+        return out, kept
 
-    def _generate(self, requests: list[Request]) -> tuple[list[Completion], dict]:
-        """One batch: its completions and the KV caches to keep, by session."""
+    def _admit(self, slots: Slots, requests: list[Request], at: list[int], nucleus: bool
+               ) -> None:
+        """Prefill `requests` into the free slots `at` (one each, in order) and sample their
+        first tokens."""
+        cache, logits, rows, expand, C, N = self._prefill(requests)
+        dev, k = self.device, len(requests)
+        lengths = [len(ids) for ids, *_ in rows]
+        T = max(lengths)
+        index = torch.zeros((k, T), dtype=torch.long)  # prefill index of each row's tokens
+        for j, (ids, _, _, c, _) in enumerate(rows):
+            n = len(ids) - c
+            where = torch.cat([torch.arange(C - c, C), torch.arange(C + N - n, C + N)])
+            index[j] = torch.cat([where, where[-1:].expand(T - len(where))])
+        index, src = index.to(dev), torch.tensor(expand, device=dev)
+        slot = torch.tensor(at, device=dev)
+        for layer, keys, values in zip(cache.layers, slots.keys, slots.values):
+            pick = index[:, None, :, None].expand(k, keys.shape[1], T, keys.shape[3])
+            keys[slot, :, :T] = layer.keys[src].gather(2, pick)
+            values[slot, :, :T] = layer.values[src].gather(2, pick)
+        stops = torch.full((k, slots.stops.shape[1]), -1, dtype=torch.long)
+        for j, r in enumerate(requests):
+            stops[j, :len(r.sampling.stop_token_ids)] = torch.tensor(r.sampling.stop_token_ids,
+                                                                     dtype=torch.long)
+        host = lambda v, dtype=torch.long: torch.tensor(v, dtype=dtype, device=dev)  # noqa: E731
+        slots.pos[slot] = host(lengths)
+        slots.mpos[slot] = host([int(pos.max()) + 1 for _, pos, *_ in rows])
+        slots.temperature[slot] = host([r.sampling.temperature for r in requests], torch.float)
+        slots.top_p[slot] = host([r.sampling.top_p for r in requests], torch.float)
+        slots.max_new[slot] = host([r.sampling.max_new_tokens for r in requests])
+        slots.stops[slot] = stops.to(dev)
+        slots.count[slot] = 0
+        slots.done[slot] = False
+        slots.record(slot, logits[src], self.generator, self.banned, nucleus)
+
+    def _retire(self, slots: Slots, finished: list[int], owners: list[int],
+                requests: list[Request], out: list, kept: dict) -> None:
+        """Read the finished slots' tokens back into `out` (at their requests' places, `owners`)
+        and keep their sessions' caches (the prompt and every token fed: all but the last)."""
+        index = torch.tensor(finished, device=self.device)
+        tokens, logprobs, count, pos = (t[index].cpu() for t in (
+            slots.tokens, slots.logprobs, slots.count, slots.pos))
+        for j, (s, i) in enumerate(zip(finished, owners)):
+            r, c, p = requests[i], int(count[j]), int(pos[j])
+            ids = tokens[j, :c].tolist()
+            reason = STOP if ids[-1] in r.sampling.stop_token_ids else LENGTH
+            out[i] = Completion(ids, logprobs[j, :c].tolist(), reason)
+            if self.keep_cache and r.session:
+                kept[r.session] = _Cached(list(r.input_ids) + ids[:p - len(r.input_ids)],
+                                          [k[s, :, :p].clone() for k in slots.keys],
+                                          [v[s, :, :p].clone() for v in slots.values])
+
+    def _prefill(self, requests: list[Request]):
+        """One prefill forward of `requests`' new tokens, left-padded behind their sessions'
+        caches (C tokens at most) to N new tokens. Returns (its DynamicCache, per layer (P, H,
+        C + N, D); next-token logits (P, V) fp32; per request (ids, M-RoPE positions (3, n),
+        cache or None, cached length c, its new images); each request's prefill row (P rows,
+        `share_prefill`); C; N)."""
         dev = self.device
         images = [im for r in requests for im in r.images]
         keys = [image_key(im) for im in images]
@@ -195,7 +286,6 @@ class LocalEngine:
         input_ids = torch.full((B, N), self.pad_id, dtype=torch.long)
         attn = torch.zeros((B, C + N), dtype=torch.long)
         position_ids = torch.zeros((4, B, N), dtype=torch.long)
-        next_pos = torch.zeros((2, B), dtype=torch.long)  # text position, M-RoPE position
         for b, (ids, pos, cached, c, _) in enumerate(rows):
             n = len(ids) - c
             input_ids[b, N - n:] = torch.from_numpy(ids[c:])
@@ -203,7 +293,6 @@ class LocalEngine:
             attn[b, C + N - n:] = 1
             position_ids[0, b, N - n:] = torch.arange(c, len(ids))
             position_ids[1:, b, N - n:] = torch.from_numpy(pos[:, c:])
-            next_pos[:, b] = torch.tensor([len(ids), int(pos.max()) + 1])
         inputs = {"input_ids": input_ids.to(dev), "attention_mask": attn.to(dev),
                   "position_ids": position_ids.to(dev)}
         new_images = [i for *_, imgs_b in rows for i in imgs_b]
@@ -215,28 +304,19 @@ class LocalEngine:
         if C:
             inputs["past_key_values"] = self._stack_caches(rows, C)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        cache, logits, B = out.past_key_values, out.logits[:, -1].float(), len(requests)
-        if len(unique) < B:  # each request gets its row of the shared prefill
-            index = torch.tensor(expand, device=dev)
-            cache.reorder_cache(index)
-            logits, attn, next_pos = logits[index], attn[expand], next_pos[:, expand]
-        temperature = torch.tensor([r.sampling.temperature for r in requests], device=dev)
-        top_p = torch.tensor([r.sampling.top_p for r in requests], device=dev)
-        decoding = Decoding(requests)
-        attn, next_pos, fed = attn.to(dev), next_pos.to(dev), 0
-        while True:
-            tok, lp = sample(logits, temperature, top_p, self.generator, self.banned)
-            if decoding.add(tok.tolist(), lp.tolist()):
-                break
-            step_pos = torch.cat([next_pos[:1], next_pos[1:].expand(3, -1)])[:, :, None]
-            attn = torch.cat([attn, attn.new_ones((B, 1))], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=step_pos,
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache, next_pos, fed = out.past_key_values, next_pos + 1, fed + 1
-            logits = out.logits[:, -1].float()
-        kept = self._keep(requests, rows_all, decoding.tokens, cache, C, N, fed) \
-            if self.keep_cache else {}
-        return decoding.completions(), kept
+        return out.past_key_values, out.logits[:, -1].float(), rows_all, expand, C, N
+
+    def _reusable(self, req: Request, n_image_tokens_per_image: np.ndarray) -> _Cached | None:
+        """The session's cache if it holds a strict prefix of the request that ends between
+        images (so the new part starts with whole images or text)."""
+        entry = self._cache.get(req.session) if self.keep_cache and req.session else None
+        ids = list(req.input_ids)
+        if entry is None or len(entry.ids) >= len(ids) or ids[:len(entry.ids)] != entry.ids:
+            return None
+        in_prefix = sum(t == self.image_token_id for t in entry.ids)
+        if in_prefix not in np.concatenate([[0], np.cumsum(n_image_tokens_per_image)]):
+            return None
+        return entry
 
     def _distinct(self, rows, image_keys: list, n_images: list[int]
                   ) -> tuple[list[int], list[int]]:
@@ -270,19 +350,3 @@ class LocalEngine:
             cache.update(torch.stack(ks), torch.stack(vs), layer)
         return cache
 
-    def _keep(self, requests, rows, tokens, cache, C: int, N: int, fed: int
-              ) -> dict[str, _Cached]:
-        """Per session of this batch, the cache of its real tokens (pads and the tokens sampled
-        after it stopped are cut out)."""
-        kept = {}
-        for b, (r, (ids, _, _, c, _)) in enumerate(zip(requests, rows)):
-            if not r.session:
-                continue
-            n, f = len(ids) - c, min(len(tokens[b]), fed)
-            idx = torch.cat([torch.arange(C - c, C), torch.arange(C + N - n, C + N + f)])
-            idx = idx.to(self.device)
-            kept[r.session] = _Cached(
-                ids.tolist() + tokens[b][:f],
-                [layer.keys[b].index_select(1, idx) for layer in cache.layers],
-                [layer.values[b].index_select(1, idx) for layer in cache.layers])
-        return kept

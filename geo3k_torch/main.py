@@ -61,6 +61,7 @@ def build(cfg, workdir: str) -> loop.Run:
                                  model=model, own_copy=cfg.train.max_staleness > 0,
                                  max_batch=cfg.engine.local_max_batch,
                                  kv_budget_gb=cfg.engine.local_kv_budget_gb,
+                                 cuda_graphs=cfg.engine.local_cuda_graphs,
                                  bf16=cfg.train.bf16))
     return loop.Run(learner, backend, comm, processor, train_set, test_set,
                     shutdown=distributed.shutdown)

@@ -54,7 +54,8 @@ def train(cfg, workdir: str) -> dict:
         from geo3k_torch.backend import LocalBackend
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
                                model=model, max_batch=cfg.engine.local_max_batch,
-                               kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16)
+                               kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16,
+                               cuda_graphs=cfg.engine.local_cuda_graphs)
     sampler = PromptSampler(len(train_set), cfg.seed, stream=comm.rank)  # its own share
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)
