@@ -35,7 +35,6 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -139,7 +138,10 @@ def segments_sdpa(query, key, value, lengths: Sequence[int], parents: Sequence[i
         k, v, mask = ks[s], vs[s], None
         if p >= 0:  # causal, aligned at the end: the prefix's keys are all before the queries
             k, v = torch.cat([ks[p], k], dim=2), torch.cat([vs[p], v], dim=2)
-            mask = causal_lower_right(lengths[s], lengths[p] + lengths[s])
+            # a plain boolean mask: torch's causal_lower_right is a tensor subclass, which
+            # selective checkpointing's dispatch mode cannot create
+            mask = torch.ones(lengths[s], lengths[p] + lengths[s], dtype=torch.bool,
+                              device=query.device).tril(lengths[p])
         parts.append(F.scaled_dot_product_attention(
             qs[s], k, v, attn_mask=mask, is_causal=mask is None, scale=scaling,
             dropout_p=dropout, enable_gqa=gqa))

@@ -89,11 +89,14 @@ def checkpoint_layers(model, mode: str) -> None:
     """Activation checkpointing of every decoder and vision block (transformers'
     GradientCheckpointingLayer): "full" keeps only each block's inputs and recomputes the whole
     block in the backward pass; "selective" also keeps its matmul and attention outputs
-    (`_KEPT_OPS`) and recomputes the rest; "none" keeps everything."""
+    (`_KEPT_OPS`) and recomputes the rest; "none" keeps everything. A model already sharded
+    may switch (the flags are read at every call)."""
     if mode not in CHECKPOINTING:
         raise ValueError(f"train.activation_checkpointing must be one of {CHECKPOINTING}, "
                          f"got {mode!r}")
     if mode == "none":
+        if model.is_gradient_checkpointing:
+            model.activation_checkpointing_disable()
         return
     kwargs = {"use_reentrant": False}
     if mode == "selective":

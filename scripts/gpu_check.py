@@ -1,24 +1,36 @@
-"""Check a GPU machine in one command: what runs, how fast, in how much memory.
+"""Check a GPU machine in one command: what runs, how fast, where the time goes.
 
-    python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: <= 20 minutes
-    python scripts/gpu_check.py --tiny --out /tmp/gpu_check   # the same code paths on a CPU
+    python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: 8 minutes
+    python scripts/gpu_check.py --tiny --out /tmp/gpu_check   # every section's code on a CPU
+    python scripts/gpu_check.py --out runs/gpu_check --sections=learner_jax,e2e_jax,engine_jax \
+        --budget_s=870                                       # the JAX sections, another call
 
 Nothing is downloaded: the end-to-end runs use the quick CPU run's tiny checkpoint and synthetic
-set, the throughput sections a random-initialised model with Qwen3-VL-2B's published shapes
+set, the other sections a random-initialised model with Qwen3-VL-2B's published shapes
 (configs/models/qwen3_vl_2b.json). Sections (`scripts/gpu_sections.py`), each in a process of its
 own, in this order:
 
-    e2e_torch      configs/cpu.py for 10 steps on CUDA: torch learner, its local engine
-    learner_torch  learner steps at 8k and 16k-token micro-batches, bf16 autocast, per attention
-                   kernel (varlen and packed_sdpa): tokens/s, MFU, peak memory
+    e2e_torch      configs/cpu.py for 3 steps on CUDA: torch learner, its local engine
+    learner_torch  learner steps of 2 and 4 micro-batches of 8k and 16k tokens, bf16, per
+                   attention kernel (varlen, packed_sdpa) and, at 16k, per activation
+                   checkpointing mode (full, selective, none): tokens/s, MFU, peak memory
     engine_torch   the local engine sampling 64 episodes x 512 tokens (bf16): tokens/s, memory
-    e2e_jax, learner_jax, engine_jax   the same for the JAX learner and its engine
+    profile_torch  torch.profiler over learner steps and engine calls: top kernels, GPU idle
+                   share, host syncs per learner step (also OUT/profile_torch.json and .md)
+    whole_step     GRPO steps of 8 prompts x 8 episodes, learner and local engine on one GPU:
+                   rollout, update and sync seconds, tokens per GPU-second
+    learner_jax, e2e_jax, engine_jax   the JAX learner's steps (as learner_torch's), end to end,
+                   and its engine: not run unless named in --sections (cold, they compiled for
+                   148, 323 and 208 s on an H200)
 
-Writes OUT/gpu_check.json and OUT/gpu_check.md (a table per section; a failure's traceback below
-it; each section's output in OUT/sections/<name>.log). A section that fails, times out or has
-no time left is recorded and the others still run; the exit status is 1 if any did. MFU is
-model FLOPs (`gpu_sections.train_flops`) over the card's dense bf16 peak, found from the device
-name (H100 SXM and H200: 989 TFLOP/s) or given with --peak_tflops.
+Writes OUT/gpu_check.json and OUT/gpu_check.md (a table per section, a least-squares fit of the
+learner's step time under its table; a failure's traceback below it; each section's output in
+OUT/sections/<name>.log, its JSON with the device and versions in OUT/sections/<name>.json). A
+section that fails, times out or has no time left is recorded and the others still run; the exit
+status is 1 if any did. Each section may run for its cap (`CAPS_S`) plus what the sections before
+it left unused of theirs; the default sections' caps sum to the default --budget_s. MFU is model
+FLOPs (`gpu_sections.train_flops`) over the card's dense bf16 peak, found from the device name
+(H100 SXM and H200: 989 TFLOP/s) or given with --peak_tflops.
 """
 
 from __future__ import annotations
@@ -38,14 +50,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
+import gpu_profile  # noqa: E402
 import gpu_sections  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets), matched in order against the device name.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
-# The most a section may take on an H100, cold compile caches included (the budget bounds their
-# sum). One H200 took 110, 58, 87, 323, 148 and 208 s (docs/gpu_check.md).
-CAPS_S = {"e2e_torch": 150, "learner_torch": 120, "engine_torch": 120, "e2e_jax": 420,
-          "learner_jax": 240, "engine_jax": 300}
+# The seconds a section is sure of (it may also use what the sections before it left unused);
+# the default sections' sum to BUDGET_S. Estimates, not H100 measurements: one H200 took 110
+# (10 steps), 58 (2 rows), 87, 323, 148 (2 rows) and 208 s for e2e_torch, learner_torch,
+# engine_torch, e2e_jax, learner_jax and engine_jax (docs/gpu_check.md); profile_torch and
+# whole_step have not run on a GPU.
+CAPS_S = {"e2e_torch": 70, "learner_torch": 160, "engine_torch": 80, "profile_torch": 70,
+          "whole_step": 100, "learner_jax": 150, "e2e_jax": 420, "engine_jax": 300}
+DEFAULT_SECTIONS = ("e2e_torch", "learner_torch", "engine_torch", "profile_torch", "whole_step")
+BUDGET_S = 480.0  # the default sections' caps: about 8 minutes, one call of a lent machine
 MIN_SECTION_S = 20.0  # less time left than this: the section is not started
 VERSIONED = ("torch", "transformers", "jax", "jaxlib", "flax", "optax")
 
@@ -67,10 +85,11 @@ def settings(out: str, tiny: bool, peak: float | None) -> gpu_sections.Settings:
 
 
 # ---- one section, in its own process ------------------------------------------------------------
-def run_here(name: str, s: gpu_sections.Settings, path: Path) -> None:
-    """Run section `name`, writing its JSON after every row (a crash keeps what came before);
-    a row or the section that raises is recorded with its traceback."""
-    result = {"status": "running", "rows": []}
+def run_here(name: str, s: gpu_sections.Settings, path: Path, device: str) -> None:
+    """Run section `name`, writing its JSON (the device, versions and rows) after every row (a
+    crash keeps what came before); a row or the section that raises is recorded with its
+    traceback."""
+    result = {"status": "running", "device": device, "versions": _versions(), "rows": []}
 
     def write():
         path.write_text(json.dumps(result, indent=1))
@@ -87,8 +106,9 @@ def run_here(name: str, s: gpu_sections.Settings, path: Path) -> None:
     write()
 
 
-def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: float) -> dict:
-    """Section `name` in a fresh process, at most `timeout` seconds."""
+def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: float,
+              device: str) -> dict:
+    """Section `name` in a fresh process on `device` (its name), at most `timeout` seconds."""
     path, log = out / "sections" / f"{name}.json", out / "sections" / f"{name}.log"
     path.unlink(missing_ok=True)
     env = dict(os.environ)
@@ -97,7 +117,7 @@ def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: flo
     elif name in gpu_sections.JAX_SECTIONS:  # JAX takes 75% of the GPU by default
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     cmd = [sys.executable, __file__, f"--section={name}", f"--out={out}",
-           f"--peak_tflops={peak or 0.0}"] + (["--tiny"] if tiny else [])
+           f"--peak_tflops={peak or 0.0}", f"--device_name={device}"] + (["--tiny"] if tiny else [])
     start, cpu = time.perf_counter(), _children_cpu_s()
     with open(log, "w") as f:
         try:
@@ -126,10 +146,25 @@ def _tail(log: Path, lines: int = 40) -> str:
 
 
 # ---- the report -------------------------------------------------------------------------------
-def _fmt(v) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
-    return str(v)
+def fit_lines(rows: list[dict]) -> list[str]:
+    """Per kernel of a learner section's ok rows, where it can be computed (`gpu_profile.
+    fit_step_cost`), the least-squares split of a step's seconds into its costs per step, per
+    micro-batch and per token."""
+    ok = [r for r in rows if r["status"] == "ok" and "micro_batches" in r]
+    lines = []
+    for kernel in dict.fromkeys(r["kernel"] for r in ok):
+        mine = [r for r in ok if r["kernel"] == kernel]
+        fit = gpu_profile.fit_step_cost([r["micro_batches"] for r in mine],
+                                        [r["tokens"] for r in mine], [r["seconds"] for r in mine])
+        if fit is None:
+            continue
+        if "b" in fit:
+            terms, why = f" + {fit['b']:.3g} x micro-batches", ""
+        else:
+            terms, why = "", " (these rows cannot tell a micro-batch's cost from its tokens')"
+        lines += [f"Fit, {kernel} ({len(mine)} rows, least squares): step seconds = "
+                  f"{fit['a']:.3g}{terms} + {fit['c'] * 1e3:.3g} x thousand tokens{why}.", ""]
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -143,12 +178,8 @@ def markdown(report: dict) -> str:
         lines += [f"## {name}: {sec['status']} ({sec.get('seconds', 0.0):.0f} s, "
                   f"{sec.get('cpu_s', 0.0):.0f} s CPU)", ""]
         rows = sec["rows"]
-        cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "error"]
         if rows:
-            lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            lines += ["| " + " | ".join(_fmt(r.get(c, "")).replace("|", "/") for c in cols)
-                      + " |" for r in rows]
-            lines.append("")
+            lines += gpu_profile.table(rows) + [""] + fit_lines(rows)
         errors = [r["error"] for r in rows if "error" in r] + ([sec["error"]] if "error" in sec
                                                              else [])
         for e in errors:
@@ -162,13 +193,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="Folder for gpu_check.json, .md and logs.")
     p.add_argument("--tiny", action="store_true", help="Tiny shapes and counts, on the CPU.")
-    p.add_argument("--sections", default=",".join(gpu_sections.SECTIONS),
-                   help="Comma-separated sections to run (default: all, in order).")
+    p.add_argument("--sections", default="", help="Comma-separated sections to run, in the "
+                   "module's order (default: all but e2e_jax and engine_jax; --tiny: all).")
     p.add_argument("--budget_s", type=float, default=None, help="Wall-clock budget of all "
-                   "sections, seconds (default 1200; --tiny: 1800, for slow shared CPUs).")
+                   f"sections, seconds (default {BUDGET_S:.0f}; --tiny: 1800, for slow shared "
+                   "CPUs).")
     p.add_argument("--peak_tflops", type=float, default=0.0, help="Dense bf16 peak of the "
                    "accelerator, TFLOP/s (0: from the device name; unknown: no MFU).")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # one section, here
+    p.add_argument("--device_name", default=None, help=argparse.SUPPRESS)  # found by the parent
     return p.parse_args(argv)
 
 
@@ -178,9 +211,11 @@ def main(argv=None) -> int:
     (out / "sections").mkdir(parents=True, exist_ok=True)
     if args.section:
         s = settings(str(out), args.tiny, args.peak_tflops or None)
-        run_here(args.section, s, out / "sections" / f"{args.section}.json")
+        device = args.device_name or ("CPU" if args.tiny else device_name())
+        run_here(args.section, s, out / "sections" / f"{args.section}.json", device)
         return 0
-    wanted = [x for x in args.sections.split(",") if x]
+    wanted = ([x for x in args.sections.split(",") if x]
+              or list(gpu_sections.SECTIONS if args.tiny else DEFAULT_SECTIONS))
     unknown = sorted(set(wanted) - set(gpu_sections.SECTIONS))
     if unknown:
         raise SystemExit(f"unknown sections {unknown}: choose from "
@@ -194,16 +229,19 @@ def main(argv=None) -> int:
     report = {"device": name, "tiny": args.tiny, "peak_tflops": peak, "shapes": s.shapes,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "settings": dataclasses.asdict(s), "versions": _versions(), "sections": {}}
-    budget = args.budget_s or (1800.0 if args.tiny else 1200.0)
+    budget = args.budget_s or (1800.0 if args.tiny else BUDGET_S)
     start = time.perf_counter()
-    for section in [n for n in gpu_sections.SECTIONS if n in wanted]:
+    order = [n for n in gpu_sections.SECTIONS if n in wanted]
+    for i, section in enumerate(order):
         left = budget - (time.perf_counter() - start)
         if left < MIN_SECTION_S:
             report["sections"][section] = {"status": "not run", "rows": [], "seconds": 0.0,
                                            "error": f"{left:.0f} s of --budget_s left"}
             continue
-        timeout = left if args.tiny else min(CAPS_S[section], left)
-        report["sections"][section] = result = run_child(section, out, args.tiny, peak, timeout)
+        later = sum(CAPS_S[n] for n in order[i + 1:])  # kept for the sections after this one
+        timeout = left if args.tiny else max(min(CAPS_S[section], left), left - later)
+        report["sections"][section] = result = run_child(section, out, args.tiny, peak, timeout,
+                                                         name)
         print(f"{section}: {result['status']} in {result['seconds']:.0f} s", flush=True)
     report["seconds"] = time.perf_counter() - start
     report["failed"] = [n for n, r in report["sections"].items() if r["status"] != "ok"]

@@ -5,11 +5,17 @@ of its own (a CUDA error or an out-of-memory cannot take the other sections down
                               accelerator through each entry point's own `build` and the shared
                               loop: reward, tool-call rate, seconds per phase (from metrics.jsonl)
     learner_torch / learner_jax  learner steps of a random-initialised model with a published
-                              model's shapes (configs/models) on packed micro-batches of 8k and
-                              16k tokens (GRPO groups sharing their prompt and image): tokens/s,
-                              MFU, peak memory; torch once per attention kernel
+                              model's shapes (configs/models) on 2 and 4 packed micro-batches of
+                              8k and 16k tokens (GRPO groups sharing their prompt and image):
+                              tokens/s, MFU, peak memory; torch once per attention kernel
     engine_torch / engine_jax  the in-process engines sampling 64 episodes x 512 tokens from the
                               same model: tokens/s and peak memory
+    profile_torch             torch.profiler over learner steps and engine calls of that model:
+                              top kernels (ops on a CPU), GPU idle share, host syncs per learner
+                              step (`gpu_profile`); also OUT/profile_torch.json and .md
+    whole_step                whole GRPO steps of that model (the shared step's `grpo_step` and
+                              the backend's weight sync) with its local engine on the same device:
+                              seconds of rollout, update and sync, tokens per GPU-second
 
 The learners and engines are the ones `geo3k_torch.main.build` / `geo3k_jax.train.build` make
 (device, process group, loading, sharding, dtype policy, backend) from a checkpoint directory
@@ -19,6 +25,8 @@ files of `geo3k_torch.tiny` (no download). The recipe's settings are configs/bas
 
 Each section yields rows (flat dicts of numbers and strings) as it measures them; a measurement
 that raises becomes a row with status "failed" and its traceback, and the next one still runs.
+Every torch row names its attention kernel (`kernel`: the learner's, `learner_kernel`;
+`engine_kernel`: the engine's, transformers' sdpa).
 `Settings.tiny_settings` shrinks the shapes and counts so that every section runs on a CPU: the
 same code paths.
 """
@@ -42,10 +50,13 @@ from common.flops import image_flops, text_flops
 from configs import base, cpu
 from configs.models import model_shapes, write_config_dir
 
+import gpu_profile  # a sibling script module (scripts/ is on the path of gpu_check and the tests)
+
 # The torch learner's kernels for packed rows. "varlen" (one torch.nn.attention.varlen call per
 # layer) is chosen by `geo3k_torch.attention.uses_varlen` where that switch exists; "packed_sdpa"
 # is its per-segment sdpa path. `use_kernel` is the one place that selects them.
 TORCH_KERNELS = ("varlen", "packed_sdpa")
+ENGINE_KERNEL = "sdpa"  # the engine's batched, cached generation: transformers' own sdpa
 IMAGE_MAX_PIXELS = 1024 * 1024  # the checkpoint's image processor (a 448-px diagram is kept)
 
 
@@ -59,21 +70,24 @@ class Settings:
     device: str = "cuda"
     peak_tflops: float | None = None  # the accelerator's dense bf16 peak (None: no MFU)
     shapes: str = "qwen3_vl_2b"
-    e2e_steps: int = 10
+    e2e_steps: int = 3
     micro_batch_tokens: tuple[int, ...] = (8192, 16384)
-    micro_batches_per_step: int = 2
-    timed_steps: int = 3
+    micro_batches_per_step: tuple[int, ...] = (2, 4)  # a learner row per count and size
+    timed_steps: int = 2  # learner steps per row, profiled steps and engine calls, whole steps
     samples_per_group: int = 8
     response_tokens: tuple[int, int] = (256, 1536)  # uniform range of a sample's response
     image_px: int = 448
-    episodes: int = 64
-    new_tokens: int = 512
+    episodes: int = 64  # the engine's episodes; whole_step: episodes / samples_per_group prompts
+    new_tokens: int = 512  # each episode's (whole_step: each turn's most) new tokens
+    profile_new_tokens: int = 32  # each episode's new tokens in a profiled engine call
+    step_micro_batch_tokens: int = 16384  # whole_step's micro-batches (room for its prompts)
 
     @classmethod
     def tiny_settings(cls, out: str, peak_tflops: float | None) -> Settings:
         return cls(out, tiny=True, device="cpu", peak_tflops=peak_tflops, e2e_steps=2,
                    micro_batch_tokens=(256,), timed_steps=1, samples_per_group=4,
-                   response_tokens=(32, 96), image_px=64, episodes=8, new_tokens=8)
+                   response_tokens=(32, 96), image_px=64, episodes=8, new_tokens=8,
+                   profile_new_tokens=4, step_micro_batch_tokens=2048)
 
 
 # ---- the checkpoint ---------------------------------------------------------------------------
@@ -110,8 +124,8 @@ def shapes_checkpoint(s: Settings) -> str:
     return str(d)
 
 
-def _build(framework: str, s: Settings, name: str, budget: int):
-    """`geo3k_torch.main.build` or `geo3k_jax.train.build` on the shapes checkpoint."""
+def _config(s: Settings, budget: int):
+    """The recipe (configs/base.py) on the shapes checkpoint, micro-batches of `budget` tokens."""
     cfg = base.get_config()
     cfg.model.path = shapes_checkpoint(s)
     cfg.train.device = s.device
@@ -122,6 +136,11 @@ def _build(framework: str, s: Settings, name: str, budget: int):
     if s.tiny:  # episodes that fit the tiny micro-batches
         cfg.jax.compilation_cache_dir = ""
         cfg.rollout.max_context_tokens, cfg.rollout.max_response_tokens = budget, budget // 4
+    return cfg
+
+
+def _build(framework: str, s: Settings, name: str, cfg):
+    """`geo3k_torch.main.build` or `geo3k_jax.train.build` of `cfg` (`_config`) in OUT/name."""
     workdir = str(Path(s.out) / name)
     if framework == "torch":
         from geo3k_torch import main
@@ -155,14 +174,14 @@ def _prompt(config, processor, px: int, rng: np.random.Generator) -> tuple[list[
     return ids, image
 
 
-def grpo_batches(config, processor, s: Settings, budget: int, seed: int = 0):
-    """`s.micro_batches_per_step` packed micro-batches of at most `budget` tokens, the fullest
+def grpo_batches(config, processor, s: Settings, budget: int, micro_batches: int,
+                 seed: int = 0) -> list:
+    """`micro_batches` packed micro-batches of at most `budget` tokens, the fullest
     `common.batching.pack` makes of GRPO groups (`s.samples_per_group` samples sharing a prompt
-    with one image, responses of `s.response_tokens` tokens). Returns (batches, masked tokens,
-    sequences) of the step."""
+    with one image, responses of `s.response_tokens` tokens), fullest first."""
     rng = np.random.default_rng(seed)
     seqs, total, group = [], 0, 0
-    need = budget * (s.micro_batches_per_step + 1)
+    need = budget * (micro_batches + 1)
     while total < need:
         prompt, image = _prompt(config, processor, s.image_px, rng)
         room = budget - len(prompt)
@@ -177,10 +196,13 @@ def grpo_batches(config, processor, s: Settings, budget: int, seed: int = 0):
         total += len(prompt)
         group += 1
     batches = pack(seqs, budget, config.image_token_id)
-    batches = sorted(batches, key=lambda b: -b.num_tokens)[:s.micro_batches_per_step]
-    n_tokens = float(sum(b.loss_mask.sum() for b in batches))
-    n_seqs = float(sum((b.seq_index >= 0).sum() for b in batches))
-    return batches, n_tokens, n_seqs
+    return sorted(batches, key=lambda b: -b.num_tokens)[:micro_batches]
+
+
+def step_counts(batches) -> tuple[float, float]:
+    """(masked tokens, sequences) of a step on `batches`: `train_step`'s n_tokens, n_seqs."""
+    return (float(sum(b.loss_mask.sum() for b in batches)),
+            float(sum((b.seq_index >= 0).sum() for b in batches)))
 
 
 # ---- FLOPs, memory ---------------------------------------------------------------------------
@@ -236,10 +258,10 @@ def _e2e_config(s: Settings):
     return cfg
 
 
-def _e2e_row(framework: str, workdir: Path, seconds: float) -> dict:
+def _e2e_row(framework: str, workdir: Path, seconds: float, **kernels: str) -> dict:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     mean = lambda k: float(np.mean([r[k] for r in rows if k in r]))  # noqa: E731
-    out = {"framework": framework, "steps": len(rows), "wall_s": seconds,
+    out = {"framework": framework, **kernels, "steps": len(rows), "wall_s": seconds,
            "reward_mean": mean("train/reward_mean"), "reward_last": rows[-1]["train/reward_mean"],
            "tool_call_rate": mean("train/tool_call_rate")}
     for k in sorted({k for r in rows for k in r if k.startswith("train/time_")}):
@@ -250,12 +272,15 @@ def _e2e_row(framework: str, workdir: Path, seconds: float) -> dict:
 
 
 def e2e_torch(s: Settings):
+    import torch
+
     from geo3k_torch import main
 
     workdir = Path(s.out) / "e2e_torch"
     start = time.perf_counter()
     main.train(_e2e_config(s), str(workdir))
-    yield _e2e_row("torch", workdir, time.perf_counter() - start)
+    yield _e2e_row("torch", workdir, time.perf_counter() - start,
+                   kernel=learner_kernel(torch.device(s.device)), engine_kernel=ENGINE_KERNEL)
 
 
 def e2e_jax(s: Settings):
@@ -272,24 +297,57 @@ def _failed(row: dict) -> dict:
     return {**row, "status": "failed", "error": traceback.format_exc()}
 
 
-def _timed_steps(learner, batches, n_tokens: float, n_seqs: float, steps: int):
-    """(first step's seconds, mean seconds of `steps` more, the last metrics). A step's
-    metrics are read (`dict`), so the time includes the work (a JAX step returns at once)."""
-    start = time.perf_counter()
-    dict(learner.train_step(batches, n_tokens, n_seqs))  # kernels, compiles, optimizer state
-    first = time.perf_counter() - start
+def _timed_steps(learner, batches, steps: int) -> tuple[float, dict[str, float]]:
+    """(mean seconds of `steps` steps on `batches`, the last step's metrics). Every metric is
+    read as a float, so the time includes the step's work (a JAX step, or a torch step whose
+    metrics stay on the device, returns before its work is done)."""
+    n_tokens, n_seqs = step_counts(batches)
     start = time.perf_counter()
     for _ in range(steps):
-        metrics = dict(learner.train_step(batches, n_tokens, n_seqs))
-    return first, (time.perf_counter() - start) / steps, metrics
+        metrics = {k: float(v) for k, v in learner.train_step(batches, n_tokens, n_seqs).items()}
+    return (time.perf_counter() - start) / steps, metrics
+
+
+def _learner_rows(learner, config, processor, s: Settings, budget: int, row: dict, reset,
+                  peak_gb):
+    """A row per count of `s.micro_batches_per_step` at micro-batches of `budget` tokens: one
+    warm-up step on the most of them (kernels, compiles, optimizer state: first_step_s), then
+    `s.timed_steps` steps on each count's first (fullest) micro-batches. reset(): before the
+    warm-up; peak_gb(): the peak memory since. A failure becomes its row, with its traceback."""
+    try:
+        batches = grpo_batches(config, processor, s, budget, max(s.micro_batches_per_step))
+        reset()
+        first, _ = _timed_steps(learner, batches, 1)
+    except Exception:  # noqa: BLE001  (reported; the next measurement still runs)
+        yield _failed(row)
+        return
+    for k in s.micro_batches_per_step:
+        try:
+            seconds, metrics = _timed_steps(learner, batches[:k], s.timed_steps)
+            yield _learner_row(dict(row), config, processor, batches[:k], first, seconds,
+                               metrics, peak_gb(), s)
+        except Exception:  # noqa: BLE001
+            yield _failed({**row, "micro_batches": k})
 
 
 def _learner_row(row: dict, config, processor, batches, first: float, seconds: float,
                  metrics: dict, peak_gb: float, s: Settings) -> dict:
-    row.update(micro_batches=len(batches), loss=float(metrics["loss"]),
-               grad_norm=float(metrics["grad_norm"]), first_step_s=first, peak_memory_gb=peak_gb)
+    row.update(micro_batches=len(batches), loss=metrics["loss"], grad_norm=metrics["grad_norm"],
+               first_step_s=first, peak_memory_gb=peak_gb)
     return _throughput(row, float(sum(b.num_tokens for b in batches)), seconds,
                        train_flops(config, batches, processor), s.peak_tflops)
+
+
+def learner_kernel(device) -> str:
+    """The attention kernel of the torch learner's packed rows on `device` (a torch.device):
+    "varlen" where `geo3k_torch.attention.uses_varlen` takes a bf16 query there (CUDA under the
+    bf16 policy, a torch with varlen), else "packed_sdpa"."""
+    import torch
+
+    from geo3k_torch import attention
+
+    query = torch.empty(1, 1, 1, 8, dtype=torch.bfloat16, device=device)
+    return "varlen" if device.type == "cuda" and attention.uses_varlen(query) else "packed_sdpa"
 
 
 def use_kernel(kernel: str, device) -> str | None:
@@ -313,35 +371,47 @@ def use_kernel(kernel: str, device) -> str | None:
     return None
 
 
-def learner_torch(s: Settings):
+def _torch_memory(device):
+    """(reset, peak GB since) of the device's memory: the CUDA allocator's, or the host's peak
+    resident memory (which cannot be reset)."""
     import torch
 
-    run = _build("torch", s, "learner_torch", max(s.micro_batch_tokens))
+    if device.type != "cuda":
+        return (lambda: None), host_peak_gb
+
+    def reset():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+    return reset, lambda: torch.cuda.max_memory_allocated(device) / 2 ** 30
+
+
+def learner_torch(s: Settings):
+    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers
+
+    cfg = _config(s, max(s.micro_batch_tokens))
+    run = _build("torch", s, "learner_torch", cfg)
     learner, processor = run.learner, run.processor
     config, device = learner.model.config, learner.device
-    on_gpu = device.type == "cuda"
+    reset, peak = _torch_memory(device)
+    mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
+    kernel = learner_kernel(device)
+    # the recipe's kernel and checkpointing at every size, its kernel under the other
+    # checkpointing modes at the largest size, then the other kernel (most telling first: a
+    # section stopped at its cap keeps the rows before)
+    plan = [(kernel, mode, b) for b in s.micro_batch_tokens]
+    plan += [(kernel, m, max(s.micro_batch_tokens)) for m in CHECKPOINTING if m != mode]
+    plan += [(k, mode, b) for k in TORCH_KERNELS if k != kernel for b in s.micro_batch_tokens]
     try:
-        for kernel in TORCH_KERNELS:
+        for kernel, checkpointing, budget in plan:
             why = use_kernel(kernel, device)
             if why:
                 yield {"framework": "torch", "kernel": kernel, "status": "skipped", "note": why}
                 continue
-            for budget in s.micro_batch_tokens:
-                row = {"framework": "torch", "kernel": kernel, "micro_batch_tokens": budget}
-                try:
-                    batches, n_tokens, n_seqs = grpo_batches(config, processor, s, budget)
-                    if on_gpu:
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(device)
-                    first, seconds, metrics = _timed_steps(learner, batches, n_tokens, n_seqs,
-                                                           s.timed_steps)
-                    peak = (torch.cuda.max_memory_allocated(device) / 2 ** 30 if on_gpu
-                            else host_peak_gb())
-                    row = _learner_row(row, config, processor, batches, first, seconds,
-                                       metrics, peak, s)
-                except Exception:  # noqa: BLE001  (reported; the next measurement still runs)
-                    row = _failed(row)
-                yield row
+            checkpoint_layers(learner.model, checkpointing)
+            row = {"framework": "torch", "kernel": kernel, "checkpointing": checkpointing,
+                   "micro_batch_tokens": budget}
+            yield from _learner_rows(learner, config, processor, s, budget, row, reset, peak)
     finally:
         _close(run)
 
@@ -349,21 +419,14 @@ def learner_torch(s: Settings):
 def learner_jax(s: Settings):
     import jax
 
-    run = _build("jax", s, "learner_jax", max(s.micro_batch_tokens))
+    run = _build("jax", s, "learner_jax", _config(s, max(s.micro_batch_tokens)))
     learner, processor = run.learner, run.processor
     try:
         for budget in s.micro_batch_tokens:
+            learner.row_len = budget  # the learner's rows: this micro-batch size
             row = {"framework": "jax", "kernel": "windowed", "micro_batch_tokens": budget}
-            try:
-                learner.row_len = budget  # the learner's rows: this micro-batch size
-                batches, n_tokens, n_seqs = grpo_batches(learner.config, processor, s, budget)
-                first, seconds, metrics = _timed_steps(learner, batches, n_tokens, n_seqs,
-                                                       s.timed_steps)
-                row = _learner_row(row, learner.config, processor, batches, first, seconds,
-                                   metrics, _jax_peak_gb(jax), s)
-            except Exception:  # noqa: BLE001  (reported; the next measurement still runs)
-                row = _failed(row)
-            yield row
+            yield from _learner_rows(learner, learner.config, processor, s, budget, row,
+                                     lambda: None, lambda: _jax_peak_gb(jax))
     finally:
         _close(run)
 
@@ -391,7 +454,7 @@ def _requests(config, processor, s: Settings, tag: str) -> list[Request]:
     return out[:s.episodes]
 
 
-def _engine_row(framework: str, engine, config, processor, s: Settings, peak) -> dict:
+def _engine_row(row: dict, engine, config, processor, s: Settings, peak) -> dict:
     """Two calls on the same episodes (fresh caches): the first warms up (JAX compiles), the
     second is timed."""
     times = []
@@ -402,24 +465,18 @@ def _engine_row(framework: str, engine, config, processor, s: Settings, peak) ->
         done = engine.generate(requests)
         times.append(time.perf_counter() - start)
     tokens = float(sum(len(c.token_ids) for c in done))
-    return _throughput({"framework": framework, "episodes": len(done),
-                        "new_tokens": s.new_tokens, "first_call_s": times[0],
-                        "peak_memory_gb": peak()}, tokens, times[1], None, None)
+    return _throughput({**row, "episodes": len(done), "new_tokens": s.new_tokens,
+                        "first_call_s": times[0], "peak_memory_gb": peak()},
+                       tokens, times[1], None, None)
 
 
 def engine_torch(s: Settings):
-    import torch
-
-    run = _build("torch", s, "engine_torch", max(s.micro_batch_tokens))
-    device = run.learner.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        peak = lambda: torch.cuda.max_memory_allocated(device) / 2 ** 30  # noqa: E731
-    else:
-        peak = host_peak_gb
+    run = _build("torch", s, "engine_torch", _config(s, max(s.micro_batch_tokens)))
+    reset, peak = _torch_memory(run.learner.device)
+    reset()
     try:
-        yield _engine_row("torch", run.backend.engine, run.learner.model.config, run.processor,
-                          s, peak)
+        yield _engine_row({"framework": "torch", "kernel": ENGINE_KERNEL}, run.backend.engine,
+                          run.learner.model.config, run.processor, s, peak)
     finally:
         _close(run)
 
@@ -427,14 +484,174 @@ def engine_torch(s: Settings):
 def engine_jax(s: Settings):
     import jax
 
-    run = _build("jax", s, "engine_jax", max(s.micro_batch_tokens))
+    run = _build("jax", s, "engine_jax", _config(s, max(s.micro_batch_tokens)))
     try:
-        yield _engine_row("jax", run.backend.engine, run.learner.config, run.processor, s,
-                          lambda: _jax_peak_gb(jax))
+        yield _engine_row({"framework": "jax"}, run.backend.engine, run.learner.config,
+                          run.processor, s, lambda: _jax_peak_gb(jax))
+    finally:
+        _close(run)
+
+
+# ---- where the time goes ---------------------------------------------------------------------
+PROFILE_ROWS = 10  # top kernels per phase in the check's report (the files hold 25)
+
+
+def _profile(work, steps: int, cuda: bool) -> dict:
+    """torch.profiler (CPU and, on a GPU, CUDA activities; shapes recorded) over `work()`, which
+    runs `steps` steps: step_ms (wall), kernel_ms_per_step (GPU kernels' time; a CPU: ops' self
+    time), gpu_idle (`gpu_profile.idle_fraction` of the kernels; "n/a" on a CPU) and the top 25
+    kernels or ops (`gpu_profile.top_ops`)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        start = time.perf_counter()
+        work()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    timed, intervals = gpu_profile.profile_events(prof, cuda)
+    return {"steps": steps, "step_ms": wall_ms / steps,
+            "kernel_ms_per_step": sum(ms for _, ms in timed) / steps,
+            "gpu_idle": gpu_profile.idle_fraction(intervals) if cuda else "n/a",
+            "top": gpu_profile.top_ops(timed, wall_ms, steps)}
+
+
+def profile_torch(s: Settings):
+    """Profiles (`_profile`) of `s.timed_steps` learner steps on the fewest of
+    `s.micro_batches_per_step` micro-batches of the largest size, after a warm-up step, then of
+    as many engine calls of `s.episodes` x `s.profile_new_tokens` tokens after a warm-up call.
+    Rows: per phase its summary (the learner's with host_syncs_per_step, `gpu_profile.host_syncs`
+    over one more step) and its top `PROFILE_ROWS` kernels; the top 25 also in
+    OUT/profile_torch.json and OUT/profile_torch.md."""
+    budget = max(s.micro_batch_tokens)
+    run = _build("torch", s, "profile_torch", _config(s, budget))
+    learner, processor, engine = run.learner, run.processor, run.backend.engine
+    config, device = learner.model.config, learner.device
+    cuda = device.type == "cuda"
+    kernels = {"learner": learner_kernel(device), "engine": ENGINE_KERNEL}
+    phases: dict[str, dict] = {}
+    try:
+        try:
+            batches = grpo_batches(config, processor, s, budget, min(s.micro_batches_per_step))
+            _timed_steps(learner, batches, 1)  # kernels, allocator, optimizer state
+            # one step's host syncs; its metrics are read after the count, as the loop does
+            with gpu_profile.host_syncs(cuda) as syncs:
+                metrics = learner.train_step(batches, *step_counts(batches))
+            float(metrics["loss"])  # waits for the step
+            phases["learner"] = {**_profile(lambda: _timed_steps(learner, batches, s.timed_steps),
+                                            s.timed_steps, cuda),
+                                 "host_syncs_per_step": syncs.n}
+            yield from _profile_rows("learner", kernels["learner"], phases["learner"])
+        except Exception:  # noqa: BLE001  (reported; the engine is still profiled)
+            yield _failed({"framework": "torch", "kernel": kernels["learner"], "phase": "learner"})
+        try:
+            few = dataclasses.replace(s, new_tokens=s.profile_new_tokens)
+            calls = [_requests(config, processor, few, f"call{k}")
+                     for k in range(s.timed_steps + 1)]
+
+            def generate(requests):
+                engine.clear_cache()  # every call prefills
+                engine.generate(requests)
+
+            def profiled():
+                for requests in calls[1:]:
+                    generate(requests)
+
+            generate(calls[0])  # warm-up
+            phases["engine"] = _profile(profiled, s.timed_steps, cuda)
+            yield from _profile_rows("engine", kernels["engine"], phases["engine"])
+        except Exception:  # noqa: BLE001
+            yield _failed({"framework": "torch", "kernel": kernels["engine"], "phase": "engine"})
+    finally:
+        _close(run)
+        _write_profile(Path(s.out), s, kernels, phases)
+
+
+def _profile_rows(phase: str, kernel: str, profiled: dict):
+    base = {"framework": "torch", "kernel": kernel, "phase": phase}
+    yield {**base, **{k: v for k, v in profiled.items() if k != "top"}}
+    for op in profiled["top"][:PROFILE_ROWS]:
+        yield {**base, **op}
+
+
+def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
+    """OUT/profile_torch.json (the phases as measured) and OUT/profile_torch.md (a table each)."""
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    (out / "profile_torch.json").write_text(json.dumps(
+        {"device": device, "torch": torch.__version__, "kernels": kernels, "phases": phases},
+        indent=1))
+    lines = [f"# torch profile: {device}", "",
+             f"torch {torch.__version__}; {s.shapes}{' (tiny)' if s.tiny else ''}; attention: "
+             f"learner {kernels['learner']}, engine {kernels['engine']}. Time is the GPU "
+             "kernels' (on a CPU: the ops' self time), share is of the steps' wall time.", ""]
+    for phase, p in phases.items():
+        idle = p["gpu_idle"] if isinstance(p["gpu_idle"], str) else f"{p['gpu_idle']:.1%}"
+        syncs = (f", {p['host_syncs_per_step']} host syncs a step"
+                 if "host_syncs_per_step" in p else "")
+        lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}), GPU idle "
+                  f"{idle}{syncs}", ""] + gpu_profile.table(p["top"]) + [""]
+    (out / "profile_torch.md").write_text("\n".join(lines))
+
+
+def whole_step(s: Settings):
+    """`s.timed_steps` GRPO steps after a warm-up one, as the loop runs them (`common.step`'s
+    `grpo_step`: rollout, advantages, packing, update; then the backend's weight sync), of
+    `s.episodes / s.samples_per_group` prompts of the synthetic set with `s.samples_per_group`
+    episodes each (turns of at most `s.new_tokens` tokens, env.max_turns as the recipe), the
+    torch learner and its local engine on one device. One row: seconds per step of each phase,
+    tokens per step as EasyR1 counts them (every episode's prompt with its image tokens and all
+    its turns) and their rate per GPU. With random weights, episodes rarely call the tool: most
+    end after their first turn (turns_mean says)."""
+    from common import train as loop
+    from common.prepare import make_renderer
+    from common.step import grpo_step
+    from common.timing import timed
+
+    prompts = s.episodes // s.samples_per_group
+    cfg = _config(s, s.step_micro_batch_tokens)
+    cfg.data.synthetic_dir = str(Path(s.out) / "whole_step_data")  # its own size of set
+    cfg.data.synthetic_train_size = cfg.train.prompts_per_step = prompts
+    cfg.data.synthetic_image_size = str(s.image_px)
+    cfg.rollout.n_samples, cfg.rollout.max_response_tokens = s.samples_per_group, s.new_tokens
+    cfg.advantage.filter_equal_groups = False  # random weights reward no group: train on all
+    run = _build("torch", s, "whole_step", cfg)
+    learner, backend = run.learner, run.backend
+    step_cfg = loop.step_config(cfg, run.processor)
+    renderer = run.renderer or make_renderer(cfg, run.processor)
+    reset, peak = _torch_memory(learner.device)
+    reset()
+    steps = []
+    try:
+        for step in range(s.timed_steps + 1):  # step 0 warms up
+            start = time.perf_counter()
+            trajs, m = grpo_step(list(run.train_set), backend.engine, renderer, learner, step_cfg,
+                                 step * prompts, run.comm, backend.train_context)
+            with timed(m, "weight_sync"):
+                backend.sync(learner, step + 1)
+            steps.append({**m, "step_s": time.perf_counter() - start,
+                          "tokens": float(sum(len(t.token_ids) for t in trajs)),
+                          "generated": float(sum(t.num_generated for t in trajs)),
+                          "turns": float(sum(len(t.turns) for t in trajs)),
+                          "episodes": float(len(trajs))})
+        mean = lambda k: float(np.mean([m[k] for m in steps[1:]]))  # noqa: E731
+        yield {"framework": "torch", "kernel": learner_kernel(learner.device),
+               "engine_kernel": ENGINE_KERNEL, "prompts": prompts, "episodes": mean("episodes"),
+               "turns_mean": mean("turns") / mean("episodes"), "steps": len(steps) - 1,
+               "first_step_s": steps[0]["step_s"], "step_s": mean("step_s"),
+               "rollout_s": mean("time_rollout"), "train_s": mean("time_train"),
+               "sync_s": mean("time_weight_sync"), "tokens": mean("tokens"),
+               "generated_tokens": mean("generated"),
+               "tokens_per_gpu_s": mean("tokens") / mean("step_s") / run.comm.world,
+               "rollout_tokens_per_s": mean("generated") / mean("time_rollout"),
+               "peak_memory_gb": peak()}
     finally:
         _close(run)
 
 
 SECTIONS = {f.__name__: f for f in (e2e_torch, learner_torch, engine_torch,  # run in this order
-                                    e2e_jax, learner_jax, engine_jax)}
+                                    profile_torch, whole_step, learner_jax, e2e_jax, engine_jax)}
 JAX_SECTIONS = ("e2e_jax", "learner_jax", "engine_jax")

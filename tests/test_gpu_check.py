@@ -1,6 +1,7 @@
 """scripts/gpu_check.py: its FLOPs count matches the models' real matmuls, a failing section is
-reported with its traceback (and the rows before it), and `--tiny` runs every section on the CPU
-with finite, positive numbers."""
+reported with its traceback (and the rows before it), the profile's pure parts (idle share, top
+ops, the step-cost fit, the host-sync counter) give the literal numbers, and `--tiny` runs every
+section on the CPU with finite, positive numbers."""
 
 import importlib
 import json
@@ -36,6 +37,11 @@ def sections():
 @pytest.fixture(scope="module")
 def check():
     return _module("gpu_check")
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return _module("gpu_profile")
 
 
 def _linear_weights(module) -> int:
@@ -96,15 +102,106 @@ def test_a_failing_section_is_reported_with_what_came_before(check, monkeypatch,
 
     monkeypatch.setitem(check.gpu_sections.SECTIONS, "broken", broken)
     path = tmp_path / "broken.json"
-    check.run_here("broken", check.settings(str(tmp_path), True, None), path)
+    check.run_here("broken", check.settings(str(tmp_path), True, None), path, "CPU")
     result = json.loads(path.read_text())
     assert result["status"] == "failed" and result["rows"][0]["tokens_per_s"] == 1.0
+    assert result["device"] == "CPU" and result["versions"]["torch"] == torch.__version__
     assert "illegal memory access" in result["error"] and "Traceback" in result["error"]
     report = {"device": "CPU", "tiny": True, "peak_tflops": None, "shapes": "qwen3_vl_2b",
               "date": "now", "versions": {}, "seconds": 1.0, "failed": ["broken"],
               "sections": {"broken": {**result, "seconds": 1.0, "cpu_s": 1.0}}}
     md = check.markdown(report)
     assert "## broken: failed" in md and "illegal memory access" in md
+
+
+def test_the_default_sections_fit_the_budget(check):
+    """The default check is one call of a lent machine: its caps sum to the budget, and the
+    JAX sections that compile for minutes are left to be named."""
+    assert sum(check.CAPS_S[n] for n in check.DEFAULT_SECTIONS) <= check.BUDGET_S == 480
+    assert set(check.CAPS_S) == set(check.gpu_sections.SECTIONS)
+    assert not {"e2e_jax", "engine_jax"} & set(check.DEFAULT_SECTIONS)
+
+
+def test_idle_fraction_is_the_gaps_over_the_span(profile):
+    """Kernels at 0-2, 3-5, 4-6 (overlapping: counted once) and 8-10: idle 2-3 and 6-8, 3 of
+    the 10 units from the first start to the last end. Summing durations instead of merging
+    would give 10 - 8 = 2; dividing by the busy time, 3 / 7."""
+    assert profile.idle_fraction([(8, 10), (0, 2), (4, 6), (3, 5)]) == pytest.approx(0.3)
+    assert profile.idle_fraction([(0.0, 1.0), (1.0, 4.0)]) == 0.0
+
+
+def test_top_ops_adds_up_each_name(profile):
+    """mm called twice (3 + 5 ms) over 2 steps of 20 ms in all: 8 ms total, 4 a step, 40%."""
+    rows = profile.top_ops([("mm", 3.0), ("add", 1.0), ("mm", 5.0), ("copy", 0.0)], 20.0, 2, n=2)
+    assert rows == [{"op": "mm", "calls": 2, "total_ms": 8.0, "ms_per_step": 4.0, "share": 0.4},
+                    {"op": "add", "calls": 1, "total_ms": 1.0, "ms_per_step": 0.5,
+                     "share": 0.05}]
+
+
+def test_profile_events_reads_kernels_on_a_gpu_and_ops_on_a_cpu(profile):
+    """A GPU profile's time is its kernels' (20 and 5 µs, at 10-30 and 40-45: idle 10 of the 35
+    from first to last), not the 50 µs of the CPU op that launched them; a CPU profile's is the
+    ops' own time. (The GPU path runs only on a lent machine: here its events are built.)"""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    events = [FunctionEvent(0, "aten::mm", 1, 0.0, 50.0)] + [
+        FunctionEvent(k, "gemm", 7, start, end, device_type=DeviceType.CUDA, use_device="cuda")
+        for k, (start, end) in enumerate([(10.0, 30.0), (40.0, 45.0)], 1)]
+    prof = SimpleNamespace(events=lambda: events)
+    timed, intervals = profile.profile_events(prof, cuda=True)
+    assert timed == [("gemm", pytest.approx(0.02)), ("gemm", pytest.approx(0.005))]
+    assert intervals == [(10.0, 30.0), (40.0, 45.0)]
+    assert profile.idle_fraction(intervals) == pytest.approx(10 / 35)
+    assert profile.profile_events(prof, cuda=False) == ([("aten::mm", pytest.approx(0.05))], [])
+
+
+def test_fit_step_cost_recovers_the_costs(profile):
+    """Steps of 0.5 s + 0.25 s a micro-batch + 1 ms a token, at 2 and 4 micro-batches of 500 and
+    1,000 tokens: the fit gives back a, b and c exactly."""
+    mb, tokens = [2, 4, 2, 4], [1000, 2000, 2000, 4000]
+    seconds = [0.5 + 0.25 * m + 0.001 * t for m, t in zip(mb, tokens)]
+    assert profile.fit_step_cost(mb, tokens, seconds) == pytest.approx(
+        {"a": 0.5, "b": 0.25, "c": 0.001})
+    # the same tokens per micro-batch in every row: b and c cannot be told apart, so the
+    # simpler fit, seconds = 0.5 + 2 ms x tokens
+    assert profile.fit_step_cost([1, 2, 3], [100, 200, 300], [0.7, 0.9, 1.1]) == pytest.approx(
+        {"a": 0.5, "c": 0.002})
+    assert profile.fit_step_cost([2, 4, 2], [1000, 2000, 1000], [1.0, 2.0, 1.1]) is None
+
+
+def test_host_syncs_counts_the_reads_inside_the_block(profile):
+    """.item() and float() inside count (2), a read outside does not, and a tensor op is no
+    read; after the block Tensor has its own methods back."""
+    x = torch.arange(3.0)
+    x[0].item()
+    with profile.host_syncs(cuda=False) as syncs:
+        x.sum().item()
+        y = x * 2
+        float(y[1])
+    x[0].item()
+    assert syncs.n == 2
+    assert not set(profile.READS) & set(torch.Tensor.__dict__)
+
+
+def test_the_report_fits_the_learner_rows(check):
+    """Four ok rows of one kernel get a fit line under their table (the rows of
+    test_fit_step_cost_recovers_the_costs: 0.25 s a micro-batch, 1 s per thousand tokens); a
+    kernel with two rows gets none."""
+    rows = [{"status": "ok", "framework": "torch", "kernel": "varlen", "micro_batches": m,
+             "tokens": float(t), "seconds": 0.5 + 0.25 * m + 0.001 * t}
+            for m, t in zip([2, 4, 2, 4], [1000, 2000, 2000, 4000])]
+    rows += [{"status": "ok", "framework": "torch", "kernel": "packed_sdpa", "micro_batches": m,
+              "tokens": 1.0, "seconds": 1.0} for m in (2, 4)]
+    report = {"device": "CPU", "tiny": True, "peak_tflops": None, "shapes": "qwen3_vl_2b",
+              "date": "now", "versions": {}, "seconds": 1.0, "failed": [],
+              "sections": {"learner_torch": {"status": "ok", "rows": rows, "seconds": 1.0}}}
+    md = check.markdown(report)
+    assert ("Fit, varlen (4 rows, least squares): step seconds = 0.5 + 0.25 x micro-batches "
+            "+ 1 x thousand tokens.") in md
+    assert "Fit, packed_sdpa" not in md
 
 
 def test_peak_from_the_device_name(check):
@@ -115,7 +212,9 @@ def test_peak_from_the_device_name(check):
 
 
 MEASURED = ("tokens_per_s", "seconds", "tflops_per_s", "mfu", "peak_memory_gb", "wall_s",
-            "time_rollout", "time_train", "first_step_s", "first_call_s", "tokens")
+            "time_rollout", "time_train", "first_step_s", "first_call_s", "tokens",
+            "step_ms", "kernel_ms_per_step", "total_ms", "ms_per_step", "share", "step_s",
+            "rollout_s", "train_s", "sync_s", "tokens_per_gpu_s", "rollout_tokens_per_s")
 
 
 @pytest.mark.slow
@@ -129,18 +228,40 @@ def test_tiny_check_runs_every_section(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["failed"] == []
     assert list(report["sections"]) == ["e2e_torch", "learner_torch", "engine_torch",
-                                        "e2e_jax", "learner_jax", "engine_jax"]
+                                        "profile_torch", "whole_step", "learner_jax", "e2e_jax",
+                                        "engine_jax"]
     rows = {n: [r for r in s["rows"] if r["status"] == "ok"]
             for n, s in report["sections"].items()}
     for name in ("e2e_torch", "e2e_jax"):
         (row,) = rows[name]
         assert row["steps"] == 2 and 0 <= row["reward_mean"] <= 1
         assert 0 <= row["tool_call_rate"] <= 1
+    # torch: the CPU's kernel and checkpointing (none), then the other two modes
+    assert [(r["checkpointing"], r["micro_batches"]) for r in rows["learner_torch"]] == [
+        ("none", 2), ("none", 4), ("full", 2), ("full", 4), ("selective", 2), ("selective", 4)]
     for name in ("learner_torch", "learner_jax"):
-        assert [r["micro_batch_tokens"] for r in rows[name]] == [256]
+        assert {(r["micro_batch_tokens"], r["micro_batches"]) for r in rows[name]} == {
+            (256, 2), (256, 4)}
         for r in rows[name]:
             assert r["tflops_per_s"] == pytest.approx(r["mfu"])  # --peak_tflops=1
-            assert math.isfinite(r["loss"]) and r["micro_batches"] == 2
+            assert math.isfinite(r["loss"])
+        assert rows[name][1]["tokens"] > rows[name][0]["tokens"]
+    assert {r["kernel"] for n in ("e2e_torch", "learner_torch", "profile_torch", "whole_step")
+            for r in rows[n] if r.get("phase") != "engine"} == {"packed_sdpa"}  # a CPU
+    assert rows["engine_torch"][0]["kernel"] == rows["whole_step"][0]["engine_kernel"] == "sdpa"
+    summaries = {r["phase"]: r for r in rows["profile_torch"] if "op" not in r}
+    assert summaries["learner"]["host_syncs_per_step"] >= 0
+    assert summaries["learner"]["gpu_idle"] == summaries["engine"]["gpu_idle"] == "n/a"
+    for phase in ("learner", "engine"):
+        ops = [r for r in rows["profile_torch"] if r["phase"] == phase and "op" in r]
+        assert 0 < len(ops) <= 10 and sum(r["share"] for r in ops) <= 1
+    profiled = json.loads((tmp_path / "profile_torch.json").read_text())
+    assert [len(profiled["phases"][p]["top"]) for p in ("learner", "engine")] == [25, 25]
+    assert "## learner:" in (tmp_path / "profile_torch.md").read_text()
+    (step,) = rows["whole_step"]
+    assert step["episodes"] == 8 and step["steps"] == 1 and step["turns_mean"] >= 1
+    assert step["tokens"] > step["generated_tokens"] > 0  # prompts count too
+    assert step["step_s"] >= step["rollout_s"] + step["train_s"] + step["sync_s"]
     for name in ("engine_torch", "engine_jax"):
         (row,) = rows[name]
         assert row["tokens"] == row["episodes"] * row["new_tokens"] == 64

@@ -4,6 +4,7 @@ transformers' block-diagonal sdpa result, and really runs per sequence."""
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 import geo3k_torch.attention as attention
 from common.batching import pack
@@ -170,7 +171,7 @@ def test_varlen_layout_emulated_equals_segments_sdpa():
         qs = q[:, :, cu_q[s]:cu_q[s + 1]]
         ks, vs = kg[:, :, cu_k[s]:cu_k[s + 1]], vg[:, :, cu_k[s]:cu_k[s + 1]]
         parts.append(attention.F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=attention.causal_lower_right(qs.shape[2], ks.shape[2]),
+            qs, ks, vs, attn_mask=causal_lower_right(qs.shape[2], ks.shape[2]),
             scale=0.3, enable_gqa=True))
     emulated = torch.cat(parts, dim=2).transpose(1, 2)
     ref = attention.segments_sdpa(q, k, v, lengths, parents, scaling=0.3)

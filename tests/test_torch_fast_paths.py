@@ -10,6 +10,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from torch.nn.attention.bias import causal_lower_right
 import transformers.masking_utils as masking_utils
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.masking_utils import AttentionMaskInterface
@@ -143,7 +144,7 @@ def test_varlen_repeats_kv_where_torch_has_no_enable_gqa(has_gqa, monkeypatch):
             qs, ks, vs = (x[a:b].transpose(0, 1) for x, a, b in (
                 (q, cu_q[s], cu_q[s + 1]), (k, cu_k[s], cu_k[s + 1]), (v, cu_k[s], cu_k[s + 1])))
             parts.append(torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=attention.causal_lower_right(qs.shape[1], ks.shape[1]),
+                qs, ks, vs, attn_mask=causal_lower_right(qs.shape[1], ks.shape[1]),
                 scale=scale, enable_gqa=kw.get("enable_gqa", False)).transpose(0, 1))
         return torch.cat(parts)
 
@@ -179,8 +180,9 @@ def _backward_ops_and_grads(build, mode):
     checkpoint_layers(model, mode)
     model.train()
     processor = ImageOnlyProcessor(patch)
-    seqs = sequences(processor, np.random.default_rng(1), 4)
-    row, = pack(seqs, sum(map(len, seqs)))
+    seqs = groups(processor, np.random.default_rng(1))  # samples sharing their prompt
+    row, = pack(seqs, sum(map(len, seqs)), image_token_id=IMG)
+    assert (row.parent_of() >= 0).any()
     targets = torch.from_numpy(np.flatnonzero(row.loss_mask))
     logp = token_logprobs(model, packed_inputs(row, processor, model.config), targets)
     with _Ops() as ops:

@@ -1,0 +1,160 @@
+"""Where a torch step's time goes: host syncs, the top kernels (ops on a CPU), the device's idle
+share, and a fit of step time to its micro-batches and tokens. Used by `gpu_sections.profile_torch`
+and the report of `gpu_check.py`; `host_syncs` is also a diagnostic of its own:
+
+    with host_syncs(cuda=False) as syncs:
+        learner.train_step(batches, n_tokens, n_seqs)
+    print(syncs.n)   # the step's tensor reads (.item(), float(t), .cpu(), ...): syncs on a GPU
+
+`idle_fraction`, `top_ops` and `fit_step_cost` are plain numpy (tested with literal numbers);
+`table` writes the reports' markdown tables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from typing import Iterable, Sequence
+
+import numpy as np
+
+# The torch.Tensor methods that bring a tensor's value to the host: each one is a host sync
+# when the tensor is on a GPU.
+READS = ("item", "__float__", "__bool__", "tolist", "cpu", "numpy")
+NAME_CHARS = 100  # a kernel's name is cut to this many characters (templates run to hundreds)
+# Above this condition number (columns scaled to a maximum of 1) the rows cannot tell the
+# per-micro-batch cost from the per-token cost: every row has about the same tokens per
+# micro-batch.
+MAX_CONDITION = 100.0
+
+
+@dataclasses.dataclass
+class Syncs:
+    n: int = 0  # host syncs counted (final once the `host_syncs` block has exited)
+
+
+@contextlib.contextmanager
+def host_syncs(cuda: bool):
+    """Count the host syncs made inside the block. cuda: torch's sync debug mode ("warn": one
+    warning per synchronizing CUDA operation, counted on exit); else the calls of `READS` on any
+    tensor (outermost calls only: a read that makes another counts once), the methods restored
+    on exit."""
+    import torch
+
+    syncs = Syncs()
+    if cuda:
+        mode = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield syncs
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        syncs.n = sum("synchroniz" in str(w.message) for w in caught)
+        return
+    own = {name: torch.Tensor.__dict__.get(name) for name in READS}  # None: inherited
+    depth = 0
+
+    def counted(method):
+        @functools.wraps(method)
+        def read(*args, **kwargs):
+            nonlocal depth
+            syncs.n += depth == 0
+            depth += 1
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth -= 1
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+    try:
+        yield syncs
+    finally:
+        for name, method in own.items():
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
+def idle_fraction(intervals: Iterable[tuple[float, float]]) -> float:
+    """Share of the span from the first start to the last end that no interval covers: with a
+    GPU's kernels as (start, end) pairs (any one unit), the device's idle time between kernels
+    over the wall span. Overlapping intervals (kernels of several streams) count once."""
+    spans = sorted(intervals)
+    if not spans:
+        raise ValueError("no intervals")
+    idle, reach = 0.0, spans[0][1]
+    for start, end in spans[1:]:
+        idle += max(0.0, start - reach)
+        reach = max(reach, end)
+    return idle / (reach - spans[0][0])
+
+
+def top_ops(timed: Iterable[tuple[str, float]], wall_ms: float, steps: int, n: int = 25
+            ) -> list[dict]:
+    """The `n` names with the most time among (name, ms) pairs (one per kernel or op call) of
+    `steps` steps taking `wall_ms` in all: name, calls, total_ms (all steps), ms_per_step and
+    share (of the steps' wall time), most first."""
+    calls: dict[str, int] = {}
+    total: dict[str, float] = {}
+    for name, ms in timed:
+        calls[name] = calls.get(name, 0) + 1
+        total[name] = total.get(name, 0.0) + ms
+    names = sorted(total, key=total.get, reverse=True)[:n]
+    return [{"op": name[:NAME_CHARS], "calls": calls[name], "total_ms": total[name],
+             "ms_per_step": total[name] / steps, "share": total[name] / wall_ms}
+            for name in names if total[name] > 0]
+
+
+def profile_events(prof, cuda: bool) -> tuple[list[tuple[str, float]], list[tuple[float, float]]]:
+    """A finished `torch.profiler.profile`'s (name, ms) of every GPU kernel and copy (cuda: their
+    own time) or else every CPU op (its self time), and the kernels' (start, end) in µs (a CPU:
+    none)."""
+    from torch.autograd import DeviceType
+
+    if cuda:
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        return ([(e.name, e.time_range.elapsed_us() / 1e3) for e in kernels],
+                [(e.time_range.start, e.time_range.end) for e in kernels])
+    ops = [e for e in prof.events() if e.device_type == DeviceType.CPU and not e.is_async]
+    return [(e.name, e.self_cpu_time_total / 1e3) for e in ops], []
+
+
+def fit_step_cost(micro_batches: Sequence[float], tokens: Sequence[float],
+                  seconds: Sequence[float]) -> dict[str, float] | None:
+    """Least squares of a step's seconds = a + b x micro-batches + c x tokens over rows (one
+    value each per row): a in s per step, b in s per micro-batch, c in s per token. None with
+    fewer than 3 distinct (micro-batches, tokens) rows; where the rows cannot separate b from c
+    (`MAX_CONDITION`), the simpler seconds = a + c x tokens (no "b")."""
+    m, t, y = (np.asarray(v, np.float64) for v in (micro_batches, tokens, seconds))
+    if len(set(zip(m.tolist(), t.tolist()))) < 3:
+        return None
+    x = np.stack([np.ones_like(m), m, t], axis=1)
+    if np.linalg.cond(x / np.abs(x).max(axis=0)) > MAX_CONDITION:
+        a, c = np.linalg.lstsq(x[:, [0, 2]], y, rcond=None)[0]
+        return {"a": float(a), "c": float(c)}
+    a, b, c = np.linalg.lstsq(x, y, rcond=None)[0]
+    return {"a": float(a), "b": float(b), "c": float(c)}
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    return str(v)
+
+
+def table(rows: Sequence[dict]) -> list[str]:
+    """The markdown lines of a table of `rows`: a column per key (in the order first seen) but
+    "error"; none for no rows."""
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r) if c != "error"]
+    if not rows:
+        return []
+    return (["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            + ["| " + " | ".join(fmt(r.get(c, "")).replace("|", "/") for c in cols) + " |"
+               for r in rows])
