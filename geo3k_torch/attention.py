@@ -114,6 +114,11 @@ def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
             or query.shape[0] != 1 or key.shape[2] != length):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"packed attention needs query, key and value of the same dtype, got "
+                         f"{query.dtype}, {key.dtype}, {value.dtype}: under autocast Qwen3-VL's "
+                         "q/k RMSNorm keeps fp32 weights' q and k beside a bf16 v; compute in "
+                         "the model's own dtype (FSDP2's bf16 policy) instead")
     segments = Segments.of(packed_segments)
     if uses_varlen(query) and dropout == 0:
         return segments_varlen(query, key, value, segments, scaling), None
