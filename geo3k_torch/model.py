@@ -114,6 +114,23 @@ def _selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
+def compile_fused(model) -> None:
+    """torch.compile, in place, the elementwise-heavy modules of every text decoder layer: its
+    RMSNorms (Qwen3-VL's q/k norms too) and its SwiGLU MLP, so each becomes a few fused kernels
+    in place of a dozen (`train.compile`; the matmuls stay cuBLAS calls). Shapes are dynamic (a
+    micro-batch's length varies): one compile per module kind, not per length. Parameter names
+    and the state dict are unchanged. RoPE and the attention stay eager (the attention's
+    per-segment layout would make every micro-batch a new graph)."""
+    text = model.model.language_model
+    for layer in text.layers:
+        parts = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
+        parts += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm")
+                  if hasattr(layer.self_attn, n)]
+        for part in parts:
+            part.compile(dynamic=True)
+    text.norm.compile(dynamic=True)
+
+
 def _tied(model) -> set[str]:
     """Parameter names that share a tensor with an earlier one (a tied LM head is saved once)."""
     first, tied = set(), set()

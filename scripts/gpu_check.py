@@ -13,7 +13,8 @@ own, in this order:
     e2e_torch      configs/cpu.py for 3 steps on CUDA: torch learner, its local engine
     learner_torch  learner steps of 2 and 4 micro-batches of 8k and 16k tokens, bf16, per
                    attention kernel (varlen, packed_sdpa) and, at 16k, per activation
-                   checkpointing mode (full, selective, none): tokens/s, MFU, peak memory
+                   checkpointing mode (full, selective, none) and with train.compile:
+                   tokens/s, MFU, peak memory
     engine_torch   the local engine sampling 64 episodes x 512 tokens (bf16): tokens/s, memory
     profile_torch  torch.profiler over learner steps and engine calls: top kernels, GPU idle
                    share, host syncs per learner step (also OUT/profile_torch.json and .md)
@@ -147,13 +148,18 @@ def _tail(log: Path, lines: int = 40) -> str:
 
 # ---- the report -------------------------------------------------------------------------------
 def fit_lines(rows: list[dict]) -> list[str]:
-    """Per kernel of a learner section's ok rows, where it can be computed (`gpu_profile.
-    fit_step_cost`), the least-squares split of a step's seconds into its costs per step, per
-    micro-batch and per token."""
+    """Per configuration (kernel, checkpointing, compiled) of a learner section's ok rows,
+    where it can be computed (`gpu_profile.fit_step_cost`), the least-squares split of a step's
+    seconds into its costs per step, per micro-batch and per token."""
     ok = [r for r in rows if r["status"] == "ok" and "micro_batches" in r]
+
+    def setup(r: dict) -> str:
+        parts = [r["kernel"], r.get("checkpointing"), "compiled" if r.get("compiled") else None]
+        return ", ".join(p for p in parts if p)
+
     lines = []
-    for kernel in dict.fromkeys(r["kernel"] for r in ok):
-        mine = [r for r in ok if r["kernel"] == kernel]
+    for kernel in dict.fromkeys(map(setup, ok)):
+        mine = [r for r in ok if setup(r) == kernel]
         fit = gpu_profile.fit_step_cost([r["micro_batches"] for r in mine],
                                         [r["tokens"] for r in mine], [r["seconds"] for r in mine])
         if fit is None:

@@ -387,7 +387,7 @@ def _torch_memory(device):
 
 
 def learner_torch(s: Settings):
-    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers
+    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, compile_fused
 
     cfg = _config(s, max(s.micro_batch_tokens))
     run = _build("torch", s, "learner_torch", cfg)
@@ -397,20 +397,26 @@ def learner_torch(s: Settings):
     mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
     kernel = learner_kernel(device)
     # the recipe's kernel and checkpointing at every size, its kernel under the other
-    # checkpointing modes at the largest size, then the other kernel (most telling first: a
-    # section stopped at its cap keeps the rows before)
-    plan = [(kernel, mode, b) for b in s.micro_batch_tokens]
-    plan += [(kernel, m, max(s.micro_batch_tokens)) for m in CHECKPOINTING if m != mode]
-    plan += [(k, mode, b) for k in TORCH_KERNELS if k != kernel for b in s.micro_batch_tokens]
+    # checkpointing modes at the largest size, then the other kernel, then the recipe with its
+    # norms and MLPs compiled (most telling first: a section stopped at its cap keeps the rows
+    # before)
+    largest = max(s.micro_batch_tokens)
+    plan = [(kernel, mode, False, b) for b in s.micro_batch_tokens]
+    plan += [(kernel, m, False, largest) for m in CHECKPOINTING if m != mode]
+    plan += [(k, mode, False, b) for k in TORCH_KERNELS if k != kernel
+             for b in s.micro_batch_tokens]
+    plan.append((kernel, mode, True, largest))  # last: compiling cannot be undone
     try:
-        for kernel, checkpointing, budget in plan:
+        for kernel, checkpointing, compiled, budget in plan:
             why = use_kernel(kernel, device)
             if why:
                 yield {"framework": "torch", "kernel": kernel, "status": "skipped", "note": why}
                 continue
             checkpoint_layers(learner.model, checkpointing)
+            if compiled:
+                compile_fused(learner.model)
             row = {"framework": "torch", "kernel": kernel, "checkpointing": checkpointing,
-                   "micro_batch_tokens": budget}
+                   "compiled": compiled, "micro_batch_tokens": budget}
             yield from _learner_rows(learner, config, processor, s, budget, row, reset, peak)
     finally:
         _close(run)

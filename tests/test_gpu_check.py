@@ -237,8 +237,10 @@ def test_tiny_check_runs_every_section(tmp_path):
         assert row["steps"] == 2 and 0 <= row["reward_mean"] <= 1
         assert 0 <= row["tool_call_rate"] <= 1
     # torch: the CPU's kernel and checkpointing (none), then the other two modes
-    assert [(r["checkpointing"], r["micro_batches"]) for r in rows["learner_torch"]] == [
-        ("none", 2), ("none", 4), ("full", 2), ("full", 4), ("selective", 2), ("selective", 4)]
+    assert [(r["checkpointing"], r["compiled"], r["micro_batches"])
+            for r in rows["learner_torch"]] == [
+        ("none", False, 2), ("none", False, 4), ("full", False, 2), ("full", False, 4),
+        ("selective", False, 2), ("selective", False, 4), ("none", True, 2), ("none", True, 4)]
     for name in ("learner_torch", "learner_jax"):
         assert {(r["micro_batch_tokens"], r["micro_batches"]) for r in rows[name]} == {
             (256, 2), (256, 4)}

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.nn.attention.bias import causal_lower_right
 import transformers.masking_utils as masking_utils
+from torch._dynamo.utils import counters as dynamo_counters
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -19,7 +20,8 @@ import geo3k_torch.attention as attention
 from common.batching import pack
 from common.grpo import LossConfig
 from geo3k_torch.learner import Learner, prefetched
-from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, packed_inputs, token_logprobs
+from geo3k_torch.model import (CHECKPOINTING, checkpoint_layers, compile_fused, packed_inputs,
+                               token_logprobs)
 from tests.jax_learner_setup import train_config
 from tests.test_jax_model import sequences
 from tests.test_shared_prefix import groups
@@ -206,6 +208,45 @@ def test_activation_checkpointing_modes_give_the_same_gradients(build):
         for k, g in results[mode][1].items():
             assert torch.linalg.norm(g - ref[k]) <= 1e-6 * max(torch.linalg.norm(ref[k]), 1e-8), \
                 (mode, k)
+
+
+@pytest.mark.slow  # compiles (about 30 s on two cores, once per process)
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+def test_compiled_norms_and_mlps_equal_eager(build):
+    """train.compile: the fused modules give the eager log-probs and gradients on rows of two
+    lengths (dynamic shapes: no recompile per length), under selective checkpointing, and the
+    state dict keeps its names."""
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    results = []
+    for compiled in (False, True):
+        model, patch = build(seed=0)
+        model.set_attn_implementation(attention.NAME)
+        checkpoint_layers(model, "selective")
+        names = list(model.state_dict())
+        if compiled:
+            compile_fused(model)
+        assert list(model.state_dict()) == names
+        model.train()
+        processor = ImageOnlyProcessor(patch)
+        seqs = groups(processor, np.random.default_rng(1))
+        logps, graphs = [], []
+        for budget in (max(map(len, seqs)) + 10, max(map(len, seqs)) + 60):
+            row = pack(seqs, budget, image_token_id=IMG)[0]
+            targets = torch.from_numpy(np.flatnonzero(row.loss_mask))
+            logp = token_logprobs(model, packed_inputs(row, processor, model.config), targets)
+            (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
+            logps.append(logp.detach())
+            graphs.append(dynamo_counters["stats"]["unique_graphs"])
+        if compiled:  # it did compile, and the second length reused the first's graphs
+            assert graphs[0] > 0 and graphs[1] == graphs[0], graphs
+        results.append((logps, {k: p.grad.clone() for k, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    assert [len(x) for x in a] == [len(x) for x in b] and len(set(map(len, a))) == 2
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, rtol=0, atol=1e-5)
+    for k, g in ga.items():
+        assert torch.linalg.norm(gb[k] - g) <= 1e-5 * max(torch.linalg.norm(g), 1e-8), k
 
 
 def test_an_unknown_checkpointing_mode_is_refused():
