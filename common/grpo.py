@@ -61,7 +61,8 @@ def group_advantages(rewards: np.ndarray, group_size: int, normalize_std: bool =
 
 
 def turn_advantages(rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarray,
-                    turns: np.ndarray, normalize_std: bool = True) -> np.ndarray:
+                    turns: np.ndarray, normalize_std: bool = True, eps: float = 1e-6
+                    ) -> np.ndarray:
     """Advantages per turn: the tokens of an episode's turn t are scored against the valid
     episodes of its group that reached turn t, not the whole group. Against the whole group, a
     later turn that solved is ranked below the group's first-try solves when a turn discount
@@ -69,20 +70,32 @@ def turn_advantages(rewards: np.ndarray, group_ids: np.ndarray, valid: np.ndarra
     against the episodes that reached turn t, it is ranked against the other answers given
     there, after the same failed turns.
 
+    The estimator: A_i,t = (r_i - mean of the rewards at turn t) / (std of the whole group's
+    rewards + eps), the unbiased std of all its valid episodes (normalize_std; else 1). One
+    scale for every turn of a group, so a turn's advantage grows with its reward gap: the
+    spread of the few episodes at a late turn would give two of them +-0.707 whatever their
+    gap and undo the turn discount. The mean includes the episode itself: with n episodes at
+    turn t the advantage is (n - 1) / n of the leave-one-out one, shrunk toward 0 for small n,
+    never of the other sign.
+
     rewards, group_ids, valid, turns (the turns each episode played): (N,). Returns (N, K), K
-    the most turns played (at least 1): column t - 1 for turn t, column 0 equal to
-    `episode_advantages`'. Turns an episode did not play, and invalid episodes, get 0; a turn
-    only one episode of its group reached gets 0 (nothing to compare it with).
+    the most turns any episode played (invalid ones too, so every episode's turns index it; at
+    least 1): column t - 1 for turn t, column 0 equal to `episode_advantages`'. Turns an episode
+    did not play, invalid episodes, and a turn whose episodes all have one reward (or only one
+    episode) get 0.
     """
     rewards, turns = np.asarray(rewards, np.float64), np.asarray(turns)
-    k = int(max(turns[valid], default=1))
-    adv = np.zeros((len(rewards), max(k, 1)))
+    k = max(int(max(turns, default=1)), 1)
+    adv = np.zeros((len(rewards), k))
     for g in np.unique(group_ids):
+        group = np.nonzero((group_ids == g) & valid)[0]
+        if len(group) < 2 or np.ptp(rewards[group]) == 0:
+            continue
+        scale = rewards[group].std(ddof=1) + eps if normalize_std else 1.0
         for t in range(1, k + 1):
-            members = np.nonzero((group_ids == g) & valid & (turns >= t))[0]
-            if len(members):
-                adv[members, t - 1] = group_advantages(rewards[members], len(members),
-                                                       normalize_std)
+            members = group[turns[group] >= t]
+            if len(members) > 1 and np.ptp(rewards[members]) > 0:
+                adv[members, t - 1] = (rewards[members] - rewards[members].mean()) / scale
     return adv
 
 

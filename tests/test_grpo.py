@@ -3,6 +3,8 @@ against values computed by hand."""
 
 import math
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -169,9 +171,9 @@ def test_episode_advantages_skip_invalid_and_filter_equal_groups():
 
 def test_turn_advantages_rank_each_turn_among_the_episodes_that_reached_it():
     """One group of five: turn 1 of every valid episode is scored against the whole group (as
-    `episode_advantages`), turn 2 against the three that reached it, turn 3 against the two;
-    the aborted one and the turns an episode never played get 0. Another group, whose turn 2
-    only one episode reached, gives that turn 0."""
+    `episode_advantages`), turn 2 against the three that reached it, turn 3 against the two,
+    all on the whole group's scale; the aborted one and the turns an episode never played get
+    0. Another group, whose turn 2 only one episode reached, gives that turn 0."""
     from common.grpo import episode_advantages, turn_advantages
     rewards = np.array([1.0, 0.5, 0.25, 0.0, 0.0, 1.0, 0.0])
     groups = np.array([0, 0, 0, 0, 0, 1, 1])
@@ -180,9 +182,40 @@ def test_turn_advantages_rank_each_turn_among_the_episodes_that_reached_it():
     adv = turn_advantages(rewards, groups, valid, turns)
     assert adv.shape == (7, 3)
     np.testing.assert_allclose(adv[:, 0], episode_advantages(rewards, groups, valid)[0])
-    # turn 2: rewards 0.5, 0.25, 0 -> mean 0.25, std 0.25; turn 3: 0.25, 0 -> +-1/sqrt(2)
-    np.testing.assert_allclose(adv[:4, 1], [0, 1, 0, -1], atol=1e-5)
-    np.testing.assert_allclose(adv[:4, 2], [0, 0, 2 ** -0.5, -(2 ** -0.5)], atol=1e-5)
+    # group 0's valid rewards 1, .5, .25, 0: std 0.426956. Turn 2: .5, .25, 0 around .25;
+    # turn 3: .25, 0 around .125. Scaled by the turn's own spread (the estimator this
+    # replaced) turn 3 would be +-0.707 and turn 2 +-1 whatever the rewards.
+    np.testing.assert_allclose(adv[:4, 1], [0, 0.585540, 0, -0.585540], atol=1e-5)
+    np.testing.assert_allclose(adv[:4, 2], [0, 0, 0.292770, -0.292770], atol=1e-5)
     assert not adv[4].any() and not adv[5:, 1:].any()
     unscaled = turn_advantages(rewards, groups, valid, turns, normalize_std=False)
     np.testing.assert_allclose(unscaled[1:4, 1], [0.25, 0.0, -0.25])
+
+
+def test_a_turn_advantage_grows_with_the_reward_gap():
+    """Two episodes reach turn 2 in each group; their turn-2 advantages are half their reward
+    gap over the group's std, so a gap of 0.5 gives half the advantage of a gap of 1 (the
+    per-turn spread would give both +-0.707)."""
+    from common.grpo import turn_advantages
+    rewards = np.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.0])
+    groups = np.array([0, 0, 0, 1, 1, 1])
+    turns = np.array([1, 2, 2, 1, 2, 2])
+    adv = turn_advantages(rewards, groups, np.ones(6, bool), turns)
+    std = np.std([1.0, 1.0, 0.0], ddof=1), np.std([1.0, 0.5, 0.0], ddof=1)  # 0.57735, 0.5
+    np.testing.assert_allclose(adv[1:3, 1], [0.5 / std[0], -0.5 / std[0]], atol=1e-5)
+    np.testing.assert_allclose(adv[4:6, 1], [0.25 / std[1], -0.25 / std[1]], atol=1e-5)
+    assert adv[1, 1] == pytest.approx(0.866024, abs=1e-5)
+    assert adv[4, 1] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_an_aborted_episode_with_more_turns_than_any_valid_one_gets_zeros():
+    """The columns cover every episode's turns, aborted ones included, so the per-token
+    advantages of any trajectory can be read (an IndexError before: K counted valid ones)."""
+    from common.batching import turn_token_advantages
+    from common.grpo import turn_advantages
+    adv = turn_advantages(np.array([1.0, 0.0, 0.0]), np.zeros(3, int),
+                          np.array([True, True, False]), np.array([1, 2, 4]))
+    assert adv.shape == (3, 4) and not adv[2].any()
+    turns = [SimpleNamespace(start=2 * k, end=2 * k + 1) for k in range(4)]
+    traj = SimpleNamespace(token_ids=np.zeros(12), turns=turns)
+    assert not turn_token_advantages(traj, adv[2]).any()

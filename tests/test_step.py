@@ -109,7 +109,7 @@ def turn_advantage_rollout(renderer):
 def test_the_turn_baseline_scores_each_turn_against_the_episodes_that_reached_it(renderer,
                                                                                  export):
     """With `turn_baseline`, the turn-2 solve's tokens are ranked against the other episode that
-    reached turn 2 (+0.71), not against the two first-try solves (its turn 1 stays negative, as
+    reached turn 2 (+0.52), not against the two first-try solves (its turn 1 stays negative, as
     in the whole-group baseline); the turn only one episode reached trains nothing. Before,
     every token of an episode had the whole group's advantage: the turn-2 solve's -0.26."""
     trajs = turn_advantage_rollout(renderer)
@@ -135,6 +135,7 @@ def test_the_turn_baseline_scores_each_turn_against_the_episodes_that_reached_it
                     got[i, k + 1] = {round(float(x), 3) for x in adv[turn.start:turn.end][span]}
     whole = (np.array([1, 1, 0.5, 0]) - 0.625) / np.std([1, 1, 0.5, 0], ddof=1)
     first = [round(float(x), 3) for x in whole]
+    # turn 2: rewards 0.5 and 0 around 0.25, on the group's scale (std 0.479): +-0.522
     assert got == {(0, 1): {first[0]}, (1, 1): {first[1]}, (2, 1): {first[2]}, (3, 1): {first[3]},
-                   (2, 2): {0.707}, (3, 2): {-0.707}, (3, 3): {0.0}}
+                   (2, 2): {0.522}, (3, 2): {-0.522}, (3, 3): {0.0}}
     assert first == [0.783, 0.783, -0.261, -1.306]
