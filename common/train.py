@@ -1,6 +1,7 @@
 """The training loop, for any learner: sample prompts -> GRPO step -> weight sync -> the next
 step's prompts drawn and rendered -> metrics, curve, rollout dump -> checkpoint -> periodic
-evaluation. A learner whose update runs in the background (JAX's) overlaps it with everything
+evaluation. A fresh run is also evaluated at step 0, before any update (logged as step 0; the
+engine's random state is put back after it, so training samples as it would without). A learner whose update runs in the background (JAX's) overlaps it with everything
 after the weight sync.
 
     metrics = train(cfg, workdir, Run(learner, backend, comm, processor, train_set, test_set))
@@ -114,6 +115,14 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
         if log:
             log.truncate_after(start)
         logging.info("resumed from %s at step %d", last, start)
+
+    if start == 0 and cfg.eval.every:  # step 0: what the checkpoint does before any update
+        rng = backend.rng_state()
+        step0 = {f"eval/{k}": v for k, v in evaluate_split(
+            cfg, run.test_set, backend.engine, renderer, comm).items()}
+        backend.set_rng_state(rng)  # training samples as it would without this evaluation
+        if log:
+            log.log(0, step0)
 
     # ---- the loop ----------------------------------------------------------------------
     def draw(step: int):  # every process draws its part of the step from its share

@@ -260,6 +260,7 @@ def _e2e_config(s: Settings):
 
 def _e2e_row(framework: str, workdir: Path, seconds: float, **kernels: str) -> dict:
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"] > 0]  # step 0 is the evaluation before training
     mean = lambda k: float(np.mean([r[k] for r in rows if k in r]))  # noqa: E731
     out = {"framework": framework, **kernels, "steps": len(rows), "wall_s": seconds,
            "reward_mean": mean("train/reward_mean"), "reward_last": rows[-1]["train/reward_mean"],

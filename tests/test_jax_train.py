@@ -65,10 +65,10 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
         last, pieces = run(cfg, full)
     assert isinstance(pieces.backend, JaxBackend)
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    compiles = [r["train/engine_compiles"] for r in rows]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the evaluation before training
+    compiles = [r["train/engine_compiles"] for r in rows[1:]]
     assert compiles == sorted(compiles) and 2 <= compiles[-1] <= 12, compiles
-    assert "eval/greedy_accuracy" in rows[1]
+    assert "eval/greedy_accuracy" in rows[0] and "eval/greedy_accuracy" in rows[2]
     assert (full / "curve.png").stat().st_size > 1000 and list(full.glob("events.out.*"))
     assert len((full / "rollouts" / "step_1.jsonl").read_text().splitlines()) == 6
     # every 2 steps, and the last
@@ -149,7 +149,8 @@ def test_two_processes_train_through_the_loop(tmp_path):
     assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
     run = tmp_path / "run"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the evaluation before training
+    rows = rows[1:]
     assert all(r["train/trajectories"] == 6 for r in rows)  # 2 prompts x 3 samples, 1 each
     assert rows[-1]["eval/greedy_trajectories"] == 3  # 2 + 1 evaluation prompts
     assert "train/loss" in rows[-1] and np.isfinite(rows[-1]["train/loss"])

@@ -40,7 +40,8 @@ def test_a_recipe_argument_it_does_not_know_is_an_error():
 def test_grpo_recipe_runs_on_cpu(module, arg, shared, tmp_path):
     last = train_main.train(local(module, arg, shared), str(tmp_path))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # step 0: the evaluation before training
+    rows = rows[1:]
     assert last["train/trajectories"] == 6.0  # 2 prompts x 3 samples
     assert "eval/greedy_first_try_accuracy" in last and "eval/sampled_pass_at_2" in last
     assert (tmp_path / "checkpoints" / "step_3" / "model.safetensors").exists()

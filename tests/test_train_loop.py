@@ -83,7 +83,10 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
     full = tmp_path / "full"
     last = train_main.train(small_config(shared, 3), str(full))
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    step0, rows = rows[0], rows[1:]  # step 0: the evaluation before any update, alone
+    assert "eval/greedy_accuracy" in step0 and all(k.startswith("eval/") for k in step0
+                                                   if k != "step")
     for key in ("train/reward_mean", "train/reward_std", "train/accuracy",
                 "train/tool_call_rate", "train/turns_mean", "train/response_len_mean",
                 "train/truncated", "train/aborted", "train/filtered_groups", "train/time_rollout",
@@ -117,13 +120,21 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
     cfg = small_config(shared, 3)
     cfg.train.resume = True
     train_main.train(cfg, str(part))
-    assert_same_metrics(rows, part)
+    assert_same_metrics([step0] + rows, part)
     w_full = load_file(str(full / "checkpoints" / "step_3" / "model.safetensors"))
     w_part = load_file(str(part / "checkpoints" / "step_3" / "model.safetensors"))
     assert w_full.keys() == w_part.keys()
     assert max(float(np.abs(w_full[k] - w_part[k]).max()) for k in w_full) == 0.0
     w0 = load_file(str(shared / "tiny" / "model.safetensors"))
     assert max(float(np.abs(w_full[k] - w0[k]).max()) for k in w_full) > 1e-4  # it trained
+
+    # the step-0 evaluation leaves training as it was: a run without any evaluation samples
+    # and learns the same first step
+    quiet = small_config(shared, 1)
+    quiet.eval.every = 0
+    alone = train_main.train(quiet, str(tmp_path / "quiet"))
+    for key in ("train/reward_mean", "train/loss", "train/response_len_mean"):
+        assert alone[key] == rows[0][key], key
 
     # a new run into a workdir that holds a run's checkpoints stops before it builds anything
     # and changes nothing there
