@@ -200,8 +200,8 @@ def get_config() -> ml_collections.ConfigDict:
     # On CUDA: recompute each layer in the backward pass (full), only its elementwise work
     # (selective: matmul and attention outputs kept), or nothing (none).
     c.train.activation_checkpointing = "full"
-    # torch.compile each text layer's RMSNorms and SwiGLU MLP into fused kernels (the torch
-    # learner; off until the GPU check shows it pays: scripts/gpu_check.py's learner rows).
+    # torch.compile each text layer's RMSNorms, RoPE and SwiGLU MLP into fused kernels (the
+    # torch learner; off until the GPU check shows it pays: scripts/gpu_check.py's learner rows).
     c.train.compile = False
     c.train.resume = False
     # How long a torch collective waits for the other ranks; above the SGLang start-up wait

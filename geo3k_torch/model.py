@@ -10,6 +10,7 @@ only where they are needed (the masked tokens), in fp32 from `logits / temperatu
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,12 +116,14 @@ def _selective_context():
 
 
 def compile_fused(model) -> None:
-    """torch.compile, in place, the elementwise-heavy modules of every text decoder layer: its
-    RMSNorms (Qwen3-VL's q/k norms too) and its SwiGLU MLP, so each becomes a few fused kernels
-    in place of a dozen (`train.compile`; the matmuls stay cuBLAS calls). Shapes are dynamic (a
-    micro-batch's length varies): one compile per module kind, not per length. Parameter names
-    and the state dict are unchanged. RoPE and the attention stay eager (the attention's
-    per-segment layout would make every micro-batch a new graph)."""
+    """torch.compile the elementwise-heavy work of every text decoder layer into a few fused
+    kernels each (`train.compile`; the matmuls stay cuBLAS calls): its RMSNorms (Qwen3-VL's
+    q/k norms too) and SwiGLU MLP, compiled in place (parameter names and the state dict are
+    unchanged), and RoPE: transformers' layers call their modeling module's
+    `apply_rotary_pos_emb`, which is replaced by its compiled self (for every model of that
+    architecture in the process, as Liger's kernels are applied). Shapes are dynamic (a
+    micro-batch's length varies): one compile per kind, not per length. The attention stays
+    eager (its per-segment layout would make every micro-batch a new graph)."""
     text = model.model.language_model
     for layer in text.layers:
         parts = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
@@ -129,6 +132,11 @@ def compile_fused(model) -> None:
         for part in parts:
             part.compile(dynamic=True)
     text.norm.compile(dynamic=True)
+    modeling = sys.modules[type(text.layers[0].self_attn).__module__]
+    if not hasattr(modeling.apply_rotary_pos_emb, "eager"):
+        rope = torch.compile(modeling.apply_rotary_pos_emb, dynamic=True)
+        rope.eager = modeling.apply_rotary_pos_emb
+        modeling.apply_rotary_pos_emb = rope
 
 
 def _tied(model) -> set[str]:

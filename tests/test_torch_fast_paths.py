@@ -4,6 +4,7 @@ micro-batch loop, no dense mask for packed rows, varlen with K/V repeated where 
 micro-batch preparation."""
 
 import collections
+import sys
 import threading
 import traceback
 
@@ -212,10 +213,13 @@ def test_activation_checkpointing_modes_give_the_same_gradients(build):
 
 @pytest.mark.slow  # compiles (about 30 s on two cores, once per process)
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
-def test_compiled_norms_and_mlps_equal_eager(build):
-    """train.compile: the fused modules give the eager log-probs and gradients on rows of two
-    lengths (dynamic shapes: no recompile per length), under selective checkpointing, and the
-    state dict keeps its names."""
+def test_compiled_norms_mlps_and_rope_equal_eager(build, monkeypatch):
+    """train.compile: the fused modules and RoPE give the eager log-probs and gradients on rows
+    of two lengths (dynamic shapes: no recompile per length), under selective checkpointing, and
+    the state dict keeps its names."""
+    modeling = sys.modules[build(seed=0)[0].model.language_model.layers[0].self_attn
+                           .__module__]
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
     torch._dynamo.reset()
     dynamo_counters.clear()
     results = []
@@ -226,6 +230,7 @@ def test_compiled_norms_and_mlps_equal_eager(build):
         names = list(model.state_dict())
         if compiled:
             compile_fused(model)
+            assert modeling.apply_rotary_pos_emb.eager is not modeling.apply_rotary_pos_emb
         assert list(model.state_dict()) == names
         model.train()
         processor = ImageOnlyProcessor(patch)
