@@ -79,9 +79,13 @@ def crash_after_checkpoint(step: int, monkeypatch):
 
 
 @pytest.mark.slow
-def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch):
+def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch, capsys):
     full = tmp_path / "full"
     last = train_main.train(small_config(shared, 3), str(full))
+    # stdout is no terminal here: one plain line a step, as a batch job's log shows it
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["1/3", "2/3", "3/3"]
+    assert all(" reward " in x and " tools " in x and " eta " in x for x in lines)
     rows = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     step0, rows = rows[0], rows[1:]  # step 0: the evaluation before any update, alone
@@ -346,3 +350,12 @@ def test_bounded_staleness_on_sglang(shared, tmp_path):
     assert [b["weight_version"] for b in synced] == ["1", "2", "3"]
     assert generated == 3 * 2 * 3
     assert [r["train/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+
+
+def test_a_step_line_reads_plainly():
+    from common.train import step_line
+    m = {"train/reward_mean": 0.4123, "train/accuracy": 0.381, "train/tool_call_rate": 0.98,
+         "eval/greedy_accuracy": 0.5, "train/loss": 1.0}
+    assert step_line(12, 200, m, 9.06, 1685.2) == (
+        "step 12/200 reward 0.412 acc 0.381 tools 0.980 eval 0.500 9.1 s eta 28m05s")
+    assert step_line(1, 1, {}, 0.0, 0.0) == "step 1/1 0.0 s eta 0m00s"
