@@ -5,6 +5,8 @@ package's own event writer, the curve with matplotlib (Agg).
 
 Workdir layout written here:
     metrics.jsonl              one JSON object per step: {"step": N, "train/...": ..., ...}
+    config.json                the resolved config, the command line and the package versions
+                               (`write_config`; a resumed run names what it changed)
     events.out.tfevents.*      the same scalars for TensorBoard (and wandb, when a project is set)
     curve.png                  reward and accuracy per step (train), accuracy per eval, with
                                the no-skill baselines (chance, elimination) drawn across
@@ -14,9 +16,11 @@ Workdir layout written here:
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -24,6 +28,45 @@ from typing import Callable, Sequence
 import numpy as np
 
 from common.rollout import Trajectory
+
+
+VERSIONED = ("numpy", "torch", "transformers", "jax", "flax", "optax", "sglang")
+
+
+def write_config(workdir: str | os.PathLike, config: dict, resume: bool) -> list[str]:
+    """Write <workdir>/config.json: the resolved `config` (ConfigDict.to_dict()), the command
+    line and the versions of the packages that decide the numbers. A resumed run first reads
+    the config.json already there: returns what differs ("train.lr: 0.001 -> 0.0005", sorted),
+    empty for a fresh run or an unchanged one. The file always holds the latest run's."""
+    path = Path(workdir) / "config.json"
+    changed = []
+    if resume and path.exists():
+        before, now = _flat(json.loads(path.read_text())["config"]), _flat(config)
+        changed = [f"{k}: {before.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
+                   for k in sorted(before.keys() | now.keys())
+                   if before.get(k) != now.get(k) and k != "train.resume"]
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {"config": config, "argv": sys.argv, "python": sys.version.split()[0],
+              "versions": versions}
+    path.write_text(json.dumps(record, indent=1, default=str))
+    return changed
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 class RunLog:

@@ -1,8 +1,9 @@
 """The training loop, for any learner: sample prompts -> GRPO step -> weight sync -> the next
 step's prompts drawn and rendered -> metrics, curve, rollout dump -> checkpoint -> periodic
 evaluation. A fresh run is also evaluated at step 0, before any update (logged as step 0; the
-engine's random state is put back after it, so training samples as it would without). A learner whose update runs in the background (JAX's) overlaps it with everything
-after the weight sync.
+engine's random state is put back after it, so training samples as it would without). A
+learner whose update runs in the background (JAX's) overlaps it with everything after the
+weight sync.
 
     metrics = train(cfg, workdir, Run(learner, backend, comm, processor, train_set, test_set))
 
@@ -30,7 +31,7 @@ from common.evaluation.evaluate import evaluate
 from common.grpo import LossConfig
 from common.learner import Collectives, Learner, SingleProcess
 from common.metrics import metrics_of_sums, rollout_sums
-from common.runlog import RunLog, dump_rollouts
+from common.runlog import RunLog, dump_rollouts, write_config
 from common.rollout import RolloutConfig, render_prompts
 from common.sampler import PromptSampler
 from common.reward import RewardConfig
@@ -102,6 +103,11 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     sampler = PromptSampler(len(run.train_set), cfg.seed, stream=comm.rank)  # its own share
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
+    if log:
+        changed = write_config(workdir, cfg.to_dict(), cfg.train.resume)
+        if changed:
+            logging.warning("resuming with a config that differs from the run's: %s",
+                            "; ".join(changed))
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)  # may be a URL (common.storage)
     if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):

@@ -58,3 +58,20 @@ def test_dump_rollouts(tmp_path):
     assert row["rollout_logprobs"] == [0, 0, -0.5, -0.25] and row["text"] == "5678"
     assert row["turns"][0]["feedback"] == "Wrong" and row["group_id"] == 7
     assert Image.open(tmp_path / "rollouts" / row["images"][0]).size == (20, 10)
+
+
+def test_the_config_is_recorded_and_a_resume_names_what_changed(tmp_path):
+    """config.json holds the resolved config, the command line and the versions; a resumed run
+    with another learning rate and a new key is told exactly those (train.resume itself is not
+    a change), and the file then holds the resumed run's config."""
+    from common.runlog import write_config
+    cfg = {"train": {"lr": 1e-3, "resume": False, "steps": 10}, "seed": 0}
+    assert write_config(tmp_path, cfg, resume=False) == []
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["config"] == cfg and isinstance(record["argv"], list)
+    assert "numpy" in record["versions"] and record["python"]
+    again = {"train": {"lr": 5e-4, "resume": True, "steps": 10}, "seed": 0, "extra": 1}
+    assert write_config(tmp_path, again, resume=True) == [
+        "extra: '(absent)' -> 1", "train.lr: 0.001 -> 0.0005"]
+    assert json.loads((tmp_path / "config.json").read_text())["config"] == again
+    assert write_config(tmp_path, again, resume=True) == []

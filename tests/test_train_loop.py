@@ -107,6 +107,7 @@ def test_workdir_layout_and_exact_resume(shared, tmp_path, monkeypatch, capsys):
     assert "eval/greedy_accuracy" in rows[1] and "eval/greedy_accuracy" not in rows[0]
     assert last["train/trajectories"] == 6.0
     assert (full / "curve.png").stat().st_size > 1000
+    assert json.loads((full / "config.json").read_text())["config"]["train"]["steps"] == 3
     assert list(full.glob("events.out.tfevents.*"))
     dump = [json.loads(x) for x in (full / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(dump) == 6
