@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -35,7 +36,7 @@ from common.runlog import RunLog, dump_rollouts, write_config
 from common.rollout import RolloutConfig, render_prompts
 from common.sampler import PromptSampler
 from common.reward import RewardConfig
-from common.prepare import make_renderer
+from common.prepare import check_ranges, make_renderer
 from common.pipeline import rollout_source
 from common.step import StepConfig, collect, learn
 from common.timing import timed
@@ -76,8 +77,20 @@ def step_config(cfg, processor=None) -> StepConfig:
 
 
 def check_workdir(cfg, workdir: str | Path) -> None:
-    """Stop before a run is built where it would overwrite an earlier run's checkpoints and
-    append to its metrics: a checkpoint there and `train.resume` unset."""
+    """Stop before a run is built (and before the model loads) where it cannot write, or would
+    overwrite an earlier run's checkpoints and append to its metrics: a workdir that is a file
+    or cannot be written; a checkpoint there and `train.resume` unset. Settings out of their
+    ranges stop here too (`common.prepare.check_ranges`)."""
+    check_ranges(cfg)
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"workdir {workdir} is a file, not a folder: pass another --workdir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ValueError(f"workdir {workdir} cannot be written ({e.strerror}): pass another "
+                         "--workdir") from None
     last = checkpoints.latest(checkpoints.location(cfg, workdir))
     if last and not cfg.train.resume:
         raise ValueError(f"{last} holds an earlier run's checkpoint: pass "

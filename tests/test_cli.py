@@ -98,3 +98,49 @@ def test_the_last_evaluation_is_printed_beside_its_baselines(tmp_path):
     assert "| with feedback (≤3 turns) | 0.875 | 0.750 |" in out.stdout
     assert "eval 0.875 no-skill 0.750" in out.stdout
     assert (tmp_path / "eval" / "eval.md").read_text() in out.stdout
+
+
+@pytest.mark.parametrize("entry", ["geo3k_torch.main", "geo3k_jax.train"])
+@pytest.mark.parametrize("case", ["file_workdir", "negative_lr"])
+def test_bad_input_stops_before_the_model_loads(entry, case, tmp_path):
+    """Through the real entry points: a workdir that is a file, or a negative learning rate,
+    stops with one clear line naming the setting, before any model is built or loaded (no
+    tiny checkpoint is made: model.tiny_dir points into tmp_path), and the file is untouched."""
+    workdir = tmp_path / "run"
+    args = [sys.executable, "-m", entry, "--config=configs/cpu.py",
+            f"--config.model.tiny_dir={tmp_path / 'tiny'}",
+            f"--config.data.synthetic_dir={tmp_path / 'data'}"]
+    if case == "file_workdir":
+        workdir.write_text("not a folder")
+        want = f"workdir {workdir} is a file"
+    else:
+        args.append("--config.train.lr=-0.001")
+        want = "train.lr=-0.001 must be > 0.0"
+    out = subprocess.run(args + [f"--workdir={workdir}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0 and want in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "tiny").exists() and not (tmp_path / "data").exists()
+    if case == "file_workdir":
+        assert workdir.read_text() == "not a folder"
+
+
+def test_each_range_is_enforced():
+    """Every range of common.prepare.RANGES refuses a value just outside it and takes its
+    bound (where the bound is allowed)."""
+    from common.prepare import RANGES, check_ranges
+    from configs import base
+    for key, (low, high, low_ok) in RANGES.items():
+        section, name = key.split(".")
+        below = low - 1 if isinstance(low, int) else low - 0.5
+        cases = [(low, low_ok), (below, False)] + ([(high + 1, False)] if high is not None
+                                                   else [])
+        for value, ok in cases:
+            cfg = base.get_config()
+            cfg[section][name] = type(cfg[section][name])(value)
+            if key in ("train.beta1", "train.beta2") and value >= 1:
+                ok = False
+            if ok:
+                check_ranges(cfg)
+            else:
+                with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+                    check_ranges(cfg)
