@@ -14,9 +14,11 @@ only torch_state/, at any world size (the checkpoint planner reshards).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -47,10 +49,35 @@ def write_hf(out: str | os.PathLike, model, source_dir: str | None) -> None:
         return
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    with quiet_progress():  # a bar per checkpoint would fill a batch job's log
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
     for f in Path(source_dir).iterdir():  # tokenizer, processor, chat template
         if f.is_file() and not _MODEL_FILES.search(f.name):
             shutil.copy2(f, out / f.name)
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """transformers' progress bars off inside the block, as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _single_process_is_meant():
+    """Without a process group, torch.distributed.checkpoint warns at every save and load that
+    it assumes one process: it is right, and the warning would repeat in the log."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def save_state(directory: str | os.PathLike, model, optimizer, scheduler) -> None:
@@ -59,8 +86,9 @@ def save_state(directory: str | os.PathLike, model, optimizer, scheduler) -> Non
     import torch.distributed.checkpoint as dcp
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd},
-             checkpoint_id=str(Path(directory) / SHARDED_DIR))
+    with _single_process_is_meant():
+        dcp.save({"model": model_sd, "optimizer": optim_sd},
+                 checkpoint_id=str(Path(directory) / SHARDED_DIR))
     if _rank() == 0:
         torch.save({"scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
                    Path(directory) / STATE_FILE)
@@ -77,7 +105,8 @@ def load_state(directory: str | os.PathLike, model, optimizer, scheduler) -> Non
                                 "learner checkpoint")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=str(path / SHARDED_DIR))
+    with _single_process_is_meant():
+        dcp.load(state, checkpoint_id=str(path / SHARDED_DIR))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
     rest = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)

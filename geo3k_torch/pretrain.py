@@ -41,6 +41,7 @@ from common.chat import ChatRenderer
 from common.processor import load_processor
 from common.sft import sft_example
 from common.synthetic import PERCEPTION, caption, make_problem
+from geo3k_torch.checkpoint import quiet_progress
 from geo3k_torch.learner import SFTLearner, sft_step
 from geo3k_torch.model import load_model, packed_inputs
 from geo3k_torch.prime import prime_config
@@ -181,5 +182,6 @@ def pretrain_vision(model_dir: str, see_steps: int, caption_steps: int, seed: in
     out = train_tower(model, processor, see_steps, seed, see_lr, batch, image_size, held_out)
     out |= train_captions(model, processor, caption_steps, seed + 2, caption_lr, batch,
                           image_size, held_out)
-    model.save_pretrained(model_dir, safe_serialization=True)
+    with quiet_progress():
+        model.save_pretrained(model_dir, safe_serialization=True)
     return out

@@ -195,6 +195,8 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen3_vl", vocab: st
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
+    from geo3k_torch.checkpoint import quiet_progress
+
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     s = TinySizes(**sizes).resolved(arch)
@@ -210,7 +212,8 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen3_vl", vocab: st
         eos_token_id=[ids[toks.EOS_TOKEN], ids[toks.PAD_TOKEN]])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out))
+    with quiet_progress():
+        model.save_pretrained(str(out))
     save_processor(out, arch, tok, s)
     return out
 
