@@ -45,7 +45,8 @@ class MicroBatch:
     """One packed micro-batch of T tokens, K of them trained: the forward's inputs
     (`geo3k_torch.model.host_inputs`) and (K,) tensors of the trained tokens' row positions
     (`targets`, int64) and float32 constants (`advantages`, `rollout`, `old` or None,
-    `weights`: the loss weights of `common.grpo.token_weights`)."""
+    `weights`: the loss weights of `common.grpo.token_weights`); n_tokens: the global batch's
+    trained tokens."""
 
     inputs: dict
     targets: torch.Tensor
@@ -53,6 +54,7 @@ class MicroBatch:
     rollout: torch.Tensor
     old: torch.Tensor | None
     weights: torch.Tensor
+    n_tokens: float
 
     @classmethod
     def prepare(cls, batch: PackedBatch, processor, config, agg: str, n_tokens: float,
@@ -65,14 +67,14 @@ class MicroBatch:
         return cls(host_inputs(batch, processor, config), torch.from_numpy(idx),
                    const(batch.advantages), const(batch.rollout_logprobs),
                    None if batch.old_logprobs is None else const(batch.old_logprobs),
-                   const(weights))
+                   const(weights), n_tokens)
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`, copied without blocking (pinned memory on CUDA)."""
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         return MicroBatch(upload(self.inputs, device), move(self.targets),
                           move(self.advantages), move(self.rollout), move(self.old),
-                          move(self.weights))
+                          move(self.weights), self.n_tokens)
 
 
 def prefetched(fn: Callable, items: Sequence) -> Iterator:
@@ -252,7 +254,7 @@ class SFTLearner(Learner):
 
     def micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp, entropy = self._forward(self.model, mb, True)  # (K,), (K,)
-        loss = -(logp * mb.weights).sum() * self.world_size  # FSDP averages gradients over ranks
+        loss = -logp.sum() / mb.n_tokens * self.world_size  # FSDP averages over ranks
         return loss, {"entropy": entropy.sum()}
 
 
