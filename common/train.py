@@ -36,7 +36,7 @@ from common.runlog import RunLog, dump_rollouts, write_config
 from common.rollout import RolloutConfig, render_prompts
 from common.sampler import PromptSampler
 from common.reward import RewardConfig
-from common.prepare import check_ranges, make_renderer
+from common.prepare import make_renderer
 from common.pipeline import rollout_source
 from common.step import StepConfig, collect, learn
 from common.timing import timed
@@ -79,9 +79,8 @@ def step_config(cfg, processor=None) -> StepConfig:
 def check_workdir(cfg, workdir: str | Path) -> None:
     """Stop before a run is built (and before the model loads) where it cannot write, or would
     overwrite an earlier run's checkpoints and append to its metrics: a workdir that is a file
-    or cannot be written; a checkpoint there and `train.resume` unset. Settings out of their
-    ranges stop here too (`common.prepare.check_ranges`)."""
-    check_ranges(cfg)
+    or cannot be written; a checkpoint there and `train.resume` unset. (Settings out of their
+    ranges stop in the build's first step, `common.prepare.check_config`.)"""
     path = Path(workdir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"workdir {workdir} is a file, not a folder: pass another --workdir")
