@@ -4,7 +4,9 @@ and the report of `gpu_check.py`; `host_syncs` is also a diagnostic of its own:
 
     with host_syncs(cuda=False) as syncs:
         learner.train_step(batches, n_tokens, n_seqs)
-    print(syncs.n)   # the step's tensor reads (.item(), float(t), .cpu(), ...): syncs on a GPU
+    print(syncs.n)   # what would make a GPU's host wait: .item(), float(t), boolean-mask
+                     # indexing, nonzero, ... (`_syncs_on_cuda`)
+    print(syncs.sites.most_common(10))   # "path:line function" -> count
 
 `idle_fraction`, `top_ops` and `fit_step_cost` are plain numpy (tested with literal numbers);
 `table` writes the reports' markdown tables.
@@ -12,9 +14,13 @@ and the report of `gpu_check.py`; `host_syncs` is also a diagnostic of its own:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import os
+import threading
+import traceback
 import warnings
 from typing import Iterable, Sequence
 
@@ -33,36 +39,86 @@ MAX_CONDITION = 100.0
 @dataclasses.dataclass
 class Syncs:
     n: int = 0  # host syncs counted (final once the `host_syncs` block has exited)
+    # "file:line function" of the innermost frame outside torch that made each sync -> count
+    sites: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, stack: list[traceback.FrameSummary]) -> None:
+        self.n += 1
+        self.sites[sync_site(stack)] += 1
+
+
+def sync_site(stack: list[traceback.FrameSummary]) -> str:
+    """Where a sync comes from: the innermost frame of `stack` (outermost first) outside torch
+    and this module, as "path:line function" (a library's path from its package down)."""
+    own = {__file__, warnings.__file__}
+    frames = [f for f in stack if f.filename not in own and f"{os.sep}torch{os.sep}" not in
+              f.filename] or stack
+    f = frames[-1]
+    path = f.filename.split(f"site-packages{os.sep}")[-1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    return f"{path.removeprefix(root)}:{f.lineno} {f.name}"
+
+
+def _syncs_on_cuda(op, args, kwargs) -> bool:
+    """Whether aten `op` makes the host wait when its tensors are on a GPU: a value read
+    (`.item()`), an output whose size depends on the data (nonzero, boolean-mask indexing,
+    masked_select, unique, repeat_interleave with tensor repeats and no output_size), a
+    comparison answered on the host (equal, is_nonzero)."""
+    import torch
+
+    aten = torch.ops.aten
+    if op in (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+              aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+              aten.equal.default, aten.is_nonzero.default):
+        return True
+    if op is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    if op in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+              aten._index_put_impl_.default):
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return False
 
 
 @contextlib.contextmanager
 def host_syncs(cuda: bool):
-    """Count the host syncs made inside the block. cuda: torch's sync debug mode ("warn": one
-    warning per synchronizing CUDA operation, counted on exit); else the calls of `READS` on any
-    tensor (outermost calls only: a read that makes another counts once), the methods restored
-    on exit."""
+    """Count the host syncs made inside the block, with where each was made (`Syncs.sites`).
+    cuda: torch's sync debug mode ("warn": one warning per synchronizing CUDA operation; the
+    autograd engine replays its threads' warnings when backward returns, so a sync made in
+    backward is sited at the `backward()` call). Else,
+    in the thread that entered the block, every aten op that syncs on a GPU (`_syncs_on_cuda`,
+    backward's too) and every call of `READS` (outermost calls only: a read that makes another
+    counts once); the methods are restored on exit. The CPU count finds what a GPU would wait
+    for, except copies between host and device (a CPU run has no device)."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     syncs = Syncs()
     if cuda:
+        def seen(message, *args, **kwargs):
+            if "synchroniz" in str(message):
+                syncs.add(traceback.extract_stack()[:-1])
+
         mode = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = seen
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 yield syncs
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
-        syncs.n = sum("synchroniz" in str(w.message) for w in caught)
         return
     own = {name: torch.Tensor.__dict__.get(name) for name in READS}  # None: inherited
-    depth = 0
+    thread, depth = threading.get_ident(), 0
 
     def counted(method):
         @functools.wraps(method)
         def read(*args, **kwargs):
             nonlocal depth
-            syncs.n += depth == 0
+            if threading.get_ident() != thread:
+                return method(*args, **kwargs)
+            if depth == 0:
+                syncs.add(traceback.extract_stack()[:-1])
             depth += 1
             try:
                 return method(*args, **kwargs)
@@ -70,10 +126,18 @@ def host_syncs(cuda: bool):
                 depth -= 1
         return read
 
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if depth == 0 and _syncs_on_cuda(op, args, kwargs):
+                syncs.add(traceback.extract_stack()[:-1])
+            return op(*args, **kwargs)
+
     for name in READS:
         setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
     try:
-        yield syncs
+        with Ops():
+            yield syncs
     finally:
         for name, method in own.items():
             if method is None:

@@ -398,14 +398,13 @@ def learner_torch(s: Settings):
     mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
     kernel = learner_kernel(device)
     # the recipe's kernel and checkpointing at every size, its kernel under the other
-    # checkpointing modes at the largest size, then the other kernel, then the recipe with its
+    # checkpointing modes and the other kernel at the largest size, then the recipe with its
     # norms and MLPs compiled (most telling first: a section stopped at its cap keeps the rows
     # before)
     largest = max(s.micro_batch_tokens)
     plan = [(kernel, mode, False, b) for b in s.micro_batch_tokens]
     plan += [(kernel, m, False, largest) for m in CHECKPOINTING if m != mode]
-    plan += [(k, mode, False, b) for k in TORCH_KERNELS if k != kernel
-             for b in s.micro_batch_tokens]
+    plan += [(k, mode, False, largest) for k in TORCH_KERNELS if k != kernel]
     plan.append((kernel, mode, True, largest))  # last: compiling cannot be undone
     try:
         for kernel, checkpointing, compiled, budget in plan:
@@ -501,6 +500,7 @@ def engine_jax(s: Settings):
 
 # ---- where the time goes ---------------------------------------------------------------------
 PROFILE_ROWS = 10  # top kernels per phase in the check's report (the files hold 25)
+SYNC_SITES = 15  # the learner's sync sites in OUT/profile_torch.json and .md
 
 
 def _profile(work, steps: int, cuda: bool) -> dict:
@@ -531,7 +531,8 @@ def profile_torch(s: Settings):
     as many engine calls of `s.episodes` x `s.profile_new_tokens` tokens after a warm-up call.
     Rows: per phase its summary (the learner's with host_syncs_per_step, `gpu_profile.host_syncs`
     over one more step) and its top `PROFILE_ROWS` kernels; the top 25 also in
-    OUT/profile_torch.json and OUT/profile_torch.md."""
+    OUT/profile_torch.json and OUT/profile_torch.md, with the learner's top `SYNC_SITES` sync
+    sites."""
     budget = max(s.micro_batch_tokens)
     run = _build("torch", s, "profile_torch", _config(s, budget))
     learner, processor, engine = run.learner, run.processor, run.backend.engine
@@ -549,7 +550,9 @@ def profile_torch(s: Settings):
             float(metrics["loss"])  # waits for the step
             phases["learner"] = {**_profile(lambda: _timed_steps(learner, batches, s.timed_steps),
                                             s.timed_steps, cuda),
-                                 "host_syncs_per_step": syncs.n}
+                                 "host_syncs_per_step": syncs.n,
+                                 "sync_sites": [{"site": k, "count": n} for k, n
+                                                in syncs.sites.most_common(SYNC_SITES)]}
             yield from _profile_rows("learner", kernels["learner"], phases["learner"])
         except Exception:  # noqa: BLE001  (reported; the engine is still profiled)
             yield _failed({"framework": "torch", "kernel": kernels["learner"], "phase": "learner"})
@@ -578,7 +581,7 @@ def profile_torch(s: Settings):
 
 def _profile_rows(phase: str, kernel: str, profiled: dict):
     base = {"framework": "torch", "kernel": kernel, "phase": phase}
-    yield {**base, **{k: v for k, v in profiled.items() if k != "top"}}
+    yield {**base, **{k: v for k, v in profiled.items() if k not in ("top", "sync_sites")}}
     for op in profiled["top"][:PROFILE_ROWS]:
         yield {**base, **op}
 
@@ -601,6 +604,9 @@ def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
                  if "host_syncs_per_step" in p else "")
         lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}), GPU idle "
                   f"{idle}{syncs}", ""] + gpu_profile.table(p["top"]) + [""]
+        if p.get("sync_sites"):
+            lines += [f"Where the {phase}'s host syncs of one step come from (the innermost "
+                      "frame outside torch):", ""] + gpu_profile.table(p["sync_sites"]) + [""]
     (out / "profile_torch.md").write_text("\n".join(lines))
 
 
