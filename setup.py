@@ -18,6 +18,8 @@ setup(
         "pillow>=10.0",
         "pyarrow>=15.0",
         "datasets>=3.0",
+        # common.hub: Hub names for model.path / data.path, read through its cache
+        "huggingface_hub>=1.31",
         "tokenizers>=0.21",
         "transformers>=5.0",
         "safetensors>=0.5",

@@ -14,20 +14,21 @@ import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import DataError, load_split
+from common.hub import HubError, data_path, model_dir
 from common.prompts import prompt_style
 from common.synthetic import FAMILIES, parse_image_size, write_split
 
 
 def prepare_data(cfg, shard: tuple[int, int] = (0, 1)):
     """(train split, test split) as loaded by `common.data.load_split` (their rows k modulo n
-    with `shard=(k, n)`), after writing the synthetic set if `data.path` is empty and it is
-    missing."""
-    path = cfg.data.path or write_synthetic(cfg)
+    with `shard=(k, n)`) from `data.path` (a local path or a Hub dataset name, `common.hub`),
+    or from the synthetic set, written first if `data.path` is empty and it is missing."""
+    path = data_path(cfg.data.path) if cfg.data.path else write_synthetic(cfg)
     system, _ = prompt_style(cfg.data.prompt_style)
     return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system,
                             shard=shard)
@@ -112,18 +113,22 @@ def write_synthetic(cfg) -> str:
 
 def load_data(cfg, comm):
     """Each process's share of the splits (`prepare_data` with `shard=(rank, world)`): process 0
-    writes a missing synthetic set first; then every process reads and checks its own rows from
-    `data.path` (or the synthetic set's folder), the same path on every host. No dataset crosses
-    processes; a process that cannot read its share makes every process stop (`DataError`), not
-    wait for it."""
-    if comm.rank == 0 and not cfg.data.path:
-        write_synthetic(cfg)
-    comm.barrier()
+    writes a missing synthetic set (or downloads a Hub dataset) first; then every process reads
+    and checks its own rows from `data.path` (or the synthetic set's folder), the same path on
+    every host (a Hub name: each host's cache). No dataset crosses processes; a process that
+    cannot read its share makes every process stop (`DataError`, `HubError`), not wait for it."""
     error = None
-    try:
-        splits = prepare_data(cfg, (comm.rank, comm.world))
-    except DataError as e:
-        error = e
+    if comm.rank == 0:
+        try:
+            data_path(cfg.data.path) if cfg.data.path else write_synthetic(cfg)
+        except (DataError, HubError) as e:
+            error = e
+    comm.barrier()
+    if error is None:
+        try:
+            splits = prepare_data(cfg, (comm.rank, comm.world))
+        except (DataError, HubError) as e:
+            error = e
     failed = comm.sum_scalars({"failed": float(error is not None)})["failed"]
     if error is not None:
         raise error
@@ -131,6 +136,15 @@ def load_data(cfg, comm):
         raise DataError(f"{int(failed)} of the {comm.world} processes could not read their share "
                         "of the data (their logs say why)")
     return splits
+
+
+def model_dir_everywhere(cfg, comm, prepare: Callable[[], str]) -> str:
+    """The model folder on every process: process 0 runs `prepare` (which builds the tiny
+    checkpoint, or downloads a Hub model), the others take its path once it is done, except
+    that with `model.path` set each resolves it itself (`common.hub.model_dir`: a Hub name is
+    in each host's own cache, downloaded there if missing)."""
+    first = comm.gather(prepare() if comm.rank == 0 else None)[0]
+    return model_dir(cfg.model.path) if cfg.model.path and comm.rank else first
 
 
 def make_renderer(cfg, processor) -> ChatRenderer:

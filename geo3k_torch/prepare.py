@@ -4,7 +4,7 @@ With `model.path` empty a tiny checkpoint is built into `model.tiny_dir` once, f
 `model.tiny_seed` (never the run's `seed`: runs of every seed, in any order, start from the same
 checkpoint), and the JAX entry point uses it too. The folder records the settings it was built
 from (`tiny_build.json`); a checkpoint of other settings is never reused, and never overwritten.
-Real runs point `model.path` at a local copy of the download. The data splits are prepared by
+Real runs point `model.path` at a checkpoint folder or a Hub model name (`common.hub`). The data splits are prepared by
 `common.prepare.prepare_data`.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from common.env import EnvConfig
+from common.hub import model_dir
 from common.prepare import build_lock, prepare_data, read_record, synthetic_spec
 from common.prompts import prompt_style
 from common.synthetic import parse_image_size
@@ -71,12 +72,11 @@ def _check_built(out: Path, cfg) -> None:
 
 
 def prepare_model_dir(cfg) -> str:
-    """The checkpoint directory to train: `model.path`, or the tiny one (built if missing)."""
+    """The checkpoint directory to train: `model.path` (a local folder, or a Hub model name
+    downloaded into the Hugging Face cache: `common.hub`), or the tiny one (built if
+    missing)."""
     if cfg.model.path:
-        if not (Path(cfg.model.path) / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json: point "
-                                    "it at a local Hugging Face checkpoint directory")
-        return cfg.model.path
+        return model_dir(cfg.model.path)
     out = Path(cfg.model.tiny_dir)
     with build_lock(out):
         if (out / "config.json").exists():
