@@ -4,12 +4,15 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+# SGLang 0.5.23's released source, unpacked from its wheel (read by tests/test_sglang_real.py,
+# never installed): fetched once, git-ignored.
+SGLANG_SRC := .cache/sglang-0.5.23
 
 # Some machines set PYTHONDONTWRITEBYTECODE: with the install's --no-compile, every process
 # (test workers, the multi-process tests' children) would then compile torch from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install test test-fast test-all train train-jax train-quick train-quick-jax clean
+.PHONY: install sglang-src test test-fast test-all train train-jax train-quick train-quick-jax clean
 
 install: $(STAMP)
 
@@ -30,17 +33,26 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q --no-compile -c requirements-cpu.txt -c requirements-test.txt -r requirements-test.txt
 	touch $(TEST_STAMP)
 
+# scripts/fetch_sglang.py downloads the wheel (pip download --no-deps, about 40 MB, a few
+# seconds) and unpacks it with msgspec beside it; the folder appears only once complete, so an
+# existing one is never fetched again (make clean removes it: its msgspec is built for .venv's
+# Python).
+sglang-src: $(SGLANG_SRC)
+
+$(SGLANG_SRC): | $(STAMP)
+	$(PY) scripts/fetch_sglang.py $@
+
 # Two workers (pytest-xdist), one test file each at a time: the suite's modules build their own
 # fixtures, so a file never splits across workers. `test` leaves out the `heavy` runs (end-to-end
 # runs of minutes; the 8-device and multi-process equivalence runs, a minute each); `test-all`
 # runs them too; `test-fast` leaves out every test over a few seconds.
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(SGLANG_SRC)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 -m "not heavy" tests
 
-test-fast: $(TEST_STAMP)
+test-fast: $(TEST_STAMP) $(SGLANG_SRC)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not heavy" tests
 
-test-all: $(TEST_STAMP)
+test-all: $(TEST_STAMP) $(SGLANG_SRC)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # The CPU default: GRPO teaches a tiny pretrained Qwen2.5-VL to read the figures; its held-out
@@ -61,4 +73,4 @@ train-quick-jax: install
 	$(PY) -m geo3k_jax.train --config=configs/cpu.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(SGLANG_SRC) runs build *.egg-info

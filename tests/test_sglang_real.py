@@ -1,14 +1,13 @@
 """The SGLang client's requests against the real code of the released SGLang 0.5.23 wheel.
 
 SGLang cannot be installed here (its dependencies need CUDA), but the wheel holds its whole
-Python source. These tests use the parts that stand without CUDA, from a test-only folder that is
-never committed (skipped when it is absent):
-
-    pip download sglang==0.5.23 --no-deps -d /tmp/sgl
-    unzip -q /tmp/sgl/sglang-0.5.23-*.whl -d /tmp/sgl/src
-    pip install --no-deps --target /tmp/sgl/deps msgspec     # SamplingParams' one dependency
-
-(`GEO3K_SGLANG_DIR` names another folder.) What runs:
+Python source. These tests read the parts that stand without CUDA from a git-ignored folder,
+`.cache/sglang-0.5.23/` at the repository root, which `make sglang-src` fills
+(scripts/fetch_sglang.py: `pip download --no-deps` of the wheel, unpacked into src/, and msgspec,
+SamplingParams' one dependency, in deps/). `make test`, `test-fast` and `test-all` fetch it first,
+once; running pytest directly without it fails every test here with a message naming
+`make sglang-src` (it never skips). `GEO3K_SGLANG_DIR` names another folder of the same layout
+(src/sglang/..., deps/) instead. What runs:
   * `SamplingParams` (srt/sampling/sampling_params.py) is imported for real (it needs msgspec
     and torch, both CPU-only), bypassing `sglang/__init__.py`, which pulls in triton, zmq and
     the server stack;
@@ -43,12 +42,19 @@ from common.sglang.wire import generate_payload, sampling_payload
 from tests.conftest import EOS, IMAGE, TURN_END
 from tests.fake_sglang import FakeSGLang
 
-ROOT = Path(os.environ.get("GEO3K_SGLANG_DIR", "/tmp/sgl"))
+ROOT = Path(os.environ.get("GEO3K_SGLANG_DIR")
+            or Path(__file__).resolve().parent.parent / ".cache" / "sglang-0.5.23")
 SRT = ROOT / "src" / "sglang" / "srt"
-pytestmark = pytest.mark.skipif(not (SRT / "managers" / "io_struct.py").exists(),
-                                reason=f"no unpacked SGLang wheel under {ROOT}")
+FETCH = "run `make sglang-src` (make test does), or set GEO3K_SGLANG_DIR"
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=50,
                           stop_token_ids=(TURN_END, EOS))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_source():
+    """Fails (never skips) every test here when the unpacked wheel is missing."""
+    if not (SRT / "managers" / "io_struct.py").exists():
+        pytest.fail(f"no unpacked SGLang 0.5.23 wheel under {ROOT}: {FETCH}", pytrace=False)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,8 @@ def real_sampling_params():
     try:
         from sglang.srt.sampling.sampling_params import SamplingParams as Real
     except ImportError as e:
-        pytest.skip(f"SGLang's SamplingParams does not import here: {e}")
+        pytest.fail(f"SGLang's SamplingParams does not import from {ROOT} (msgspec in deps/?): "
+                    f"{e}; {FETCH}", pytrace=False)
     finally:
         sys.path.remove(deps)
     yield Real
