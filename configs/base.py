@@ -26,14 +26,14 @@ JAX_RULES = (
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.seed = 0
+    c.seed = 0  # the run's sampling and data order (not the tiny model's or synthetic set's)
 
     # Geometry3K in a public HF layout (parquet or `datasets.save_to_disk`), or the synthetic set.
     c.data = ml_collections.ConfigDict()
-    c.data.path = ""  # a parquet file or a directory; empty: generate the synthetic set
-    c.data.train_split = "train"
-    c.data.test_split = "test"
-    c.data.skip_bad_rows = False
+    c.data.path = ""  # parquet file/folder or Hub dataset name; empty: the synthetic set
+    c.data.train_split = "train"  # split name to train on
+    c.data.test_split = "test"  # split name to evaluate on
+    c.data.skip_bad_rows = False  # True: count and skip unusable rows; False: stop at the first
     # tool: the scoring tool's system prompt and schema (multi-turn); brief: the same task in one
     # short system sentence, no schema (a tiny model primed on the call); boxed: "reason, then
     # the final answer in \boxed{}" and no tool (single-turn, SFT). common.prompts.PROMPT_STYLES
@@ -42,25 +42,25 @@ def get_config() -> ml_collections.ConfigDict:
     # The synthetic set's seed (the test split's is this + 10,000), not the run's `seed`: runs of
     # every seed read the same problems.
     c.data.synthetic_seed = 0
-    c.data.synthetic_train_size = 512
-    c.data.synthetic_test_size = 64
+    c.data.synthetic_train_size = 512  # problems in the synthetic train split
+    c.data.synthetic_test_size = 64  # problems in the synthetic test split
     c.data.synthetic_image_size = "112"  # one size "112" or a range "112,224"
     # comma-separated common.synthetic.FAMILIES, each problem drawing one uniformly (a family
     # named twice is drawn twice as often); empty: all of them, once
     c.data.synthetic_families = ""
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = ""  # a local HF checkpoint directory (Qwen2.5-VL or Qwen3-VL)
+    c.model.path = ""  # HF checkpoint folder or Hub name (Qwen2.5-VL / Qwen3-VL); empty: tiny
     # With no path, a tiny checkpoint is built once into `tiny_dir` (geo3k_torch.tiny).
     c.model.tiny_dir = "data/tiny-qwen3_vl-small"
-    c.model.tiny_arch = "qwen3_vl"
-    c.model.tiny_vocab = "small"
+    c.model.tiny_arch = "qwen3_vl"  # the tiny checkpoint's architecture: qwen3_vl | qwen2_5_vl
+    c.model.tiny_vocab = "small"  # its tokenizer: small (a few hundred tokens) | qwen
     c.model.tiny_seed = 0  # the tiny checkpoint's init, pretraining and priming (not `seed`)
     # A new tiny checkpoint's vision pretraining (geo3k_torch.pretrain), before the priming:
     # steps of its vision tower classifying perception figures, then of captions with it frozen
     # (off: with it the quick CPU run still ends at chance, docs/results.md's third attempt).
-    c.model.tiny_see_steps = 0
-    c.model.tiny_caption_steps = 0
+    c.model.tiny_see_steps = 0  # vision tower classification steps
+    c.model.tiny_caption_steps = 0  # caption steps, tower frozen
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
     c.model.tiny_prime_vision = True  # False: the priming leaves the vision tower as it is
     c.model.tiny_prime_answer = "letter"  # its random calls answer a choice's letter | value
@@ -73,33 +73,33 @@ def get_config() -> ml_collections.ConfigDict:
 
     # The environment (common.env.EnvConfig).
     c.env = ml_collections.ConfigDict()
-    c.env.max_turns = 3
-    c.env.end_on_correct = True
-    c.env.end_on_no_tool_call = True
+    c.env.max_turns = 3  # assistant turns an episode may take (feedback between them)
+    c.env.end_on_correct = True  # a correct tool call ends the episode
+    c.env.end_on_no_tool_call = True  # a turn without a tool call ends the episode
     # One grading setting for the environment's verdicts AND the reward (they cannot disagree):
     c.env.rel_tol = 0.0  # relative tolerance for numeric answers (0: exact)
-    c.env.grade_timeout_s = 5.0
-    c.env.accept_choice_letter = True
+    c.env.grade_timeout_s = 5.0  # time limit of grading one answer (math-verify in a worker)
+    c.env.accept_choice_letter = True  # "B" counts as choice B's value on choice problems
     c.env.feedback_role = "tool"  # tool | user: how feedback on a tool call enters the chat
 
     # The episode reward (common.reward.RewardConfig).
     c.reward = ml_collections.ConfigDict()
-    c.reward.source = "tool_or_boxed"
-    c.reward.turn_discount = 1.0
-    c.reward.format_bonus = 0.0
+    c.reward.source = "tool_or_boxed"  # where an answer may come from: tool | boxed | tool_or_boxed
+    c.reward.turn_discount = 1.0  # a solve on turn t earns turn_discount ** (t - 1)
+    c.reward.format_bonus = 0.0  # added once for at least one well-formed tool call
     # Subtracted once per turn that repeats an answer the environment already rejected.
     c.reward.repeat_penalty = 0.0
     c.reward.fn = ""  # "package.module:function" with score_episode's signature: your own reward
 
     # Multi-turn sampling (common.rollout.RolloutConfig).
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.n_samples = 8
-    c.rollout.max_response_tokens = 1024
-    c.rollout.max_context_tokens = 4096
-    c.rollout.temperature = 1.0
-    c.rollout.top_p = 1.0
-    c.rollout.max_retries = 2
-    c.rollout.export_style = "concat"
+    c.rollout.n_samples = 8  # episodes per prompt: the GRPO group size
+    c.rollout.max_response_tokens = 1024  # new tokens per assistant turn, at most
+    c.rollout.max_context_tokens = 4096  # an episode's whole length (prompt, turns, feedback)
+    c.rollout.temperature = 1.0  # sampling temperature of the training episodes
+    c.rollout.top_p = 1.0  # nucleus sampling mass (1: off)
+    c.rollout.max_retries = 2  # engine failures retried per request before it is aborted
+    c.rollout.export_style = "concat"  # one trajectory per episode | individual: one per turn
     c.rollout.schedule = "episode"  # episode (each episode at its own pace) | lockstep
 
     # Where rollouts come from: the in-process engine of the learner's framework (local: torch
@@ -110,7 +110,7 @@ def get_config() -> ml_collections.ConfigDict:
     # The in-process torch engine: most decode slots, and the KV cache of the slots (rows x
     # (longest prompt + max new tokens)); a larger request is refused.
     c.engine.local_max_batch = 256
-    c.engine.local_kv_budget_gb = 24.0
+    c.engine.local_kv_budget_gb = 24.0  # GiB of KV cache the torch engine's slots may take
     c.engine.local_cuda_graphs = True  # on CUDA, replay each decode step as a CUDA graph
     c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
     # Launched here (common.sglang.placement): colocated, one server per sglang_gpus_per_server
@@ -119,18 +119,18 @@ def get_config() -> ml_collections.ConfigDict:
     # the learners'). mem_fraction: SGLang's --mem-fraction-static, the share of a GPU for its
     # weights and KV cache (0.6: slime's colocated Geometry3K multi-turn recipe).
     c.engine.sglang_servers = 1
-    c.engine.sglang_gpus_per_server = 1
-    c.engine.sglang_base_gpu = -1
-    c.engine.sglang_mem_fraction = 0.6
+    c.engine.sglang_gpus_per_server = 1  # SGLang --tp-size
+    c.engine.sglang_base_gpu = -1  # first GPU of dedicated servers (-1: after the learners')
+    c.engine.sglang_mem_fraction = 0.6  # SGLang --mem-fraction-static
     # Weight sync: auto (bf16 in memory for colocated servers the learner can hand tensors to,
     # else files) | tensor | disk (bf16 safetensors from the torch learner); bucket size.
     c.engine.sglang_weight_sync = "auto"
-    c.engine.sglang_bucket_mb = 512.0
+    c.engine.sglang_bucket_mb = 512.0  # MB of weights per in-memory update call
     c.engine.sglang_attention_backend = ""  # empty: SGLang's default
-    c.engine.sglang_port_base = 30000
-    c.engine.sglang_timeout_s = 600.0
-    c.engine.sglang_max_retries = 3
-    c.engine.sglang_max_concurrency = 256
+    c.engine.sglang_port_base = 30000  # launched servers listen on this port and up
+    c.engine.sglang_timeout_s = 600.0  # one request's time limit
+    c.engine.sglang_max_retries = 3  # retries of a failed request
+    c.engine.sglang_max_concurrency = 256  # requests in flight per process
     c.engine.sglang_colocated = False  # release the servers' memory during training
     # Launch to ready, all servers together (loading a checkpoint takes minutes). The other
     # processes wait for the launching ones in a collective meanwhile (the gather of the
@@ -147,20 +147,20 @@ def get_config() -> ml_collections.ConfigDict:
     # The in-process JAX engine: requests decoding at once (rows of its KV cache, each of
     # rollout.max_context_tokens), and the share of a device's memory its cache and weights may
     # take (checked at start: a cache that would not fit stops the run with the numbers).
-    c.engine.slots = 32
-    c.engine.kv_memory_fraction = 0.9
+    c.engine.slots = 32  # JAX engine: requests decoding at once
+    c.engine.kv_memory_fraction = 0.9  # JAX engine: device memory share for cache and weights
 
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()
-    c.loss.clip_low = 0.2
-    c.loss.clip_high = 0.28
+    c.loss.clip_low = 0.2  # PPO ratio clip below 1
+    c.loss.clip_high = 0.28  # PPO ratio clip above 1 (DAPO's clip-higher)
     c.loss.dual_clip = placeholder(float)  # None: off
-    c.loss.kl_coef = 0.0
-    c.loss.kl_estimator = "k3"
+    c.loss.kl_coef = 0.0  # weight of the KL term to the initial policy (0: no reference model)
+    c.loss.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators)
     c.loss.tis_cap = placeholder(float)  # None: no truncated importance sampling
-    c.loss.agg = "token-mean"
+    c.loss.agg = "token-mean"  # token-mean | seq-mean-token-mean: how token losses average
     c.advantage = ml_collections.ConfigDict()
-    c.advantage.normalize_std = True
+    c.advantage.normalize_std = True  # divide by the group's reward std (False: Dr. GRPO)
     c.advantage.filter_equal_groups = True  # dynamic sampling: drop groups with equal rewards
     # True: the tokens of turn t are scored against the group's episodes that reached turn t
     # (common.grpo.turn_advantages); False: every token against the whole group
@@ -168,9 +168,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.device = "auto"  # auto | cpu | cuda
-    c.train.steps = 100
-    c.train.prompts_per_step = 16
-    c.train.micro_batch_tokens = 8192
+    c.train.steps = 100  # GRPO steps (one rollout each)
+    c.train.prompts_per_step = 16  # prompts per rollout, over all processes
+    c.train.micro_batch_tokens = 8192  # packed tokens per micro-batch (per process)
     # A group's samples share its prompt in the micro-batches: the learner computes the prompt
     # and encodes its images once per group (common.batching; exact, see tests/test_shared_prefix).
     c.train.share_prefix = True
@@ -183,17 +183,17 @@ def get_config() -> ml_collections.ConfigDict:
     # Trained tokens whose (tokens x vocabulary) logits exist at once in the learner's LM head
     # (per micro-batch in torch, per row in JAX); 0 = all of them.
     c.train.logprob_chunk = 1024
-    c.train.lr = 1e-6
+    c.train.lr = 1e-6  # AdamW learning rate (peak, after warmup)
     c.train.lr_schedule = "constant"  # constant | linear | cosine
-    c.train.warmup_steps = 0
-    c.train.min_lr_ratio = 0.0
-    c.train.beta1 = 0.9
-    c.train.beta2 = 0.98
-    c.train.eps = 1e-8
-    c.train.weight_decay = 0.1
+    c.train.warmup_steps = 0  # linear warmup from 0 to lr
+    c.train.min_lr_ratio = 0.0  # the decaying schedules end at lr x this
+    c.train.beta1 = 0.9  # AdamW
+    c.train.beta2 = 0.98  # AdamW
+    c.train.eps = 1e-8  # AdamW
+    c.train.weight_decay = 0.1  # AdamW, decoupled
     # Train the language model alone: the vision tower (its merger included) is not updated.
     c.train.freeze_vision = False
-    c.train.grad_clip = 1.0
+    c.train.grad_clip = 1.0  # global gradient norm clip
     # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, at any world
     # size), the KL reference and the local engine in bf16. CPU always trains in fp32.
     c.train.bf16 = True
@@ -203,7 +203,7 @@ def get_config() -> ml_collections.ConfigDict:
     # torch.compile each text layer's RMSNorms, RoPE and SwiGLU MLP into fused kernels (the
     # torch learner; off until the GPU check shows it pays: scripts/gpu_check.py's learner rows).
     c.train.compile = False
-    c.train.resume = False
+    c.train.resume = False  # continue from the workdir's newest complete checkpoint
     # How long a torch collective waits for the other ranks; above the SGLang start-up wait
     # (engine.sglang_startup_timeout_s), which rank 0 may spend while the others wait.
     c.train.collective_timeout_s = 1800.0
@@ -214,10 +214,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.n_samples = 1  # sampled episodes per prompt (besides one greedy)
 
     c.log = ml_collections.ConfigDict()
-    c.log.tensorboard = True
+    c.log.tensorboard = True  # TensorBoard events in the workdir
     c.log.wandb_project = ""  # empty: no wandb
-    c.log.dump_rollouts = True
-    c.log.plot_every = 1
+    c.log.dump_rollouts = True  # every trajectory to rollouts/step_<N>.jsonl
+    c.log.plot_every = 1  # redraw curve.png every this many steps (0: never)
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 10  # steps; the last step is always saved
@@ -229,7 +229,7 @@ def get_config() -> ml_collections.ConfigDict:
     # The JAX learner (geo3k_jax): mesh, partition rules and the cross-backend check.
     c.jax = ml_collections.ConfigDict()
     c.jax.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1: the rest
-    c.jax.rules = JAX_RULES
+    c.jax.rules = JAX_RULES  # partition rules (above)
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
     c.jax.remat = False  # recompute each decoder layer and vision block in the backward pass
@@ -237,7 +237,7 @@ def get_config() -> ml_collections.ConfigDict:
     # Learner row lengths (geo3k_jax.buckets.Ladder): lengths an octave (a power of two) and how
     # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
     c.jax.row_rungs = 4
-    c.jax.reuse_slack = 1.5
+    c.jax.reuse_slack = 1.5  # a compiled row may be this much longer than needed
     # Or one slice shape for the whole run (a TPU compile takes minutes): rows of the micro-batch
     # budget with room for `targets` trained tokens, `patches` image patches, `window` own keys
     # per query block (0: the whole row) and `prefix_window` shared-prompt keys; a slice that
@@ -254,7 +254,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.check.images = "1,2"  # images per problem, cycled (the diagram, plus other diagrams)
     c.jax.check.image_sizes = "40-200"  # pixel range of each image's width and height
     c.jax.check.micro_batch_tokens = 0  # packing budget; 0 = half the sequences' total
-    c.jax.check.seed = 0
+    c.jax.check.seed = 0  # the check's problems and weights
 
     c.lock()
     return c

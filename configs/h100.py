@@ -1,7 +1,7 @@
 """slime's multi-turn recipe on NVIDIA GPUs: Qwen3-VL-2B-Instruct, multi-turn Geometry3K.
 
-    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100.py \
-        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
+    torchrun --nproc_per_node=8 -m geo3k_torch.main --config=configs/h100.py \
+        --config.model.path=Qwen/Qwen3-VL-2B-Instruct --config.data.path=hiyouga/geometry3k
 
 64 prompts x 8 samples per step, one optimizer step per rollout, response budget 4096 tokens,
 temperature 1.0, clip 0.2 / 0.28, no KL, max_turns 3. Rollouts come from one SGLang server
@@ -18,8 +18,8 @@ from configs import base
 def get_config():
     c = base.get_config()
     c.train.device = "cuda"
-    c.model.path = "/models/Qwen3-VL-2B-Instruct"
-    c.data.path = "/data/geo3k"
+    c.model.path = "Qwen/Qwen3-VL-2B-Instruct"  # a Hub name (common.hub) or a local folder
+    c.data.path = "hiyouga/geometry3k"
     c.rollout.n_samples = 8
     c.rollout.max_response_tokens = 4096
     c.rollout.max_context_tokens = 8192

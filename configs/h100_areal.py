@@ -1,7 +1,7 @@
 """AReaL's multi-turn VLM recipe (its pull request's settings) on NVIDIA GPUs.
 
-    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100_areal.py \
-        --config.model.path=/models/Qwen3-VL-4B-Instruct --config.data.path=/data/geo3k
+    torchrun --nproc_per_node=8 -m geo3k_torch.main --config=configs/h100_areal.py \
+        --config.model.path=Qwen/Qwen3-VL-4B-Instruct --config.data.path=hiyouga/geometry3k
     ... --config=configs/h100_areal.py:individual      # one training sequence per turn
     python -m geo3k_torch.main --config=configs/h100_areal.py:cpu   # tiny, CPU, 3 steps
 
@@ -24,7 +24,7 @@ def get_config(arg=None):
     if set(args) - set(ARGS):
         raise ValueError(f"configs/h100_areal.py takes arguments from {ARGS}, got {arg!r}")
     c = h100.get_config()
-    c.model.path = "/models/Qwen3-VL-4B-Instruct"
+    c.model.path = "Qwen/Qwen3-VL-4B-Instruct"
     c.env.max_turns = 4
     c.env.feedback_role = "user"
     c.reward.turn_discount = 0.95

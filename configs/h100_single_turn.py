@@ -1,8 +1,8 @@
 r"""slime's single-turn Geometry3K recipe on NVIDIA GPUs: one turn, no tool, the math reward on
 the last `\boxed{}` of the answer.
 
-    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100_single_turn.py \
-        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
+    torchrun --nproc_per_node=8 -m geo3k_torch.main --config=configs/h100_single_turn.py \
+        --config.model.path=Qwen/Qwen3-VL-2B-Instruct --config.data.path=hiyouga/geometry3k
     python -m geo3k_torch.main --config=configs/h100_single_turn.py:cpu    # tiny, CPU, 3 steps
 
 Published figure (slime single-turn): train reward 0.3 -> 0.45-0.6 (a user reproduced

@@ -1,10 +1,10 @@
 r"""SFT warm start (slime's single-turn example's SFT run): the reply `Answer: \boxed{<answer>}`
 for each training problem, loss on the assistant's tokens only.
 
-    torchrun --nproc_per_node=4 -m geo3k_torch.sft --config=configs/sft.py \
-        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k \
+    torchrun --nproc_per_node=8 -m geo3k_torch.sft --config=configs/sft.py \
+        --config.model.path=Qwen/Qwen3-VL-2B-Instruct --config.data.path=hiyouga/geometry3k \
         --workdir=runs/sft
-    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100_single_turn.py \
+    torchrun --nproc_per_node=8 -m geo3k_torch.main --config=configs/h100_single_turn.py \
         --config.model.path=runs/sft/checkpoints/step_66 ...          # GRPO from the SFT weights
     python -m geo3k_torch.sft --config=configs/sft.py:cpu       # tiny, CPU, 3 steps
 

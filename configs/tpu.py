@@ -2,7 +2,7 @@
 Geometry3K, the same settings as configs/h100.py.
 
     python -m geo3k_jax.train --config=configs/tpu.py \
-        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k \
+        --config.model.path=Qwen/Qwen3-VL-2B-Instruct --config.data.path=hiyouga/geometry3k \
         --config.engine.sglang_urls=http://gpu-host:30000
 
 Learner: parameters and optimizer state sharded FSDP-style over every chip (`jax.mesh`),

@@ -15,6 +15,10 @@ quantity is outside its tolerance.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a bad --config.<key> answered before jax loads
+    from common import cli
+    cli.preflight("configs/cpu.py", with_help=False)
+
 import sys
 
 import jax

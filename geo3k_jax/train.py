@@ -1,7 +1,7 @@
 """Multi-turn GRPO on Geometry3K with the JAX learner, through the shared loop.
 
     python -m geo3k_jax.train --config=configs/cpu_perception.py --workdir=runs/jax
-    python -m geo3k_jax.train --config=configs/tpu.py --config.model.path=/models/Qwen3-VL-2B-Instruct
+    python -m geo3k_jax.train --config=configs/tpu.py --config.model.path=Qwen/Qwen3-VL-2B-Instruct
 
 Builds the JAX pieces (mesh, Flax model from the HF checkpoint, learner) and a rollout backend,
 then runs `common.train.train`, the loop the torch learner runs too. Rollouts: with
@@ -16,7 +16,9 @@ used (`jax_shapes.json`: a resumed run pads its steps as the uninterrupted one).
 
 from __future__ import annotations
 
-import os
+if __name__ == "__main__":  # --help, a bad --config.<key>: answered before jax loads
+    from common import cli
+    cli.preflight()
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +27,8 @@ from common import cli, train as loop
 from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.prepare import check_config, load_data
+from common.hub import model_dir
+from common.prepare import check_config, load_data, model_dir_everywhere
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
 from geo3k_jax.backend import JaxBackend
@@ -41,12 +44,10 @@ DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
 def model_dir_of(cfg) -> str:
-    """`model.path`, or the tiny checkpoint (built with torch the first time)."""
+    """`model.path` (a local folder or a Hub model name, `common.hub`), or the tiny checkpoint
+    (built with torch the first time)."""
     if cfg.model.path:
-        if not os.path.exists(os.path.join(cfg.model.path, "config.json")):
-            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json: point "
-                                    "it at a local Hugging Face checkpoint directory")
-        return cfg.model.path
+        return model_dir(cfg.model.path)
     from geo3k_torch.prepare import prepare_model_dir
     return prepare_model_dir(cfg)
 
@@ -74,8 +75,8 @@ def build(cfg, workdir: str) -> loop.Run:
     comm = JaxCollectives()
     check_config(cfg, comm.world)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
-    model_dir = comm.gather(model_dir_of(cfg) if comm.rank == 0 else None)[0]
-    train_set, test_set = load_data(cfg, comm)
+    train_set, test_set = load_data(cfg, comm)  # first: a bad data.path fails before any model work
+    model_dir = model_dir_everywhere(cfg, comm, lambda: model_dir_of(cfg))
     processor = load_processor(model_dir)
     mesh = make_mesh(dict(cfg.jax.mesh))
     model, config = load_model(model_dir, mesh=mesh, rules=cfg.jax.rules,

@@ -14,6 +14,10 @@ prints the table. The metrics are `common.evaluation.evaluate`'s.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a bad --config.<key> answered before torch loads
+    from common import cli
+    cli.preflight("configs/cpu_perception.py", with_help=False)
+
 from pathlib import Path
 
 import torch
@@ -50,8 +54,8 @@ def eval_backend(cfg, model_dir: str, processor, device, workdir: str):
 def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
     """Evaluation metrics of `cfg.model.path` (or the tiny checkpoint) on a split."""
     device = resolve_device(cfg)
+    train_set, test_set = prepare_data(cfg)  # first: a bad data.path fails before the model
     model_dir = prepare_model_dir(cfg)
-    train_set, test_set = prepare_data(cfg)
     processor = load_processor(model_dir)
     torch.manual_seed(cfg.seed)
     backend = eval_backend(cfg, model_dir, processor, device, workdir)

@@ -1,8 +1,8 @@
 """Multi-turn GRPO on Geometry3K with the torch learner: the project's main job.
 
     python -m geo3k_torch.main --config=configs/cpu_perception.py --workdir=runs/demo
-    torchrun --nproc_per_node=4 -m geo3k_torch.main --config=configs/h100.py \\
-        --config.model.path=/models/Qwen3-VL-2B-Instruct --config.data.path=/data/geo3k
+    torchrun --nproc_per_node=8 -m geo3k_torch.main --config=configs/h100.py \\
+        --config.model.path=Qwen/Qwen3-VL-2B-Instruct --config.data.path=hiyouga/geometry3k
 
 Builds the torch pieces (device, process group, transformers model, FSDP2, learner, rollout
 backend) and runs the shared loop `common.train.train`. With no `model.path` a tiny checkpoint is
@@ -10,6 +10,10 @@ built, with no `data.path` the synthetic set.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # --help, a bad --config.<key>: answered before torch loads
+    from common import cli
+    cli.preflight()
 
 import os
 
@@ -19,7 +23,7 @@ from common import cli, train as loop
 from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.prepare import check_config, load_data
+from common.prepare import check_config, load_data, model_dir_everywhere
 from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
@@ -42,8 +46,8 @@ def build(cfg, workdir: str) -> loop.Run:
                          "the other ranks wait in a collective while rank 0 starts SGLang")
     torch.manual_seed(cfg.seed)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
-    model_dir = comm.gather(prepare_model_dir(cfg) if comm.rank == 0 else None)[0]
-    train_set, test_set = load_data(cfg, comm)
+    train_set, test_set = load_data(cfg, comm)  # first: a bad data.path fails before any model work
+    model_dir = model_dir_everywhere(cfg, comm, lambda: prepare_model_dir(cfg))
     processor = load_processor(model_dir)
     on_gpu = device.type == "cuda"
     model = load_policy(cfg, model_dir, device, comm.world)

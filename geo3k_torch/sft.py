@@ -16,6 +16,10 @@ checkpoint the tool-call format.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # --help, a bad --config.<key>: answered before torch loads
+    from common import cli
+    cli.preflight()
+
 import os
 from pathlib import Path
 
@@ -24,7 +28,7 @@ import torch
 from common import checkpoints, cli
 from common.batching import TrainSequence
 from common.processor import load_processor
-from common.prepare import check_config, load_data, make_renderer
+from common.prepare import check_config, load_data, make_renderer, model_dir_everywhere
 from common.runlog import RunLog
 from common.sampler import PromptSampler
 from common.sft import sft_example, sft_messages
@@ -43,8 +47,8 @@ def train(cfg, workdir: str) -> dict:
     comm = distributed.TorchCollectives(device)
     check_config(cfg, comm.world)
     torch.manual_seed(cfg.seed)
-    model_dir = comm.gather(prepare_model_dir(cfg) if comm.rank == 0 else None)[0]
-    train_set, test_set = load_data(cfg, comm)
+    train_set, test_set = load_data(cfg, comm)  # first: a bad data.path fails before any model work
+    model_dir = model_dir_everywhere(cfg, comm, lambda: prepare_model_dir(cfg))
     processor = load_processor(model_dir)
     renderer = make_renderer(cfg, processor)
     model = load_policy(cfg, model_dir, device, comm.world)

@@ -144,3 +144,147 @@ def test_each_range_is_enforced():
             else:
                 with pytest.raises(ValueError, match=key.replace(".", r"\.")):
                     check_ranges(cfg)
+
+
+# The command line's mistakes and help (common.config_help), answered before torch or jax loads.
+# Each entry point runs as `python -m` would run it (runpy, as __main__); the wrapper then prints
+# which heavy modules were imported, on stdout, so stderr holds only the entry point's words.
+RUN_AS_MAIN = """
+import runpy, sys
+entry, sys.argv = sys.argv[1], [sys.argv[1]] + sys.argv[2:]
+try:
+    runpy.run_module(entry, run_name="__main__", alter_sys=True)
+finally:
+    heavy = sorted(m for m in ("torch", "jax", "transformers") if m in sys.modules)
+    print("heavy modules:", heavy, flush=True)
+"""
+HEAVY_NONE = "heavy modules: []"
+
+
+def run_entry(entry, *args):
+    return subprocess.run([sys.executable, "-c", RUN_AS_MAIN, entry, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("entry", ["geo3k_torch.main", "geo3k_jax.train", "geo3k_torch.sft",
+                                   "geo3k_torch.evaluate", "geo3k_jax.main"])
+@pytest.mark.parametrize("arg, key, nearest", [
+    ("--config.train.lr_typo=1", "train.lr_typo", "train.lr"),  # a misspelled field
+    ("--config.trian.lr=1", "trian.lr", "train.lr"),             # a misspelled section
+    ("--config.rolout.n_samples=4", "rolout.n_samples", "rollout.n_samples"),
+])
+def test_an_unknown_config_key_is_one_line_naming_the_nearest(entry, arg, key, nearest):
+    """Exit status 2 (absl's usage error), one line on stderr naming the key and the nearest
+    existing one, and neither torch, jax nor transformers imported."""
+    out = run_entry(entry, "--config=configs/cpu.py", arg)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert f"--config.{key}" in lines[0] and f"did you mean {nearest}" in lines[0], lines[0]
+    assert HEAVY_NONE in out.stdout
+
+
+CLI_MAIN_CHILD = """
+from common import cli
+cli.main(lambda config, workdir: {}, rank=lambda: 0)
+"""
+
+
+@pytest.mark.parametrize("arg, words", [
+    ("--config.train.lr=abc", ["--config.train.lr=abc", "takes a float"]),
+    ("--config.train.steps=1.5", ["--config.train.steps=1.5", "takes an int"]),
+    ("--config.train.bf16=maybe", ["--config.train.bf16=maybe", "takes a bool"]),
+    ("--config.train.lr_typo=1", ["train.lr_typo", "did you mean train.lr"]),
+])
+def test_a_value_of_the_wrong_type_is_one_line(arg, words):
+    """Through `cli.main` itself (no entry point's early check before it): a value its field
+    cannot take names the key, the value and the type; an unknown key is refused the same."""
+    out = subprocess.run([sys.executable, "-c", CLI_MAIN_CHILD, "--config=configs/cpu.py", arg],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), out.stderr
+
+
+def test_an_override_before_the_config_and_a_missing_config_file_are_one_line():
+    for args, words in [(["--config.train.lr=1", "--config=configs/cpu.py"],
+                         ["--config.train.lr=1 comes before --config=configs/cpu.py"]),
+                        (["--config=configs/no_such.py"], ["configs/no_such.py",
+                                                           "no such config file"])]:
+        out = run_entry("geo3k_torch.main", *args)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+        assert all(w in lines[0] for w in words), lines[0]
+        assert HEAVY_NONE in out.stdout
+
+
+@pytest.mark.parametrize("entry", ["geo3k_torch.main", "geo3k_jax.train", "geo3k_torch.sft"])
+@pytest.mark.parametrize("flag", ["--help", "--helpfull"])
+def test_help_lists_the_config_fields_without_importing_the_framework(entry, flag):
+    """--help and --helpfull exit 0 and list the entry point's flags and every config field
+    with its value in the --config file (configs/base.py's beside it where the file changes
+    it) and its meaning, the comment of configs/base.py; torch and jax are not imported."""
+    out = run_entry(entry, "--config=configs/cpu.py", flag)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert HEAVY_NONE in out.stdout and not out.stderr.strip(), out.stderr
+    lines = out.stdout.splitlines()
+    assert any(line.strip().startswith("--workdir:") for line in lines)
+    assert "config fields (configs/cpu.py;" in out.stdout
+    fields = {line.split(" = ", 1)[0].strip(): line for line in lines if " = " in line}
+    from configs import base, cpu
+    lr, base_lr = cpu.get_config().train.lr, base.get_config().train.lr
+    assert f"train.lr = {lr!r}" in fields["train.lr"]
+    assert (f"[base: {base_lr!r}]" in fields["train.lr"]) == (lr != base_lr)
+    assert "constant | linear | cosine" in fields["train.lr_schedule"]
+    assert "'constant'" in fields["train.lr_schedule"]
+    assert "jax.check.seed" in fields and "seed" in fields
+    if flag == "--helpfull":
+        assert "--[no]pdb" in out.stdout  # absl's own flags too
+
+
+def test_help_without_config_shows_the_default_config():
+    out = run_entry("geo3k_torch.main", "--help")
+    assert out.returncode == 0 and HEAVY_NONE in out.stdout, out.stderr[-2000:]
+    assert "config fields (configs/cpu_perception.py;" in out.stdout
+    assert "Multi-turn GRPO on Geometry3K with the torch learner" in out.stdout  # its docstring
+
+
+def test_field_notes_read_the_comment_beside_or_above(tmp_path):
+    from common import config_help
+    src = tmp_path / "base.py"
+    src.write_text(
+        "import ml_collections\n"
+        "def get_config():\n"
+        "    c = ml_collections.ConfigDict()\n"
+        "    # The section.\n"
+        "    c.a = ml_collections.ConfigDict()\n"
+        "    c.a.x = 1  # beside x\n"
+        "    # above y,\n"
+        "    #   two lines\n"
+        "    c.a.y = '#not a comment'\n"
+        "\n"
+        "    c.a.z = ml_collections.ConfigDict(\n"
+        "        {'p': 1})  # the dict\n"
+        "    c.a.w = 2\n"
+        "    return c\n")
+    assert config_help.field_notes(src) == {
+        "a": "The section.", "a.x": "beside x", "a.y": "above y, two lines",
+        "a.z": "the dict", "a.w": ""}
+    assert config_help.field_notes(tmp_path / "missing.py") == {}
+    notes = config_help.field_notes()  # the real configs/base.py
+    assert notes["rollout.schedule"].startswith("episode (each episode at its own pace)")
+    order = list(notes)  # the file's order
+    assert order.index("data") < order.index("data.path") < order.index("train.lr")
+
+
+def test_nearest_keys():
+    from common.config_help import nearest
+    keys = ["seed", "train.lr", "train.steps", "train.min_lr_ratio", "rollout.n_samples",
+            "eval.n_samples", "jax.mesh.data"]
+    assert nearest("trian.lr", keys) == ["train.lr"]
+    assert nearest("lr", keys) == ["train.lr"]
+    assert nearest("train.lr_typo", keys)[0] == "train.lr"
+    assert nearest("rolout.n_samples", keys)[0] == "rollout.n_samples"
+    assert nearest("seeed", keys) == ["seed"]
+    assert nearest("jax.mesh.dta", keys) == ["jax.mesh.data"]
+    assert nearest("completely.different", keys) == []
