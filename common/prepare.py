@@ -19,20 +19,59 @@ from typing import Callable, Iterator
 from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import DataError, load_split
+from common.dedup import content_key, overlap
 from common.hub import HubError, data_path, model_dir
 from common.prompts import prompt_style
-from common.synthetic import FAMILIES, parse_image_size, write_split
+from common.synthetic import FAMILIES, parse_image_size, split_keys, write_split
 
 
-def prepare_data(cfg, shard: tuple[int, int] = (0, 1)):
+def prepare_data(cfg, shard: tuple[int, int] = (0, 1), separate: bool = True):
     """(train split, test split) as loaded by `common.data.load_split` (their rows k modulo n
     with `shard=(k, n)`) from `data.path` (a local path or a Hub dataset name, `common.hub`),
-    or from the synthetic set, written first if `data.path` is empty and it is missing."""
+    or from the synthetic set, written first if `data.path` is empty and it is missing; kept
+    apart (`separate_splits`) unless `separate` is False (`load_data` checks all shares)."""
     path = data_path(cfg.data.path) if cfg.data.path else write_synthetic(cfg)
     system, _ = prompt_style(cfg.data.prompt_style)
-    return tuple(load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system,
-                            shard=shard)
-                 for s in (cfg.data.train_split, cfg.data.test_split))
+    train, test = (load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system,
+                              shard=shard)
+                   for s in (cfg.data.train_split, cfg.data.test_split))
+    return separate_splits(cfg, train, test, lambda x: [x]) if separate else (train, test)
+
+
+OVERLAP_MODES = ("refuse", "drop")
+SHOWN = 8  # overlapping pairs an error names
+
+
+def separate_splits(cfg, train, test, gather: Callable[[object], list]):
+    """`train` and `test` with no test problem that repeats a train problem (the same text over
+    the same pixels: `common.dedup`): with `data.overlap="refuse"` a repeat raises `DataError`
+    naming the uids, with "drop" the test split leaves it out (`skipped["overlap"]`). `gather`
+    (`Collectives.gather`) brings every process's keys, so every process sees every pair. Not
+    checked where both splits are one split or one file on purpose (a test split named as the
+    train split, a single parquet file)."""
+    if cfg.data.overlap not in OVERLAP_MODES:
+        raise ValueError(f"data.overlap must be one of {OVERLAP_MODES}, got {cfg.data.overlap!r}")
+    if cfg.data.train_split == cfg.data.test_split or Path(train.path).is_file():
+        return train, test
+    keys = [[(p.uid, content_key(p.problem, p.images)) for p in split.prompts]
+            for split in (train, test)]
+    every = [[pair for part in gather(k) for pair in part] for k in keys]
+    pairs = overlap(*every)
+    if not pairs:
+        return train, test
+    if cfg.data.overlap == "refuse":
+        named = ", ".join(f"{a} = {b}" for a, b in pairs[:SHOWN])
+        raise DataError(
+            f"{len(pairs)} {cfg.data.test_split!r} problem(s) repeat {cfg.data.train_split!r} "
+            f"ones (the same text over the same pixels; test uid = train uid): {named}"
+            f"{' ...' if len(pairs) > SHOWN else ''}. Remove them from the data, or leave them "
+            "out of the evaluation with data.overlap=drop")
+    drop = {a for a, _ in pairs}
+    keep = [i for i, p in enumerate(test.prompts) if p.uid not in drop]
+    test.skipped["overlap"] += len(test.prompts) - len(keep)
+    test.prompts = [test.prompts[i] for i in keep]
+    test.rows = [test.rows[i] for i in keep] if test.rows else test.rows
+    return train, test
 
 
 SYNTHETIC_RECORD = "synthetic.json"  # {split: synthetic_spec's entry} in data.synthetic_dir
@@ -40,16 +79,36 @@ TEST_SEED_OFFSET = 10_000  # the test split is drawn from data.synthetic_seed + 
 
 
 def synthetic_spec(cfg) -> dict:
-    """{split name: {"n", "seed", "image_size": [lo, hi], "families": [...]}}: what each split of
-    the synthetic set is generated from."""
+    """{split name: {"n", "seed", "image_size": [lo, hi], "families": [...], "distinct_from":
+    [split, ...]}}: what each split of the synthetic set is generated from; no problem of a
+    split repeats one of its own or of the splits it is distinct from (`write_split`)."""
     spec = cfg.data.synthetic_families.replace(" ", "")
     families = list(spec.split(",") if spec else FAMILIES)
     size = list(parse_image_size(cfg.data.synthetic_image_size))
-    seed = cfg.data.synthetic_seed
-    return {split: {"n": n, "seed": s, "image_size": size, "families": families}
-            for split, n, s in ((cfg.data.train_split, cfg.data.synthetic_train_size, seed),
-                                (cfg.data.test_split, cfg.data.synthetic_test_size,
-                                 seed + TEST_SEED_OFFSET))}
+    seed, train = cfg.data.synthetic_seed, cfg.data.train_split
+    return {split: {"n": n, "seed": s, "image_size": size, "families": families,
+                    "distinct_from": after}
+            for split, n, s, after in (
+                (train, cfg.data.synthetic_train_size, seed, []),
+                (cfg.data.test_split, cfg.data.synthetic_test_size, seed + TEST_SEED_OFFSET,
+                 [train]))}
+
+
+def data_spec(cfg, split: str | None = None) -> dict:
+    """What the run's data is, for a build record: `data.path` and the split (both splits when
+    `split` is None), or what the synthetic set's split (or splits) is generated from."""
+    splits = [split] if split else [cfg.data.train_split, cfg.data.test_split]
+    if cfg.data.path:
+        return {"path": cfg.data.path, "split": split} if split else {"path": cfg.data.path,
+                                                                       "splits": splits}
+    spec = synthetic_spec(cfg)
+    return spec[split] if split else {s: spec[s] for s in splits}
+
+
+def data_keys(cfg) -> frozenset[str]:
+    """The content keys (`common.dedup.content_key`) of every train and test problem."""
+    train, test = prepare_data(cfg, separate=False)
+    return frozenset(content_key(p.problem, p.images) for p in train.prompts + test.prompts)
 
 
 def read_record(path: Path, error: type[Exception]) -> dict | None:
@@ -106,8 +165,10 @@ def write_synthetic(cfg) -> str:
             tmp = record_file.with_name(f".{SYNTHETIC_RECORD}.tmp")
             tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
             tmp.replace(record_file)
+            exclude = set().union(*(split_keys(f) for other in want["distinct_from"]
+                                    for f in path.glob(f"{other}-*.parquet")))
             write_split(path, split, want["n"], want["seed"], image_size=want["image_size"],
-                        families=tuple(want["families"]))
+                        families=tuple(want["families"]), exclude=exclude)
     return str(path)
 
 
@@ -115,8 +176,9 @@ def load_data(cfg, comm):
     """Each process's share of the splits (`prepare_data` with `shard=(rank, world)`): process 0
     writes a missing synthetic set (or downloads a Hub dataset) first; then every process reads
     and checks its own rows from `data.path` (or the synthetic set's folder), the same path on
-    every host (a Hub name: each host's cache). No dataset crosses processes; a process that
-    cannot read its share makes every process stop (`DataError`, `HubError`), not wait for it."""
+    every host (a Hub name: each host's cache). No dataset crosses processes (only content keys
+    do, for `separate_splits`); a process that cannot read its share makes every process stop
+    (`DataError`, `HubError`), not wait for it."""
     error = None
     if comm.rank == 0:
         try:
@@ -126,7 +188,7 @@ def load_data(cfg, comm):
     comm.barrier()
     if error is None:
         try:
-            splits = prepare_data(cfg, (comm.rank, comm.world))
+            splits = prepare_data(cfg, (comm.rank, comm.world), separate=False)
         except (DataError, HubError) as e:
             error = e
     failed = comm.sum_scalars({"failed": float(error is not None)})["failed"]
@@ -135,7 +197,7 @@ def load_data(cfg, comm):
     if failed:
         raise DataError(f"{int(failed)} of the {comm.world} processes could not read their share "
                         "of the data (their logs say why)")
-    return splits
+    return separate_splits(cfg, *splits, comm.gather)  # every process, all shares' keys
 
 
 def model_dir_everywhere(cfg, comm, prepare: Callable[[], str]) -> str:

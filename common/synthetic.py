@@ -17,7 +17,9 @@ arc; a right triangle's third side (Pythagorean triples or a simplified radical)
 triangle's base or apex angle; a rectangle's area (half-integer sides give answers like 12.5).
 
 Deterministic: problem i is drawn from `np.random.default_rng([seed, i])`, so a rerun writes the
-same bytes and the first k problems do not depend on n. `image_size` is one size ("224", square)
+same bytes and the first k problems do not depend on n. No two problems of a split have the same
+text over the same pixels (`common.dedup.content_key`), nor one of another split given as
+`exclude`: such a problem is drawn again from `default_rng([seed, i, k])`, k = 1, 2, ... `image_size` is one size ("224", square)
 or a range "112,224" from which each problem draws its width and height (so batches mix sizes).
 Tiny sizes (56) work; their labels are just hard to read. About 200 problems a second or more.
 """
@@ -31,7 +33,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -480,38 +482,79 @@ def _choices(rng, answer: str, candidates: Sequence) -> list[str]:
 
 
 def make_problem(seed: int, index: int, image_size: int | str | Sequence[int] = 224,
-                 families: Sequence[str] = FAMILIES) -> dict:
-    """Problem `index` of the set seeded by `seed`, as a row dict (see the module docstring)."""
-    rng = np.random.default_rng([seed, index])
+                 families: Sequence[str] = FAMILIES, attempt: int = 0) -> dict:
+    """Problem `index` of the set seeded by `seed`, as a row dict (see the module docstring);
+    `attempt` k > 0 draws it again from `default_rng([seed, index, k])` (`distinct_problem`)."""
+    rng = np.random.default_rng([seed, index] + ([attempt] if attempt else []))
     lo, hi = parse_image_size(image_size)
     w, h = (lo, lo) if lo == hi else (int(rng.integers(lo, hi + 1)), int(rng.integers(lo, hi + 1)))
     family = families[int(rng.integers(len(families)))]
     cv, text, answer, cands, meta = _DRAW[family](rng, w, h)
-    meta = {"family": family, "size": [w, h], **meta}
+    meta = {"family": family, "size": [w, h], **meta} | ({"attempt": attempt} if attempt else {})
     choices = cands if family in PERCEPTION else _choices(rng, answer, cands)
     return {"problem": "<image>" + text, "answer": answer,
             "images": [{"bytes": cv.png(), "path": None}],
             "choices": choices, "meta": json.dumps(meta, sort_keys=True)}
 
 
+MAX_ATTEMPTS = 1000  # draws of one index before the families are taken to be exhausted
+
+
+def row_key(row: dict) -> str:
+    """`common.dedup.content_key` of a generated row, its images decoded as the loader does."""
+    from common.data import MAX_IMAGE_PIXELS, decode_image
+    from common.dedup import content_key
+
+    return content_key(row["problem"], [decode_image(item, ".", MAX_IMAGE_PIXELS)
+                                        for item in row["images"]])
+
+
+def distinct_problem(seed: int, index: int, image_size: int | str | Sequence[int],
+                     families: Sequence[str], taken: set[str], add: bool = True) -> dict:
+    """`make_problem(seed, index, ...)`, drawn again (attempt 1, 2, ...) while its content key
+    is in `taken`; the key it ends with is added to `taken` (unless not `add`)."""
+    for attempt in range(MAX_ATTEMPTS):
+        row = make_problem(seed, index, image_size, families, attempt)
+        key = row_key(row)
+        if key not in taken:
+            if add:
+                taken.add(key)
+            return row
+    raise ValueError(f"no problem of {list(families)} at image size {image_size} differs from "
+                     f"the {len(taken)} already drawn after {MAX_ATTEMPTS} draws: ask for fewer "
+                     "problems, more families or larger images")
+
+
 def generate(n: int, seed: int, image_size: int | str | Sequence[int] = 224,
-             families: Sequence[str] = FAMILIES) -> list[dict]:
-    """`n` problems as row dicts: problem, answer, images [{bytes, path}], choices, meta."""
+             families: Sequence[str] = FAMILIES, exclude: Iterable[str] = ()) -> list[dict]:
+    """`n` problems as row dicts (problem, answer, images [{bytes, path}], choices, meta), no
+    two with the same content key and none with a key in `exclude` (`distinct_problem`: a
+    problem that would repeat one is drawn again, every other is problem i of the seed)."""
     unknown = set(families) - set(FAMILIES)
     if unknown or not families:
         raise ValueError(f"unknown families {sorted(unknown)}; choose from {FAMILIES}")
-    return [make_problem(seed, i, image_size, families) for i in range(n)]
+    taken = set(exclude)
+    return [distinct_problem(seed, i, image_size, families, taken) for i in range(n)]
+
+
+def split_keys(path: str | Path) -> set[str]:
+    """The content keys of the problems in a parquet file written by `write_split`."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["problem", "images"])
+    return {row_key(row) for row in table.to_pylist()}
 
 
 def write_split(out_dir: str | Path, split: str, n: int, seed: int,
                 image_size: int | str | Sequence[int] = 224,
-                families: Sequence[str] = FAMILIES) -> Path:
-    """Generate `n` problems and write `out_dir/{split}-00000-of-00001.parquet`; returns it.
-    Written to a temporary name first, so an interrupted run leaves no half file behind."""
+                families: Sequence[str] = FAMILIES, exclude: Iterable[str] = ()) -> Path:
+    """Generate `n` distinct problems, none with a content key in `exclude` (`generate`), and
+    write `out_dir/{split}-00000-of-00001.parquet`; returns it. Written to a temporary name
+    first, so an interrupted run leaves no half file behind."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = generate(n, seed, image_size, families)
+    rows = generate(n, seed, image_size, families, exclude)
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     schema = pa.schema([("problem", pa.string()), ("answer", pa.string()),
                         ("images", pa.list_(image)), ("choices", pa.list_(pa.string())),

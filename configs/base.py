@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.train_split = "train"  # split name to train on
     c.data.test_split = "test"  # split name to evaluate on
     c.data.skip_bad_rows = False  # True: count and skip unusable rows; False: stop at the first
+    c.data.overlap = "refuse"  # a test problem that repeats a train one: refuse | drop it
     # tool: the scoring tool's system prompt and schema (multi-turn); brief: the same task in one
     # short system sentence, no schema (a tiny model primed on the call); boxed: "reason, then
     # the final answer in \boxed{}" and no tool (single-turn, SFT). common.prompts.PROMPT_STYLES

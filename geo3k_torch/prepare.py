@@ -20,7 +20,7 @@ import torch
 
 from common.env import EnvConfig
 from common.hub import model_dir
-from common.prepare import build_lock, prepare_data, read_record, synthetic_spec
+from common.prepare import build_lock, data_keys, data_spec, prepare_data, read_record
 from common.prompts import prompt_style
 from common.synthetic import parse_image_size
 from configs import to_dataclass
@@ -36,12 +36,12 @@ def tiny_build_spec(cfg) -> dict:
     primes)."""
     m = cfg.model
     spec = {"arch": m.tiny_arch, "vocab": m.tiny_vocab, "seed": m.tiny_seed}
-    if m.tiny_see_steps or m.tiny_caption_steps:
+    if m.tiny_see_steps or m.tiny_caption_steps:  # its figures differ from the data's
         spec.update(see_steps=m.tiny_see_steps, caption_steps=m.tiny_caption_steps,
-                    image_size=list(parse_image_size(cfg.data.synthetic_image_size)))
+                    image_size=list(parse_image_size(cfg.data.synthetic_image_size)),
+                    distinct_from=data_spec(cfg))
     if m.tiny_prime_steps:
-        data = ({"path": cfg.data.path, "split": cfg.data.train_split} if cfg.data.path
-                else synthetic_spec(cfg)[cfg.data.train_split])
+        data = data_spec(cfg, cfg.data.train_split)
         spec.update(prime_steps=m.tiny_prime_steps, prime_vision=m.tiny_prime_vision,
                     prime_answer=m.tiny_prime_answer, prime_retry=m.tiny_prime_retry,
                     prompt_style=cfg.data.prompt_style, data=data,
@@ -101,7 +101,8 @@ def _build(out: Path, cfg) -> None:
     build_tiny_checkpoint(tmp, arch=cfg.model.tiny_arch, vocab=cfg.model.tiny_vocab, seed=seed)
     if cfg.model.tiny_see_steps or cfg.model.tiny_caption_steps:
         seen = pretrain_vision(str(tmp), cfg.model.tiny_see_steps, cfg.model.tiny_caption_steps,
-                               PRETRAIN_SEED + seed, image_size=cfg.data.synthetic_image_size)
+                               PRETRAIN_SEED + seed, image_size=cfg.data.synthetic_image_size,
+                               exclude=data_keys(cfg))
         print("vision pretraining, held-out accuracy (chance 0.25): tower "
               f"{seen['tower_accuracy']:.2f}, captions {seen['caption_accuracy']:.2f}")
     if cfg.model.tiny_prime_steps:

@@ -40,7 +40,7 @@ from common.batching import TrainSequence, pack
 from common.chat import ChatRenderer
 from common.processor import load_processor
 from common.sft import sft_example
-from common.synthetic import PERCEPTION, caption, make_problem
+from common.synthetic import PERCEPTION, caption, distinct_problem, make_problem
 from geo3k_torch.checkpoint import quiet_progress
 from geo3k_torch.learner import SFTLearner, sft_step
 from geo3k_torch.model import load_model, packed_inputs
@@ -55,11 +55,13 @@ def _progress(title: str) -> Progress:
                     TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
 
 
-def figures(seed: int, start: int, n: int, image_size: str = "112"
-            ) -> tuple[list[Image.Image], list[dict]]:
+def figures(seed: int, start: int, n: int, image_size: str = "112",
+            exclude: frozenset[str] = frozenset()) -> tuple[list[Image.Image], list[dict]]:
     """Perception figures `start`..`start + n - 1` of `seed`: images and their rows (answer,
-    choices in natural order, meta with the family)."""
-    rows = [make_problem(seed, i, image_size, PERCEPTION) for i in range(start, start + n)]
+    choices in natural order, meta with the family); a figure whose content key is in
+    `exclude` (the run's data) is drawn again (`common.synthetic.distinct_problem`)."""
+    rows = [distinct_problem(seed, i, image_size, PERCEPTION, exclude, add=False) if exclude
+            else make_problem(seed, i, image_size, PERCEPTION) for i in range(start, start + n)]
     images = [Image.open(io.BytesIO(r["images"][0]["bytes"])).convert("RGB") for r in rows]
     return images, rows
 
@@ -87,7 +89,8 @@ def tower_accuracy(model, processor, head, images, y: np.ndarray) -> float:
 
 
 def train_tower(model, processor, steps: int, seed: int, lr: float, batch: int = 32,
-                image_size: str = "112", held_out: int = 96) -> dict[str, float]:
+                image_size: str = "112", held_out: int = 96,
+                exclude: frozenset[str] = frozenset()) -> dict[str, float]:
     """Stage 1: `steps` AdamW steps on the vision tower's parameters (with a throwaway linear
     head on the mean merged token), `batch` fresh figures each. Returns the last step's loss and
     the held-out accuracy before and after."""
@@ -95,14 +98,14 @@ def train_tower(model, processor, steps: int, seed: int, lr: float, batch: int =
     head = torch.nn.Linear(model.config.text_config.hidden_size, 4 * len(PERCEPTION))
     opt = torch.optim.AdamW([*visual.parameters(), *head.parameters()], lr=lr,
                             weight_decay=0.0)
-    test_images, test_rows = figures(seed + HELD_OUT, 0, held_out, image_size)
+    test_images, test_rows = figures(seed + HELD_OUT, 0, held_out, image_size, exclude)
     test_y = labels(test_rows)
     out = {"tower_accuracy_before": tower_accuracy(model, processor, head, test_images, test_y)}
     progress = _progress("pretrain tiny vision: see")
     task = progress.add_task("see", total=steps, info="")
     with progress:
         for step in range(steps):
-            images, rows = figures(seed, step * batch, batch, image_size)
+            images, rows = figures(seed, step * batch, batch, image_size, exclude)
             logits = head(tower_tokens(model, processor, images).mean(1))  # (batch, 12)
             loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels(rows)))
             opt.zero_grad(set_to_none=True)
@@ -115,10 +118,11 @@ def train_tower(model, processor, steps: int, seed: int, lr: float, batch: int =
 
 
 def caption_examples(renderer: ChatRenderer, seed: int, start: int, n: int,
-                     image_size: str = "112") -> tuple[list[TrainSequence], np.ndarray]:
+                     image_size: str = "112", exclude: frozenset[str] = frozenset()
+                     ) -> tuple[list[TrainSequence], np.ndarray]:
     """Figures `start`..`start + n - 1` of `seed` as caption sequences, and (n, 4) token ids
     of their four candidate answers (the right one among them)."""
-    images, rows = figures(seed, start, n, image_size)
+    images, rows = figures(seed, start, n, image_size, exclude)
     seqs, candidates = [], []
     for i, (image, row) in enumerate(zip(images, rows)):
         family = json.loads(row["meta"])["family"]
@@ -149,20 +153,22 @@ def caption_accuracy(model, processor, seqs: Sequence[TrainSequence], candidates
 
 
 def train_captions(model, processor, steps: int, seed: int, lr: float, batch: int = 32,
-                   image_size: str = "112", held_out: int = 96) -> dict[str, float]:
+                   image_size: str = "112", held_out: int = 96,
+                   exclude: frozenset[str] = frozenset()) -> dict[str, float]:
     """Stage 2: `steps` supervised caption steps with the vision tower frozen, `batch` fresh
     figures each. Returns the last step's loss (mean per caption token) and the held-out caption
     accuracy before and after."""
     renderer = ChatRenderer(processor, tools=None)
     model.model.visual.requires_grad_(False)
     learner = SFTLearner(model, processor, prime_config(lr, steps))
-    test = caption_examples(renderer, seed + HELD_OUT, 0, held_out, image_size)
+    test = caption_examples(renderer, seed + HELD_OUT, 0, held_out, image_size, exclude)
     out = {"caption_accuracy_before": caption_accuracy(model, processor, *test)}
     progress = _progress("pretrain tiny vision: caption")
     task = progress.add_task("caption", total=steps, info="")
     with progress:
         for step in range(steps):
-            seqs, _ = caption_examples(renderer, seed, step * batch, batch, image_size)
+            seqs, _ = caption_examples(renderer, seed, step * batch, batch, image_size,
+                                       exclude)
             out["caption_loss"] = sft_step(learner, seqs, max(map(len, seqs)) * len(seqs))["loss"]
             progress.update(task, advance=1, info=f"loss {out['caption_loss']:.3f}")
     model.model.visual.requires_grad_(True)
@@ -173,15 +179,18 @@ def train_captions(model, processor, steps: int, seed: int, lr: float, batch: in
 
 def pretrain_vision(model_dir: str, see_steps: int, caption_steps: int, seed: int = 0,
                     see_lr: float = 2e-3, caption_lr: float = 1e-3, batch: int = 32,
-                    image_size: str = "112", held_out: int = 96) -> dict[str, float]:
+                    image_size: str = "112", held_out: int = 96,
+                    exclude: frozenset[str] = frozenset()) -> dict[str, float]:
     """Both stages on the checkpoint in `model_dir` (the figures of `seed`, the caption stage's
     from seed + 2 so that it sees other figures than the tower did; `held_out` figures to
-    measure each); saves the weights back. Returns the stages' losses and held-out accuracies."""
+    measure each; none with a content key in `exclude`, the run's train and test problems);
+    saves the weights back. Returns the stages' losses and held-out accuracies."""
     processor = load_processor(model_dir)
     model = load_model(model_dir)
-    out = train_tower(model, processor, see_steps, seed, see_lr, batch, image_size, held_out)
+    out = train_tower(model, processor, see_steps, seed, see_lr, batch, image_size, held_out,
+                      exclude)
     out |= train_captions(model, processor, caption_steps, seed + 2, caption_lr, batch,
-                          image_size, held_out)
+                          image_size, held_out, exclude)
     with quiet_progress():
         model.save_pretrained(model_dir, safe_serialization=True)
     return out

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 import zlib
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -315,7 +317,10 @@ class FakeComm:
         self.events.append("barrier")
 
     def gather(self, obj):
-        raise AssertionError("the dataset crossed processes")
+        """Only (uid, content key) pairs may cross processes (the overlap check)."""
+        assert all(isinstance(u, str) and len(k) == 64 for u, k in obj), "the data crossed"
+        self.events.append("gather")
+        return [obj, []] if self.rank == 0 else [[], obj]
 
     def sum_scalars(self, values):
         return {k: v + self.others_failed for k, v in values.items()}
@@ -333,7 +338,7 @@ def test_each_process_reads_its_share_after_process_0_wrote_the_synthetic_set(ra
     if rank == 1:  # process 0 wrote it before the barrier
         prepare.write_synthetic(cfg)
     train, test = prepare.load_data(cfg, comm)
-    assert comm.events == ["barrier"]
+    assert comm.events == ["barrier", "gather", "gather"]  # the train and test keys
     assert train.shard == test.shard == (rank, 2)
     assert train.rows == list(range(rank, 6, 2)) and test.rows == list(range(rank, 3, 2))
 
@@ -430,3 +435,64 @@ def test_a_process_that_cannot_read_its_share_stops_every_process(tmp_path):
         prepare.load_data(cfg, FakeComm(1))
     with pytest.raises(DataError, match="1 of the 2 processes could not read their share"):
         prepare.load_data(cfg, FakeComm(0, others_failed=1))  # not left waiting for it
+
+
+def _splits(tmp_path, test_rows):
+    """A folder with a train split of 3 problems (red, green, blue 4x4 figures) and a test
+    split of `test_rows`."""
+    colours = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    train = [dict(GOOD, id=f"tr{i}", images=[img(png(4, 4, c))]) for i, c in enumerate(colours)]
+    write_parquet(tmp_path / "d" / "train-00000-of-00001.parquet", train)
+    write_parquet(tmp_path / "d" / "test-00000-of-00001.parquet", test_rows)
+    return str(tmp_path / "d")
+
+
+@pytest.mark.parametrize("mode", ["refuse", "drop"])
+def test_a_test_problem_that_repeats_a_train_one_is_refused_or_dropped(tmp_path, mode):
+    """The same text over the same pixels is the same problem, whatever its uid or PNG bytes:
+    refused with both uids named, or (data.overlap=drop) left out of the test split and
+    counted; another text over the same figure is another problem."""
+    from common import prepare
+    from configs import cpu
+
+    same = Image.new("RGB", (4, 4), (0, 255, 0))
+    buf = io.BytesIO()
+    same.save(buf, format="PNG", compress_level=0)  # other bytes, the same pixels as tr1
+    test = [dict(GOOD, id="te0", images=[img(buf.getvalue())]),
+            dict(GOOD, id="te1", images=[img(png(4, 4, (9, 9, 9)))]),
+            dict(GOOD, id="te2", problem="<image>Find y.", images=[img(png(4, 4, (255, 0, 0)))])]
+    cfg = cpu.get_config()
+    cfg.data.path, cfg.data.overlap = _splits(tmp_path, test), mode
+    if mode == "refuse":
+        with pytest.raises(DataError, match=r"1 'test' problem\(s\) repeat 'train' ones .*: "
+                                            r"te0 = tr1\. .*data.overlap=drop"):
+            prepare.prepare_data(cfg)
+        return
+    train, kept = prepare.prepare_data(cfg)
+    assert [p.uid for p in kept.prompts] == ["te1", "te2"] and kept.rows == [1, 2]
+    assert kept.skipped["overlap"] == 1 and len(train) == 3
+
+
+def test_the_synthetic_test_split_never_repeats_a_train_problem(tmp_path):
+    """right_angle at 32 px repeats figures often (9 of 100 plain test draws are train
+    figures); the generated test split is drawn apart from the train split (and says so in its
+    record), and it loads past the overlap check."""
+    from common import prepare
+    from common.synthetic import generate, row_key, split_keys
+    from configs import cpu
+
+    cfg = cpu.get_config()
+    cfg.data.synthetic_dir = str(tmp_path / "s")
+    cfg.data.synthetic_families, cfg.data.synthetic_image_size = "right_angle", "32"
+    cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 200, 100
+    path = Path(prepare.write_synthetic(cfg))
+    train_keys = split_keys(path / "train-00000-of-00001.parquet")
+    test_keys = split_keys(path / "test-00000-of-00001.parquet")
+    assert len(train_keys) == 200 and len(test_keys) == 100 and not train_keys & test_keys
+    plain = [row_key(r) for r in generate(100, cfg.data.synthetic_seed + prepare.TEST_SEED_OFFSET,
+                                          "32", ("right_angle",))]
+    assert len(set(plain) & train_keys) == 9  # drawn without the exclusion
+    record = json.loads((path / "synthetic.json").read_text())
+    assert record["test"]["distinct_from"] == ["train"] and record["train"]["distinct_from"] == []
+    train, test = prepare.prepare_data(cfg)
+    assert len(train) == 200 and len(test) == 100 and not test.skipped

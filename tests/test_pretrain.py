@@ -3,6 +3,8 @@ tower frozen), and the priming that can leave the tower alone."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from safetensors.torch import load_file
@@ -104,6 +106,20 @@ def test_the_tiny_checkpoint_is_pretrained_when_the_config_asks(tmp_path, capsys
     built = load_file(f"{out}/model.safetensors")
     key = "model.visual.patch_embed.proj.weight"
     assert not np.array_equal(plain[key].numpy(), built[key].numpy())  # the tower was trained
+    record = json.loads((tmp_path / "tiny" / "tiny_build.json").read_text())
+    assert set(record["distinct_from"]) == {"train", "test"}  # its figures avoid the data's
+
+
+def test_pretraining_figures_avoid_the_data():
+    """A figure whose content key is in `exclude` is drawn again; the others are as drawn."""
+    from common.synthetic import row_key
+    from geo3k_torch.pretrain import figures
+
+    _, rows = figures(5, 0, 12, "56")
+    keys = [row_key(r) for r in rows]
+    _, again = figures(5, 0, 12, "56", exclude=frozenset(keys[::3]))
+    assert [r == a for r, a in zip(rows, again)] == [i % 3 != 0 for i in range(12)]
+    assert not {row_key(r) for r in again} & set(keys[::3])
 
 
 def test_an_unknown_priming_setting_stops_before_anything_is_built(tmp_path):

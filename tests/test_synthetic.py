@@ -176,3 +176,36 @@ def test_cli(tmp_path, capsys):
     assert {json.loads(r["meta"])["family"] for r in rows} <= {"triangle_angles", "circle_angles"}
     with pytest.raises(ValueError, match="unknown families"):
         generate(1, 0, families=["hexagon"])
+
+
+def test_a_repeated_figure_is_drawn_again_and_excluded_keys_never_appear():
+    """right_angle at 56 px: the plain draws repeat problem 70 at index 85. `generate` draws
+    index 85 again (attempt 1, recorded in meta) and leaves every other row as drawn; given
+    another set's keys as `exclude`, none of them comes back."""
+    from common.synthetic import make_problem, row_key
+
+    fam = ("right_angle",)
+    plain = [make_problem(3, i, "56", fam) for i in range(100)]
+    assert row_key(plain[85]) == row_key(plain[70])
+    rows = generate(100, 3, "56", fam)
+    keys = [row_key(r) for r in rows]
+    assert len(set(keys)) == 100
+    assert [i for i in range(100) if rows[i] != plain[i]] == [85]
+    assert json.loads(rows[85]["meta"])["attempt"] == 1
+    assert rows[85] == make_problem(3, 85, "56", fam, attempt=1)
+    other = generate(100, 4, "56", fam, exclude=keys)
+    assert not {row_key(r) for r in other} & set(keys)
+
+
+def test_a_problem_that_cannot_be_drawn_distinct_is_an_error():
+    """With one draw allowed per index, excluding the seed's own first problem leaves index 0
+    nothing to draw: the error says what to change (never an endless loop)."""
+    import common.synthetic as synthetic
+
+    first = synthetic.row_key(generate(1, 3, "56", ("right_angle",))[0])
+    old, synthetic.MAX_ATTEMPTS = synthetic.MAX_ATTEMPTS, 1
+    try:
+        with pytest.raises(ValueError, match="ask for fewer problems, more families or larger"):
+            generate(1, 3, "56", ("right_angle",), exclude=[first])
+    finally:
+        synthetic.MAX_ATTEMPTS = old
