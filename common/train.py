@@ -251,16 +251,18 @@ def staleness(trajs: list, step: int, bound: int, comm: Collectives
 def evaluate_split(cfg, split: Sequence, engine, renderer,
                    comm: Collectives = SingleProcess()) -> dict:
     """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` rows (0 = all) of a
-    split with the config's rollout, environment and reward settings. `split` is this process's
-    share (a `common.data.Geo3kSplit`, `load_split(..., shard=(rank, world))`): each process
-    runs its own prompts; what crosses processes is the problems' text (for the baselines) and
-    sums of scalars."""
+    split with the config's rollout, environment and reward settings, and with
+    `eval.blank_images` the greedy run again on blank images (`blank/*` keys). `split` is this
+    process's share (a `common.data.Geo3kSplit`, `load_split(..., shard=(rank, world))`): each
+    process runs its own prompts; what crosses processes is the problems' text (for the
+    baselines) and sums of scalars."""
     n = cfg.eval.max_prompts or float("inf")
     mine = [p for p, row in zip(split, split.rows) if row < n]
     problems = [q for part in comm.gather([Problem.of(p) for p in mine]) for q in part]
     step_cfg = step_config(cfg)
     return evaluate(mine, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
-                    n_samples=cfg.eval.n_samples, split=problems, sum_scalars=comm.sum_scalars)
+                    n_samples=cfg.eval.n_samples, split=problems, sum_scalars=comm.sum_scalars,
+                    blank_images=cfg.eval.blank_images)
 
 
 def _progress(enabled: bool):

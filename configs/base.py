@@ -213,6 +213,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.every = 10  # steps; 0 = never
     c.eval.max_prompts = 64  # of the test split; 0 = all
     c.eval.n_samples = 1  # sampled episodes per prompt (besides one greedy)
+    c.eval.blank_images = False  # also run greedy with every image blanked (white): blank/* keys
 
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True  # TensorBoard events in the workdir

@@ -8,8 +8,9 @@
 Rollouts come from `engine.backend`: the in-process torch engine (`local` or `torch`), or
 SGLang (`sglang`: the servers in `engine.sglang_urls`, which must serve `model.path`, or servers
 launched here on it). `eval.max_prompts` (0 = all) prompts of the split, greedy plus `eval.n_samples` sampled
-episodes each. Writes eval.json, eval.md and eval.png into --out (`common.evaluation.report`) and
-prints the table. The metrics are `common.evaluation.evaluate`'s.
+episodes each; with `--blank_images` (default: `eval.blank_images`) greedy once more with every
+image blanked. Writes eval.json, eval.md and eval.png into --out (`common.evaluation.report`) and
+prints the tables. The metrics are `common.evaluation.evaluate`'s.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu_perception.py",
                                           lock_config=True)
 _SPLIT = flags.DEFINE_enum("split", "test", ["train", "test"], "Which split to score.")
 _OUT = flags.DEFINE_string("out", "eval", "Folder for eval.json, eval.md and eval.png.")
+_BLANK = flags.DEFINE_bool(
+    "blank_images", None, "Also run greedy with every image replaced by a white one of its size "
+    "(the 'blank images' column, blank/* keys); default: the config's eval.blank_images.")
 
 
 def eval_backend(cfg, model_dir: str, processor, device, workdir: str):
@@ -69,6 +73,8 @@ def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
 def main(argv):
     del argv
     cfg = _CONFIG.value
+    if _BLANK.value is not None:
+        cfg.eval.blank_images = _BLANK.value
     metrics = run(cfg, _SPLIT.value, _OUT.value)
     model = cfg.model.path or cfg.model.tiny_dir
     title = (f"{'/'.join(Path(model).parts[-3:])} on {_SPLIT.value} "

@@ -1,25 +1,53 @@
 """Score a policy on a split, separating geometry from retrying.
 
-    out = evaluate(prompts, engine, renderer, roll_cfg, env_cfg, reward_cfg, n_samples=8)
+    out = evaluate(prompts, engine, renderer, roll_cfg, env_cfg, reward_cfg, n_samples=8,
+                   blank_images=True)
 
 Two modes: greedy (temperature 0, one episode per prompt) and, with `n_samples` > 0, sampled
 (`n_samples` episodes per prompt at the rollout temperature). Every key comes once per mode,
-prefixed `greedy_` / `sampled_`:
+prefixed `greedy_` / `sampled_`; T is `max_turns`:
 
     first_try_accuracy   solved on turn 1, before any feedback (the model's own geometry)
     accuracy             solved on any turn, with the environment's feedback (the trained task)
     solved_by_turn_k     solved on one of turns 1..k (cumulative; k = 1..max_turns)
     pass_at_k            unbiased pass@k over the sampled episodes, first-try correctness
     final_pass_at_k      the same with correctness on any turn (sampled mode only, both)
+    recovery_after_miss  of the episodes not solved on turn 1, the share solved on turns 2..T
+                         (accuracy - first_try_accuracy) / (1 - first_try_accuracy); absent
+                         when every episode was solved on turn 1
+    recovery_elimination_line, recovery_uniform_line
+                         what a blind policy would recover on those same missed episodes: the
+                         mean over them of min(T-1, c-1)/(c-1) (non-repeating elimination) and
+                         of 1 - (1 - 1/c)^(T-1) (uniform re-guessing), c the problem's number
+                         of choices; a free-form problem counts 0 (`baselines.after_miss`).
+                         Absent with recovery_after_miss
+    conditional_line     blind elimination after the run's own first try: the mean over all
+                         episodes of [solved on turn 1] + [not] * min(T-1, c-1)/(c-1) (0 for a
+                         free-form problem) = first_try_accuracy + (1 - first_try_accuracy) *
+                         recovery_elimination_line. With-feedback accuracy above it is
+                         feedback used better than blind elimination would use it
+    first_try_accuracy_at_<P>, accuracy_at_<P>
+                         first-try and with-feedback accuracy of the episodes of choice
+                         problems whose correct answer is choice P (A, B, ...: the position as
+                         listed, `baselines.answer_position`); absent for a position no problem
+                         has (`count_at_<P>`, from the baselines, counts the problems)
     tool_call_rate, response_len_mean, turns_mean, solved_turn_k, ...
                          everything `common.metrics.rollout_metrics` reports
 
-Every accuracy counts an aborted episode as a failure (the denominator is every episode run).
+Every accuracy counts an aborted episode as a failure (the denominator is every episode run; an
+aborted episode is also a first-try miss that was not recovered).
 Beside them stand the no-skill baselines of the same prompts (`common.evaluation.baselines`):
 `baseline_first_try` (chance) and `baseline_with_feedback` (elimination within max_turns for
-choice problems, a constant guesser for free-form ones). When the split mixes kinds of problem
-(the synthetic set's perception families and geometry), each kind's outcome metrics and
-baselines come again under `<kind>/` (`perception/greedy_first_try_accuracy`, ...).
+choice problems, a constant guesser for free-form ones), the constant-answer and fixed-order
+blind baselines fitted on these problems (`baseline_constant_*`, `baseline_best_order_*`,
+`baseline_worst_order_*`) and `count_at_<P>`. When the split mixes kinds of problem (the
+synthetic set's perception families and geometry), each kind's outcome metrics and baselines
+come again under `<kind>/` (`perception/greedy_first_try_accuracy`, ...).
+
+With `blank_images`, the same prompts run once more, greedy, with every image replaced by a
+blank one (`blank_prompts`: white, same size and mode): `blank/greedy_first_try_accuracy` and
+`blank/greedy_accuracy` (per kind `<kind>/blank/greedy_...`) tell how much of the accuracy needs
+the figure at all. The originals are not touched.
 
 `accuracy - first_try_accuracy` is what the feedback buys; comparing first-try pass@k with the
 with-feedback accuracy tells whether K tries with feedback beat K independent tries. The training
@@ -30,13 +58,16 @@ loop's periodic evaluation (`common.train`) logs these keys as `eval/*`; the tor
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
+from PIL import Image
 
 from common.env import EnvConfig
-from common.evaluation.baselines import Problem, baselines, kind_groups
+from common.evaluation.baselines import (Problem, after_miss, answer_position, baselines,
+                                         kind_groups, position_label)
 from common.metrics import metrics_of_sums, rollout_sums
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.reward import RewardConfig
@@ -58,16 +89,23 @@ def pass_ks(n: int) -> list[int]:
     return ks + [n]
 
 
-def outcome_sums(trajs: Sequence[Trajectory], max_turns: int, n: int) -> dict[str, float]:
+def outcome_sums(trajs: Sequence[Trajectory], max_turns: int, n: int,
+                 rest: Mapping[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """The sums behind `outcome_metrics` for episodes run `n` to a prompt: summed over processes
     (each runs whole prompts), `outcome_of_sums` turns them into the metrics of all of them,
-    with no trajectory crossing hosts."""
+    with no trajectory crossing hosts. With `rest` ({uid: (elimination, uniform)},
+    `baselines.after_miss`), also those summed over the episodes not solved on turn 1
+    (`missed_elimination`, `missed_uniform`: the recovery lines)."""
     turn = np.array([t.correct_turn if t.correct and t.status != ABORTED else 0
                      for t in trajs], np.int64)  # 0: never solved
     out = {"episodes": float(len(trajs)), "first_try": float(np.sum(turn == 1)),
            "solved": float(np.sum(turn > 0))}
     for k in range(1, max_turns + 1):
         out[f"solved_by_turn_{k}"] = float(np.sum((turn > 0) & (turn <= k)))
+    if rest is not None:
+        missed = [rest[t.uid] for t, u in zip(trajs, turn) if u != 1]
+        out["missed_elimination"] = float(sum(e for e, _ in missed))
+        out["missed_uniform"] = float(sum(u for _, u in missed))
     if n > 1:
         groups = collections.defaultdict(list)
         for t, u in zip(trajs, turn):
@@ -82,8 +120,10 @@ def outcome_sums(trajs: Sequence[Trajectory], max_turns: int, n: int) -> dict[st
 
 def outcome_of_sums(sums: dict[str, float], max_turns: int, n: int) -> dict[str, float]:
     """first_try_accuracy, accuracy, solved_by_turn_k over all episodes, plus (when `n` > 1 and
-    every prompt ran `n` episodes) pass_at_k / final_pass_at_k for k in `pass_ks(n)`; an aborted
-    episode counts as a failure everywhere. {} for no episodes."""
+    every prompt ran `n` episodes) pass_at_k / final_pass_at_k for k in `pass_ks(n)`, and (when
+    the sums have them) conditional_line, and recovery_after_miss with its two lines where an
+    episode missed its first try (the module docstring); an aborted episode counts as a failure
+    everywhere. {} for no episodes."""
     episodes = sums["episodes"]
     if not episodes:
         return {}
@@ -91,6 +131,13 @@ def outcome_of_sums(sums: dict[str, float], max_turns: int, n: int) -> dict[str,
            "accuracy": sums["solved"] / episodes}
     for k in range(1, max_turns + 1):
         out[f"solved_by_turn_{k}"] = sums[f"solved_by_turn_{k}"] / episodes
+    if "missed_elimination" in sums:
+        out["conditional_line"] = (sums["first_try"] + sums["missed_elimination"]) / episodes
+        missed = episodes - sums["first_try"]
+        if missed:
+            out["recovery_after_miss"] = (sums["solved"] - sums["first_try"]) / missed
+            out["recovery_elimination_line"] = sums["missed_elimination"] / missed
+            out["recovery_uniform_line"] = sums["missed_uniform"] / missed
     if n > 1 and sums["groups"] and not sums["groups_not_n"]:
         for k in pass_ks(n):
             out[f"pass_at_{k}"] = sums[f"pass_at_{k}"] / sums["groups"]
@@ -103,37 +150,113 @@ def outcome_metrics(trajs: Sequence[Trajectory], max_turns: int, n: int) -> dict
     return outcome_of_sums(outcome_sums(trajs, max_turns, n), max_turns, n)
 
 
+def position_sums(trajs: Sequence[Trajectory], max_turns: int,
+                  positions: Mapping[str, int | None], n_positions: int) -> dict[str, float]:
+    """`outcome_sums` of the episodes whose problem has its correct answer at choice position
+    q (`positions`: {uid: q or None}, `baselines.answer_position`), for q < `n_positions`,
+    under `at_<P>/` (P = `position_label(q)`)."""
+    out = {}
+    for q in range(n_positions):
+        part = outcome_sums([t for t in trajs if positions[t.uid] == q], max_turns, 1)
+        out |= {f"at_{position_label(q)}/{k}": v for k, v in part.items()}
+    return out
+
+
+def position_metrics(sums: dict[str, float], max_turns: int, n_positions: int
+                     ) -> dict[str, float]:
+    """first_try_accuracy_at_<P> and accuracy_at_<P> from `position_sums`' sums; a position
+    without episodes has none."""
+    out = {}
+    for q in range(n_positions):
+        label = position_label(q)
+        part = outcome_of_sums(_part(sums, f"at_{label}/"), max_turns, 1)
+        if part:
+            out[f"first_try_accuracy_at_{label}"] = part["first_try_accuracy"]
+            out[f"accuracy_at_{label}"] = part["accuracy"]
+    return out
+
+
+BLANK = "blank"  # the blank-image run's keys: blank/greedy_<key>, <kind>/blank/greedy_<key>
+BLANK_KEYS = ("first_try_accuracy", "accuracy")  # what the blank-image run reports
+
+
+def blank_image(image):
+    """A white image of `image`'s size and mode (a PIL image; a new one, `image` untouched)."""
+    if not isinstance(image, Image.Image):
+        raise TypeError(f"blank images need PIL images, got {type(image).__name__}")
+    return Image.new("RGB", image.size, "white").convert(image.mode)
+
+
+def blank_prompts(prompts: Sequence) -> list:
+    """Shallow copies of `prompts` whose `images` are `blank_image`s of theirs; the prompts
+    themselves (and their image lists) are left as they were."""
+    out = []
+    for p in prompts:
+        images = [blank_image(im) for im in p.images]
+        if dataclasses.is_dataclass(p):
+            out.append(dataclasses.replace(p, images=images))
+        else:
+            q = copy.copy(p)
+            q.images = images
+            out.append(q)
+    return out
+
+
 def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
              env_cfg: EnvConfig = EnvConfig(), reward_cfg: RewardConfig = RewardConfig(),
              n_samples: int = 1, split: Sequence | None = None,
-             sum_scalars: Callable[[dict], dict] = lambda sums: sums) -> dict:
-    """Greedy and sampled metrics of `prompts` (see the module docstring).
+             sum_scalars: Callable[[dict], dict] = lambda sums: sums,
+             blank_images: bool = False) -> dict:
+    """Greedy and sampled metrics of `prompts` (see the module docstring), and with
+    `blank_images` the greedy accuracies with blank images (`blank/`).
 
     Data parallel: each process runs its own `prompts` (the prompts of one uid on one process);
     `split` is the whole evaluated split (every process's prompts, or their `Problem`s: the
-    baselines and the kinds are read from it; default `prompts`), and `sum_scalars` sums a
-    dict of floats over processes (`Collectives.sum_scalars`): only those sums cross processes.
+    baselines, the kinds, the answer positions and the recovery lines are read from it; default
+    `prompts`), and `sum_scalars` sums a dict of floats over processes
+    (`Collectives.sum_scalars`): only those sums cross processes.
     """
     split = [Problem.of(p) for p in (prompts if split is None else split)]
-    out = baselines(split, env_cfg.max_turns, pass_ks(n_samples) if n_samples > 1 else ())
-    kinds = {k: {split[i].uid for i in idx} for k, idx in kind_groups(split).items()}
-    modes = [("greedy", dataclasses.replace(roll_cfg, n_samples=1, temperature=0.0))]
-    if n_samples > 0:
-        modes.append(("sampled", dataclasses.replace(roll_cfg, n_samples=n_samples)))
     T = env_cfg.max_turns
-    for name, cfg in modes:
-        trajs = rollout(prompts, engine, renderer, cfg, env_cfg, reward_cfg) if prompts else []
+    out = baselines(split, T, pass_ks(n_samples) if n_samples > 1 else ())
+    kinds = {k: {split[i].uid for i in idx} for k, idx in kind_groups(split).items()}
+    elimination, uniform = after_miss(split, T)
+    rest = {p.uid: (e, u) for p, e, u in zip(split, elimination, uniform)}
+    positions = {p.uid: answer_position(p) for p in split}
+    n_positions = max((len(p.choices) for p in split if positions[p.uid] is not None),
+                      default=0)
+    greedy = dataclasses.replace(roll_cfg, n_samples=1, temperature=0.0)
+    runs = [("greedy", greedy, prompts)]
+    if n_samples > 0:
+        runs.append(("sampled", dataclasses.replace(roll_cfg, n_samples=n_samples), prompts))
+    if blank_images:
+        runs.append((f"{BLANK}/greedy", greedy, blank_prompts(prompts)))
+
+    def outcomes(trajs, n):  # the sums of one group of episodes
+        return (outcome_sums(trajs, T, n, rest)
+                | position_sums(trajs, T, positions, n_positions))
+
+    def metrics_of(sums, n):
+        return outcome_of_sums(sums, T, n) | position_metrics(sums, T, n_positions)
+
+    for name, cfg, run_prompts in runs:
+        trajs = rollout(run_prompts, engine, renderer, cfg, env_cfg, reward_cfg) \
+            if run_prompts else []
         sums = {f"rollout/{k}": v for k, v in rollout_sums(trajs, T).items()}
-        sums |= {f"outcome/{k}": v for k, v in outcome_sums(trajs, T, cfg.n_samples).items()}
+        sums |= {f"outcome/{k}": v for k, v in outcomes(trajs, cfg.n_samples).items()}
         for kind, uids in kinds.items():
-            part = outcome_sums([t for t in trajs if t.uid in uids], T, cfg.n_samples)
+            part = outcomes([t for t in trajs if t.uid in uids], cfg.n_samples)
             sums |= {f"{kind}/{k}": v for k, v in part.items()}
         sums = sum_scalars(sums)
         metrics = metrics_of_sums(_part(sums, "rollout/"), T)
-        metrics.update(outcome_of_sums(_part(sums, "outcome/"), T, cfg.n_samples))
+        metrics.update(metrics_of(_part(sums, "outcome/"), cfg.n_samples))
+        parts = {kind: metrics_of(_part(sums, f"{kind}/"), cfg.n_samples) for kind in kinds}
+        if name.startswith(BLANK):
+            metrics = {k: v for k, v in metrics.items() if k in BLANK_KEYS}
+            parts = {kind: {k: v for k, v in m.items() if k in BLANK_KEYS}
+                     for kind, m in parts.items()}
         out.update({f"{name}_{k}": v for k, v in metrics.items()})
-        for kind in kinds:
-            part = outcome_of_sums(_part(sums, f"{kind}/"), T, cfg.n_samples)
+        for kind, part in parts.items():
             out.update({f"{kind}/{name}_{k}": v for k, v in part.items()})
     return out
 

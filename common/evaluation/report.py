@@ -7,9 +7,16 @@ how much is retrying with feedback. One bar group per mode (greedy, sampled); ba
 right: first try, solved by turn 2..K, with feedback (final), and sampled pass@k (first try over
 k independent samples, the fair comparison for K tries with feedback). A black line over each
 bar group is what a policy with no skill gets there (`common.evaluation.baselines`): chance on
-the first try, elimination within k turns; the table has it as its last column. A split with
-several kinds of problem (`<kind>/` keys) gets one table per kind and a panel each for
-perception and geometry.
+the first try, elimination within k turns; the table has it as its last column. A dashed line
+over each mode's with-feedback bar is blind elimination after the mode's own first try
+(`conditional_line`). Below the first table's accuracies come that line, the recovery after a
+first-try miss and its two blind lines (`recovery_*`); with a blank-image run its greedy
+accuracies stand in a "blank images" column beside greedy. Then two small tables: the blind
+baselines fitted on these problems (constant answer, best and worst fixed order of answer
+positions, beside chance and elimination) and the accuracy by answer position (one row per
+position A, B, ..., with its number of problems). A split with several kinds of problem
+(`<kind>/` keys) gets these tables once per kind and a chart panel each for perception and
+geometry.
 """
 
 from __future__ import annotations
@@ -18,8 +25,13 @@ import json
 import os
 from pathlib import Path
 
+from common.evaluation.baselines import position_index
+from common.evaluation.evaluate import BLANK
+
 MODES = ("greedy", "sampled")
 BASELINE = "no skill"  # the column (and chart line) of `common.evaluation.baselines`
+BLANK_COLUMN = "blank images"  # the greedy run on blank images (`blank/greedy_<key>`)
+CONDITIONAL = "elimination after own first try"  # the row of `<mode>_conditional_line`
 
 
 def _passes(m: dict, prefix: str) -> list[int]:
@@ -28,7 +40,7 @@ def _passes(m: dict, prefix: str) -> list[int]:
 
 def kinds(m: dict) -> list[str]:
     """The problem kinds with their own metrics (`<kind>/greedy_accuracy`), perception first."""
-    found = sorted({k.split("/")[0] for k in m if k.endswith("/greedy_accuracy")})
+    found = sorted({k.split("/")[0] for k in m if k.endswith("/greedy_accuracy")} - {BLANK})
     return sorted(found, key=lambda k: (k != "perception", k == "geometry", k))
 
 
@@ -38,11 +50,16 @@ def part(m: dict, kind: str) -> dict:
 
 
 def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
-    """(label, {mode: value, BASELINE: value}) rows of the table and chart, in reading order;
-    a row's baseline is there when `m` has it (`baseline_<key>`)."""
+    """(label, {mode: value, BLANK_COLUMN: value, BASELINE: value}) rows of the table and
+    chart, in reading order; a row's baseline is there when `m` has it (`baseline_<key>`), its
+    blank-image value when `m` has `blank/greedy_<key>`."""
     out = [("first try (turn 1)", "first_try_accuracy")]
     out += [(f"solved by turn {k}", f"solved_by_turn_{k}") for k in range(2, max_turns)]
-    out += [(f"with feedback (≤{max_turns} turns)", "accuracy")]
+    out += [(f"with feedback (≤{max_turns} turns)", "accuracy"),
+            (CONDITIONAL, "conditional_line"),
+            ("recovery after a first-try miss", "recovery_after_miss"),
+            ("elimination after a miss", "recovery_elimination_line"),
+            ("uniform re-guess after a miss", "recovery_uniform_line")]
     out += [(f"pass@{k}, first try", f"pass_at_{k}") for k in _passes(m, "sampled_pass_at_")
             if k > 1]  # pass@1 is the sampled first-try accuracy
     out += [("tool-call rate", "tool_call_rate"), ("turns per episode", "turns_mean"),
@@ -51,6 +68,8 @@ def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
     table = []
     for label, key in out:
         vals = {mode: m[f"{mode}_{key}"] for mode in MODES if f"{mode}_{key}" in m}
+        if vals and f"{BLANK}/greedy_{key}" in m:
+            vals[BLANK_COLUMN] = m[f"{BLANK}/greedy_{key}"]
         b = baseline.get(key, "baseline_" + key)
         if vals and b in m:
             vals[BASELINE] = m[b]
@@ -61,21 +80,77 @@ def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
 
 def markdown(m: dict, max_turns: int, title: str = "") -> str:
     """The metrics as markdown tables (all problems, then each kind): one row per quantity, one
-    column per mode, and the no-skill baseline."""
+    column per mode (and the blank-image run beside greedy), and the no-skill baseline; then
+    the blind baselines fitted on these problems and the accuracy by answer position."""
     lines = [f"**{title}**", ""] if title else []
     for kind in ["", *kinds(m)]:
         sub = part(m, kind) if kind else m
         modes = [mode for mode in MODES if f"{mode}_accuracy" in sub]
         if not modes:
             continue
-        cols = modes + ([BASELINE] if "baseline_first_try" in sub else [])
+        blank = [BLANK_COLUMN] if f"{BLANK}/greedy_accuracy" in sub else []
+        cols = modes[:1] + blank + modes[1:] + ([BASELINE] if "baseline_first_try" in sub else [])
         if kind:
             lines += ["", f"*{kind} problems*", ""]
         lines += ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        for label, vals in rows(sub, max_turns):
+        table = rows(sub, max_turns)
+        for label, vals in table:
             cells = [_fmt(vals[c]) if c in vals else "" for c in cols]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        if not kind and any(label == CONDITIONAL for label, _ in table):  # said once
+            lines += ["", f"{CONDITIONAL}: the run's own first try, then blind elimination of "
+                      "the other choices; elimination / uniform re-guess after a miss: what "
+                      "blind elimination / uniform guessing would recover of the same missed "
+                      "episodes (free-form problems count 0 in these lines)."]
+        lines += blind_table(sub, max_turns, note=not kind) + position_table(sub)
     return "\n".join(lines) + "\n"
+
+
+BLIND = (("chance / elimination (no skill)", "baseline_first_try", "baseline_with_feedback"),
+         ("constant answer, most common first", "baseline_constant_first_try",
+          "baseline_constant_with_feedback"),
+         ("best fixed order of answer positions", "baseline_best_order_first_try",
+          "baseline_best_order_with_feedback"),
+         ("worst fixed order of answer positions", "baseline_worst_order_first_try",
+          "baseline_worst_order_with_feedback"))
+
+
+def blind_table(m: dict, max_turns: int, note: bool = True) -> list[str]:
+    """The markdown lines of the "blind baselines on these problems" table (no lines when `m`
+    has none of the fitted baselines), with a note on what they are unless not `note`."""
+    if "baseline_constant_first_try" not in m:
+        return []
+    lines = ["", "blind baselines on these problems:", "",
+             f"| | first try | with feedback (≤{max_turns} turns) |", "|---|---:|---:|"]
+    for label, first, within in BLIND:
+        if first in m:
+            lines.append(f"| {label} | {_fmt(m[first])} | {_fmt(m[within])} |")
+    return lines + (["", "Chosen on these very problems: the constant answer and the best "
+                     "order are upper bounds for a policy that never looks at the figure, the "
+                     "worst order a lower bound; the orders score the choice problems only."]
+                    if note else [])
+
+
+def position_table(m: dict) -> list[str]:
+    """The markdown lines of the accuracy-by-answer-position table: one row per position
+    (`count_at_<P>`), its number of problems, and each mode's first-try and with-feedback
+    accuracy there (no lines without `count_at_` keys)."""
+    labels = sorted((k[len("count_at_"):] for k in m if k.startswith("count_at_")),
+                    key=position_index)
+    modes = [mode for mode in MODES if f"{mode}_accuracy" in m]
+    if not labels or not modes:
+        return []
+    heads = [f"{mode} {what}" for mode in modes for what in ("first try", "with feedback")]
+    lines = ["", "accuracy by answer position:", "",
+             "| answer at | problems | " + " | ".join(heads) + " |",
+             "|---|---:|" + "---:|" * len(heads)]
+    for label in labels:
+        cells = [f"{int(m[f'count_at_{label}'])}"]
+        for mode in modes:
+            for key in (f"{mode}_first_try_accuracy_at_{label}", f"{mode}_accuracy_at_{label}"):
+                cells.append(_fmt(m[key]) if key in m else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _fmt(v: float) -> str:
@@ -109,6 +184,12 @@ def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "")
         for n, (i, y) in enumerate(base):
             ax.hlines(y, i - 0.45, i + 0.45, colors="black", lw=2,
                       label="no skill (chance / elimination)" if n == 0 else None)
+        final = [i for i, (label, _) in enumerate(bars) if label.startswith("with feedback")]
+        lines = [(final[0] + (j - (len(modes) - 1) / 2) * width, sub[f"{mode}_conditional_line"])
+                 for j, mode in enumerate(modes) if final and f"{mode}_conditional_line" in sub]
+        for n, (x, y) in enumerate(lines):
+            ax.hlines(y, x - width / 2, x + width / 2, colors="black", lw=1.5,
+                      linestyles="dashed", label=CONDITIONAL if n == 0 else None)
         ax.set_xticks(np.arange(len(bars)),
                       [label.replace(", ", "\n").replace(" (", "\n(") for label, _ in bars],
                       fontsize=9)
