@@ -288,3 +288,37 @@ def test_nearest_keys():
     assert nearest("seeed", keys) == ["seed"]
     assert nearest("jax.mesh.dta", keys) == ["jax.mesh.data"]
     assert nearest("completely.different", keys) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("entry", ["geo3k_torch.main", "geo3k_jax.train"])
+def test_a_batch_run_prints_a_line_per_step_and_keeps_its_config(entry, tmp_path):
+    """Through the real entry point with stdout a file (nohup, SLURM): one plain line per step
+    on stdout, no progress bar or warning repeated per checkpoint on stderr, and the run folder
+    holds config.json (the resolved config, the command line, the versions); a resumed run
+    with another setting names the change."""
+    import json
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", entry, "--config=configs/cpu.py", f"--workdir={run}",
+            f"--config.model.tiny_dir={tmp_path / 'tiny'}", "--config.model.tiny_prime_steps=2",
+            f"--config.data.synthetic_dir={tmp_path / 'data'}",
+            "--config.data.synthetic_train_size=8", "--config.data.synthetic_test_size=4",
+            "--config.train.steps=2", "--config.train.prompts_per_step=2",
+            "--config.rollout.n_samples=2", "--config.rollout.max_response_tokens=8",
+            "--config.eval.every=0", "--config.checkpoint.every=1",
+            "--config.advantage.filter_equal_groups=False"]
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["1/2", "2/2"], out.stdout[-2000:]
+    assert all(" s eta " in x and "reward" in x for x in lines)
+    assert "Writing model shards" not in out.stderr and "UserWarning" not in out.stderr
+    record = json.loads((run / "config.json").read_text())
+    assert record["config"]["train"]["steps"] == 2 and "--config.train.steps=2" in record["argv"]
+    assert "torch" in record["versions"] or "jax" in record["versions"]
+    again = subprocess.run(args[:-1] + ["--config.train.steps=3", "--config.train.resume=True",
+                                        "--config.advantage.filter_equal_groups=False"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "train.steps: 2 -> 3" in again.stdout + again.stderr
