@@ -55,7 +55,7 @@ test-fast: $(TEST_STAMP) $(SGLANG_SRC)
 test-all: $(TEST_STAMP) $(SGLANG_SRC)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
-# The CPU default: GRPO teaches a tiny pretrained Qwen2.5-VL to read the figures; its held-out
+# The CPU default: GRPO makes a tiny Qwen2.5-VL, pretrained on the task's labels, answer from the figures; its held-out
 # accuracy rises past chance and elimination (docs/results.md): 22-32 min a run on one core,
 # plus 3 min to build the tiny checkpoint the first time.
 train: install

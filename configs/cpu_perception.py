@@ -1,6 +1,8 @@
-"""The CPU default (`make train`, `make train-jax`, and the flag's default): GRPO teaches a tiny,
-captioned Qwen2.5-VL to answer the perception questions from the figures, above chance on the
-first try and above elimination with feedback (docs/results.md, the sixth to ninth attempts).
+"""The CPU default (`make train`, `make train-jax`, and the flag's default): GRPO takes a tiny
+Qwen2.5-VL whose pretraining already taught it the task's labels (its tower classifies each
+figure into the value asked for, its captions end in it) but whose format priming answers one
+value per kind, and makes it answer the perception questions from the figures in the tool call,
+above chance on the first try and above elimination with feedback (docs/results.md).
 22-32 minutes a run on one core, plus 3 minutes to build the tiny checkpoint the first time.
 
     python -m geo3k_torch.main --config=configs/cpu_perception.py --config.seed=S
