@@ -201,8 +201,10 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 with rollouts.engine_lock:
+                    rng = backend.rng_state()
                     metrics.update({f"eval/{k}": v for k, v in evaluate_split(
                         cfg, run.test_set, backend.engine, renderer, comm).items()})
+                    backend.set_rng_state(rng)  # what is evaluated never changes training
             if log:
                 log.log(step, metrics)
 
