@@ -58,7 +58,7 @@ def local_path(value: str, field: str, repo_type: str) -> str:
             "`, with HF_HUB_CACHE pointing at this cache), or give a local path") from None
 
 
-def model_dir(value: str) -> str:
+def checkpoint_dir(value: str) -> str:
     """The checkpoint folder of `model.path` = `value` (a local path or a Hub model name): it
     must hold a Hugging Face checkpoint (config.json)."""
     path = local_path(value, "model.path", "model")

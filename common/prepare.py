@@ -20,7 +20,7 @@ from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
 from common.data import DataError, load_split
 from common.dedup import content_key, overlap
-from common.hub import HubError, data_path, model_dir
+from common.hub import HubError, checkpoint_dir, data_path
 from common.prompts import prompt_style
 from common.synthetic import FAMILIES, parse_image_size, split_keys, write_split
 
@@ -203,10 +203,10 @@ def load_data(cfg, comm):
 def model_dir_everywhere(cfg, comm, prepare: Callable[[], str]) -> str:
     """The model folder on every process: process 0 runs `prepare` (which builds the tiny
     checkpoint, or downloads a Hub model), the others take its path once it is done, except
-    that with `model.path` set each resolves it itself (`common.hub.model_dir`: a Hub name is
+    that with `model.path` set each resolves it itself (`common.hub.checkpoint_dir`: a Hub name is
     in each host's own cache, downloaded there if missing)."""
     first = comm.gather(prepare() if comm.rank == 0 else None)[0]
-    return model_dir(cfg.model.path) if cfg.model.path and comm.rank else first
+    return checkpoint_dir(cfg.model.path) if cfg.model.path and comm.rank else first
 
 
 def make_renderer(cfg, processor) -> ChatRenderer:

@@ -27,7 +27,7 @@ from common import cli, train as loop
 from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
-from common.hub import model_dir
+from common.hub import checkpoint_dir
 from common.prepare import check_config, load_data, model_dir_everywhere
 from configs import to_dataclass
 from geo3k_jax.distributed import JaxCollectives
@@ -47,7 +47,7 @@ def model_dir_of(cfg) -> str:
     """`model.path` (a local folder or a Hub model name, `common.hub`), or the tiny checkpoint
     (built with torch the first time)."""
     if cfg.model.path:
-        return model_dir(cfg.model.path)
+        return checkpoint_dir(cfg.model.path)
     from geo3k_torch.prepare import prepare_model_dir
     return prepare_model_dir(cfg)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from common.env import EnvConfig
-from common.hub import model_dir
+from common.hub import checkpoint_dir
 from common.prepare import build_lock, data_keys, data_spec, prepare_data, read_record
 from common.prompts import prompt_style
 from common.synthetic import parse_image_size
@@ -76,7 +76,7 @@ def prepare_model_dir(cfg) -> str:
     downloaded into the Hugging Face cache: `common.hub`), or the tiny one (built if
     missing)."""
     if cfg.model.path:
-        return model_dir(cfg.model.path)
+        return checkpoint_dir(cfg.model.path)
     out = Path(cfg.model.tiny_dir)
     with build_lock(out):
         if (out / "config.json").exists():

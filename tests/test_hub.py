@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.hub import HubError, is_repo_id, local_path, model_dir
+from common.hub import HubError, checkpoint_dir, is_repo_id, local_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +92,7 @@ def test_repo_ids_and_local_paths(tmp_path):
     try:
         assert local_path("acme/model", "model.path", "model") == "acme/model"
         with pytest.raises(HubError, match="has no config.json"):
-            model_dir("acme/model")
+            checkpoint_dir("acme/model")
     finally:
         os.chdir(ROOT)
     with pytest.raises(HubError, match=r"data.path='/no/such/dir': no such file or directory"):
