@@ -48,7 +48,8 @@ class Learner(Protocol):
         one (T,) float32 array per micro-batch, 0 where the loss mask is 0."""
 
     def export_hf(self, out_dir: Path) -> None:
-        """Current weights as a Hugging Face model directory in `out_dir` (process 0 writes;
+        """Current weights as a Hugging Face model directory in `out_dir` (every process calls
+        it; the torch learner's process 0 writes, the JAX learner's processes a shard each;
         transformers and SGLang load it as it is)."""
 
     def save(self, directory: Path) -> None:

@@ -199,12 +199,16 @@ class Learner:
                           else init(self.params))
 
     def export_hf(self, out_dir: Path) -> None:
+        """The parameters as a transformers checkpoint in the compute dtype (bf16 on
+        accelerators: what the engines sample in; float32 without one), each process writing
+        its own shard (`geo3k_jax.weights.save_hf`)."""
         from geo3k_jax.weights import save_hf
 
         if self.config is None or self.model_dir is None:
             raise ValueError("exporting a Hugging Face directory needs the learner's config "
                              "and model_dir (the source of its tokenizer and processor files)")
-        save_hf(self.merge(self.params), self.config, out_dir, source_dir=self.model_dir)
+        save_hf(self.merge(self.params), self.config, out_dir,
+                dtype=self.compute_dtype or np.float32, source_dir=self.model_dir)
 
     def save(self, directory: Path) -> None:
         """Orbax copies the parameters and optimizer state, then writes them in the background

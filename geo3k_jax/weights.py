@@ -13,7 +13,8 @@ layout transformers 5 writes (`model.visual.*`, `model.language_model.*`), as tr
 when it loads them.
 
 Export writes that layout, layers unstacked, float32 or bfloat16, with the config (and the tokenizer / processor
-files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it.
+files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it; on several
+hosts each writes a shard of its own (transformers' sharded layout, with its index).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -35,7 +37,7 @@ from common import storage
 from geo3k_jax.model import QwenVL, split_params
 from geo3k_jax.sharding import param_shardings
 from geo3k_jax.splash import Attention
-from geo3k_jax.stacking import hf_shapes, is_stacked, layer_key, to_hf
+from geo3k_jax.stacking import hf_shapes, is_stacked, layer_key, stacked_key, to_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -129,40 +131,101 @@ def _few(keys: list[str]) -> str:
     return str(keys[:10]) + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
 
 
-def host_params(model) -> dict[str, np.ndarray]:
-    """{checkpoint key: numpy array} gathered from the (possibly sharded) parameters, decoder
-    layers unstacked; arrays that span several hosts are all-gathered (every process calls
-    this)."""
-    from jax.experimental import multihost_utils
+def owners(sizes: dict[str, int], world: int) -> dict[str, int]:
+    """{key: the process that writes it} for tensors of `sizes` bytes: largest first, each to
+    the process with the fewest bytes so far (ties: the lower index; keys in order), so every
+    process computes the same assignment and the shares differ by at most one tensor."""
+    load = [0] * world
+    out = {}
+    for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        p = min(range(world), key=lambda i: (load[i], i))
+        out[key] = p
+        load[p] += sizes[key]
+    return out
 
+
+def shard_name(index: int, count: int) -> str:
+    """The safetensors file of writer `index` of `count` (transformers' sharded naming)."""
+    return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def host_params(model, dtype=None, keep=lambda key: True) -> dict[str, np.ndarray]:
+    """{checkpoint key: numpy array} of the (possibly sharded) parameters for which
+    `keep(parameter key)` holds, decoder layers unstacked, cast to `dtype` on the devices
+    before they leave them. A parameter that spans several hosts is all-gathered, one at a
+    time, and every process calls this with the same `dtype` (`keep` may differ: a process
+    drops what it does not keep as soon as it arrives)."""
     def gather(v):
+        if dtype is not None:
+            v = v.astype(dtype)
         if v.is_fully_addressable:
             return np.asarray(jax.device_get(v))
         return np.asarray(multihost_utils.process_allgather(v, tiled=True))
-    return to_hf({k: gather(v) for k, v in split_params(model)[1].items()})
+    out = {}
+    for k, v in split_params(model)[1].items():
+        value = gather(v)
+        if keep(k):
+            out[k] = value
+    return to_hf(out)
 
 
 def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
             source_dir: str | Path | None = None) -> Path:
     """Write `model` as a transformers checkpoint directory; returns it. Every process calls
-    this (parameters may span hosts); process 0 writes.
+    this (parameters may span hosts). One process writes `model.safetensors`; with several,
+    each writes the parameters `owners` gives it into a shard of its own
+    (model-0000k-of-0000n.safetensors: each host holds and writes ~1/n of the model) and process
+    0 the index, the config and the side files; all of them are in place when any returns.
 
-    dtype: float32 or ml_dtypes bfloat16 (`jnp.bfloat16`). Tokenizer / processor files are
+    dtype: float32 or ml_dtypes bfloat16 (`jnp.bfloat16`); parameters are cast on the devices,
+    so a bf16 export moves half the bytes between hosts. Tokenizer / processor files are
     copied from `source_dir` when given."""
-    tensors = {k: np.ascontiguousarray(v.astype(dtype)) for k, v in host_params(model).items()}
-    if jax.process_index() != 0:
-        return storage.path(out_dir)
+    world, me = jax.process_count(), jax.process_index()
+    params = split_params(model)[1]
+    itemsize = np.dtype(dtype).itemsize
+    owner = owners({k: v.size * itemsize for k, v in params.items()}, world)
+    tensors = {k: np.ascontiguousarray(v) for k, v in
+               host_params(model, dtype, keep=lambda k: owner[k] == me).items()}
+    writers = sorted(set(owner.values()))  # every process, unless there are more than tensors
+    files = {p: shard_name(i, len(writers)) for i, p in enumerate(writers)}
+    index = None
+    if len(writers) > 1 and me == 0:
+        shapes = hf_shapes({k: v.shape for k, v in params.items()})
+        weight_map = {hf: files[owner[_param_key(hf, params)]] for hf in shapes}
+        total = sum(int(np.prod(s)) * itemsize for s in shapes.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    mine = files.get(me)
     if storage.is_remote(out_dir):  # written here, then copied up (common.storage)
         with tempfile.TemporaryDirectory() as tmp:
-            _write_hf(tensors, config, Path(tmp), dtype, source_dir)
+            _write_hf(tensors if mine else None, mine, index, config if me == 0 else None,
+                      Path(tmp), dtype, source_dir)
             storage.copy_into(Path(tmp), storage.path(out_dir))
-        return storage.path(out_dir)
-    return _write_hf(tensors, config, Path(out_dir), dtype, source_dir)
+        out = storage.path(out_dir)
+    else:
+        out = _write_hf(tensors if mine else None, mine, index, config if me == 0 else None,
+                        Path(out_dir), dtype, source_dir)
+    if world > 1:
+        multihost_utils.sync_global_devices(f"save_hf {out_dir}")
+    return out
 
 
-def _write_hf(tensors: dict, config, out: Path, dtype, source_dir) -> Path:
+def _param_key(hf_key: str, params: dict) -> str:
+    """The model's key holding checkpoint key `hf_key` (a stacked key for a layer's)."""
+    stacked = stacked_key(hf_key)
+    return stacked[0] if stacked is not None and stacked[0] in params else hf_key
+
+
+def _write_hf(tensors: dict | None, name: str | None, index: dict | None, config, out: Path,
+              dtype, source_dir) -> Path:
+    """Into `out`: `tensors` as the file `name` (None: none), the sharded checkpoint's `index`
+    (None: none), `config` with the side files of `source_dir` (config None: neither)."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+    if tensors is not None:
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+    if index is not None:
+        (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if config is None:
+        return out
     config.dtype = "bfloat16" if np.dtype(dtype) == jnp.bfloat16 else "float32"
     config.save_pretrained(str(out))
     if source_dir is not None:

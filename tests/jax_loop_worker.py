@@ -1,8 +1,10 @@
 """One JAX process of a 2-process CPU training run (gloo) through the shared loop, for
-tests/test_jax_train.py: each process reads its share of the data, samples with its own JAX
-engine on its own device and trains on an fsdp=2 mesh; process 0 writes the run log.
+tests/test_jax_train.py and tests/test_tpu_recipe.py: each process reads its share of the data,
+samples with its own JAX engine on its own device and trains on an fsdp=2 mesh; process 0
+writes the run log. RECIPE: `small` (the tests' small config, fp32) or `tpu` (configs/tpu.py:cpu,
+the TPU recipe's structure: bf16 compute, remat, one slice shape, the JAX engine).
 
-    python -m tests.jax_loop_worker PROCESS_ID PORT OUT_DIR
+    python -m tests.jax_loop_worker PROCESS_ID PORT OUT_DIR [RECIPE]
 """
 
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 import jax
 
 
-def main(pid: int, port: int, out: str) -> None:
+def main(pid: int, port: int, out: str, recipe: str = "small") -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
@@ -19,13 +21,17 @@ def main(pid: int, port: int, out: str) -> None:
     from geo3k_jax.train import build
     from tests.test_jax_train import jax_config
 
-    cfg = jax_config(Path(out) / "shared", 3)
-    cfg.jax.mesh = {"data": 1, "fsdp": 2, "tensor": 1}
-    cfg.engine.slots = 8
+    if recipe == "tpu":
+        from tests.test_tpu_recipe import recipe_config
+        cfg = recipe_config(Path(out) / "shared")
+    else:
+        cfg = jax_config(Path(out) / "shared", 3)
+        cfg.jax.mesh = {"data": 1, "fsdp": 2, "tensor": 1}
+        cfg.engine.slots = 8
     cfg.eval.max_prompts = 3  # uneven: rows 0 and 2 on process 0, row 1 on process 1
     workdir = str(Path(out) / "run")
     loop.train(cfg, workdir, build(cfg, workdir))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

@@ -1,7 +1,8 @@
 """One JAX process of a 2-process CPU run (gloo), for tests/test_jax_learner.py: the multi-host
 data path. Each process packs its own micro-batches; the learner agrees the step's shapes over
 processes, assembles global arrays from the per-process rows and steps once on an fsdp=2 mesh
-(one device per process, the parameters split over the processes); the HF export all-gathers the parameters and process 0 writes it.
+(one device per process, the parameters split over the processes); the HF export all-gathers
+the parameters one at a time and each process writes its own shard.
 Before the step, each process's JAX engine (`geo3k_jax.backend.JaxBackend`, on its own device)
 runs its share of a few multi-turn sessions from the initial weights.
 

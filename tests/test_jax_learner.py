@@ -401,7 +401,16 @@ def test_two_processes_equal_one(setup, tmp_path):
                        if r.session in run["sessions"])
             assert got["tokens"][k] == [int(t) for t in o.token_ids], (r.session, k)
             assert np.abs(np.asarray(got["logprobs"][k]) - o.logprobs).max() <= 1e-5
-    weights = load_file(str(tmp_path / "export" / "model.safetensors"))
+    # each process wrote its own shard: the two files and the index that names them
+    export = tmp_path / "export"
+    index = json.loads((export / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert not (export / "model.safetensors").exists()
+    shards = [load_file(str(export / f)) for f in files]
+    assert shards[0] and shards[1] and not set(shards[0]) & set(shards[1])
+    weights = {**shards[0], **shards[1]}
+    assert {k: f for f, sh in zip(files, shards) for k in sh} == index["weight_map"]
     mine = {k: np.asarray(v) for k, v in to_hf(single.params).items()}  # checkpoint keys
     assert weights.keys() == mine.keys()
     assert max(float(np.abs(weights[k] - mine[k]).max()) for k in mine) <= 1e-4

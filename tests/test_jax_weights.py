@@ -15,6 +15,7 @@ from transformers import AutoModelForImageTextToText
 from geo3k_jax.batch import attention_windows
 from geo3k_jax.model import split_params
 from geo3k_jax.stacking import to_hf
+from geo3k_jax import weights
 from geo3k_jax.weights import CheckpointError, canonical_key, load_model, save_hf
 from geo3k_torch.tiny import build_tiny_checkpoint
 
@@ -155,4 +156,43 @@ def test_bf16_export_round_trip(ckpt, tmp_path):
     _, b = split_params(back)
     for k in a:
         assert b[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]).astype(ml_dtypes.bfloat16))
+
+
+def test_owners_balance_bytes_and_agree_everywhere():
+    sizes = {"a": 10, "b": 7, "c": 6, "d": 3, "e": 3, "f": 1}
+    # largest first, each to the lightest writer (ties: the lower index)
+    assert weights.owners(sizes, 2) == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0, "f": 1}
+    assert weights.owners(sizes, 1) == dict.fromkeys(sizes, 0)
+    assert set(weights.owners({"x": 5}, 3).values()) == {0}  # more writers than tensors
+    assert [weights.shard_name(i, 2) for i in range(2)] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert weights.shard_name(0, 1) == "model.safetensors"
+
+
+def test_each_host_writes_its_own_bf16_shard(ckpt, tmp_path, monkeypatch):
+    """Two hosts' exports (the process index and count set by hand; on one process every array
+    is addressable): each writes only its shard, host 0 the index and config; together they are
+    the model in bf16 that transformers and `load_model` read."""
+    model, config = load_model(ckpt)
+    out = tmp_path / "export"
+    monkeypatch.setattr(weights.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(weights.multihost_utils, "sync_global_devices", lambda name: None)
+    for me in (1, 0):
+        monkeypatch.setattr(weights.jax, "process_index", lambda me=me: me)
+        save_hf(model, config, out, dtype=jnp.bfloat16, source_dir=ckpt)
+        if me == 1:  # host 1: its shard alone
+            assert [f.name for f in out.iterdir()] == ["model-00002-of-00002.safetensors"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    two = [load_file(str(out / f"model-0000{i}-of-00002.safetensors")) for i in (1, 2)]
+    assert two[0] and two[1] and not set(two[0]) & set(two[1])
+    assert index["weight_map"] == {k: f"model-0000{i + 1}-of-00002.safetensors"
+                                   for i, shard in enumerate(two) for k in shard}
+    assert index["metadata"]["total_size"] == 2 * sum(v.size for s in two for v in s.values())
+    assert (out / "tokenizer.json").exists() and not (out / "model.safetensors").exists()
+    hf = AutoModelForImageTextToText.from_pretrained(str(out))
+    assert next(hf.parameters()).dtype == torch.bfloat16
+    back, _ = load_model(out, dtype=jnp.bfloat16)
+    a, b = split_params(model)[1], split_params(back)[1]
+    for k in a:
         np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]).astype(ml_dtypes.bfloat16))
