@@ -26,15 +26,17 @@ from common.synthetic import FAMILIES, parse_image_size, split_keys, write_split
 
 
 def prepare_data(cfg, shard: tuple[int, int] = (0, 1), separate: bool = True):
-    """(train split, test split) as loaded by `common.data.load_split` (their rows k modulo n
-    with `shard=(k, n)`) from `data.path` (a local path or a Hub dataset name, `common.hub`),
-    or from the synthetic set, written first if `data.path` is empty and it is missing; kept
-    apart (`separate_splits`) unless `separate` is False (`load_data` checks all shares)."""
+    """(train split, test split) as loaded by `common.data.load_split` from `data.path` (a local
+    path or a Hub dataset name, `common.hub`), or from the synthetic set, written first if
+    `data.path` is empty and it is missing: the whole train split (every process samples from
+    one shared order, `common.sampler`) and the test split's rows k modulo n with
+    `shard=(k, n)` (each process evaluates its share); kept apart (`separate_splits`) unless
+    `separate` is False (`load_data` checks all shares)."""
     path = data_path(cfg.data.path) if cfg.data.path else write_synthetic(cfg)
     system, _ = prompt_style(cfg.data.prompt_style)
     train, test = (load_split(path, split=s, skip_bad=cfg.data.skip_bad_rows, system=system,
-                              shard=shard)
-                   for s in (cfg.data.train_split, cfg.data.test_split))
+                              shard=part)
+                   for s, part in ((cfg.data.train_split, (0, 1)), (cfg.data.test_split, shard)))
     return separate_splits(cfg, train, test, lambda x: [x]) if separate else (train, test)
 
 
@@ -46,17 +48,17 @@ def separate_splits(cfg, train, test, gather: Callable[[object], list]):
     """`train` and `test` with no test problem that repeats a train problem (the same text over
     the same pixels: `common.dedup`): with `data.overlap="refuse"` a repeat raises `DataError`
     naming the uids, with "drop" the test split leaves it out (`skipped["overlap"]`). `gather`
-    (`Collectives.gather`) brings every process's keys, so every process sees every pair. Not
+    (`Collectives.gather`) brings every process's test keys (each holds the whole train split),
+    so every process sees every pair. Not
     checked where both splits are one split or one file on purpose (a test split named as the
     train split, a single parquet file)."""
     if cfg.data.overlap not in OVERLAP_MODES:
         raise ValueError(f"data.overlap must be one of {OVERLAP_MODES}, got {cfg.data.overlap!r}")
     if cfg.data.train_split == cfg.data.test_split or Path(train.path).is_file():
         return train, test
-    keys = [[(p.uid, content_key(p.problem, p.images)) for p in split.prompts]
-            for split in (train, test)]
-    every = [[pair for part in gather(k) for pair in part] for k in keys]
-    pairs = overlap(*every)
+    train_keys, test_keys = ([(p.uid, content_key(p.problem, p.images)) for p in split.prompts]
+                             for split in (train, test))
+    pairs = overlap(train_keys, [pair for part in gather(test_keys) for pair in part])
     if not pairs:
         return train, test
     if cfg.data.overlap == "refuse":
@@ -173,12 +175,13 @@ def write_synthetic(cfg) -> str:
 
 
 def load_data(cfg, comm):
-    """Each process's share of the splits (`prepare_data` with `shard=(rank, world)`): process 0
-    writes a missing synthetic set (or downloads a Hub dataset) first; then every process reads
-    and checks its own rows from `data.path` (or the synthetic set's folder), the same path on
-    every host (a Hub name: each host's cache). No dataset crosses processes (only content keys
-    do, for `separate_splits`); a process that cannot read its share makes every process stop
-    (`DataError`, `HubError`), not wait for it."""
+    """The whole train split and each process's share of the test split (`prepare_data` with
+    `shard=(rank, world)`): process 0 writes a missing synthetic set (or downloads a Hub
+    dataset) first; then every process reads and checks its rows from `data.path` (or the
+    synthetic set's folder), the same path on every host (a Hub name: each host's cache). No
+    dataset crosses processes (only content keys do, for `separate_splits`); a process that
+    cannot read its rows makes every process stop (`DataError`, `HubError`), not wait for
+    it."""
     error = None
     if comm.rank == 0:
         try:

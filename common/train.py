@@ -112,7 +112,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     step_cfg = step_config(cfg, run.processor)
     to_dataclass(LossConfig, cfg.loss)  # a bad loss setting stops here, before any rollout
     renderer = run.renderer or make_renderer(cfg, run.processor)
-    sampler = PromptSampler(len(run.train_set), cfg.seed, stream=comm.rank)  # its own share
+    # every process the same order, each its own part of every batch (`common.sampler`)
+    sampler = PromptSampler(len(run.train_set), cfg.seed, rank=comm.rank, world=comm.world)
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     if log:
@@ -129,7 +130,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                              f"this run has {comm.world}")
         learner.restore(last)
         start = state["step"]
-        sampler = PromptSampler.of_process(state["sampler"], comm.rank)
+        sampler = PromptSampler.of_process(state["sampler"], comm.rank, comm.world,
+                                           len(run.train_set))
         backend.set_rng_state(state["engine_rng"][comm.rank])
         backend.sync(learner, start)
         if log:
@@ -145,7 +147,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
             log.log(0, step0)
 
     # ---- the loop ----------------------------------------------------------------------
-    def draw(step: int):  # every process draws its part of the step from its share
+    def draw(step: int):  # every process its part of the step's batch: group ids as one's
         ids = sampler.next_batch(cfg.train.prompts_per_step // comm.world)
         offset = (step - 1) * cfg.train.prompts_per_step + comm.rank * len(ids)
         return [run.train_set[i] for i in ids], offset, sampler.state()

@@ -60,13 +60,14 @@ def train(cfg, workdir: str) -> dict:
                                model=model, max_batch=cfg.engine.local_max_batch,
                                kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16,
                                cuda_graphs=cfg.engine.local_cuda_graphs)
-    sampler = PromptSampler(len(train_set), cfg.seed, stream=comm.rank)  # its own share
+    sampler = PromptSampler(len(train_set), cfg.seed, rank=comm.rank, world=comm.world)
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)
     if cfg.train.resume and (last := checkpoints.latest(ckpt_root)):
         learner.restore(last)
         state = checkpoints.load_loop_state(last)
-        start, sampler = state["step"], PromptSampler.of_process(state["sampler"], comm.rank)
+        start, sampler = state["step"], PromptSampler.of_process(state["sampler"], comm.rank,
+                                                                  comm.world, len(train_set))
     log = RunLog(workdir, cfg.log.tensorboard, cfg.log.wandb_project,
                  cfg.to_dict()) if comm.rank == 0 else None
     if log and start:

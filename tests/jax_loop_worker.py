@@ -2,9 +2,10 @@
 tests/test_jax_train.py and tests/test_tpu_recipe.py: each process reads its share of the data,
 samples with its own JAX engine on its own device and trains on an fsdp=2 mesh; process 0
 writes the run log. RECIPE: `small` (the tests' small config, fp32) or `tpu` (configs/tpu.py:cpu,
-the TPU recipe's structure: bf16 compute, remat, one slice shape, the JAX engine).
+the TPU recipe's structure: bf16 compute, remat, one slice shape, the JAX engine). WORLD 1: the
+same run in one process (on 2 devices, given XLA_FLAGS), into OUT_DIR/run1.
 
-    python -m tests.jax_loop_worker PROCESS_ID PORT OUT_DIR [RECIPE]
+    python -m tests.jax_loop_worker PROCESS_ID PORT OUT_DIR [RECIPE [WORLD]]
 """
 
 import sys
@@ -13,10 +14,10 @@ from pathlib import Path
 import jax
 
 
-def main(pid: int, port: int, out: str, recipe: str = "small") -> None:
+def main(pid: int, port: int, out: str, recipe: str = "small", world: str = "2") -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=pid)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=int(world), process_id=pid)
     from common import train as loop
     from geo3k_jax.train import build
     from tests.test_jax_train import jax_config
@@ -29,7 +30,7 @@ def main(pid: int, port: int, out: str, recipe: str = "small") -> None:
         cfg.jax.mesh = {"data": 1, "fsdp": 2, "tensor": 1}
         cfg.engine.slots = 8
     cfg.eval.max_prompts = 3  # uneven: rows 0 and 2 on process 0, row 1 on process 1
-    workdir = str(Path(out) / "run")
+    workdir = str(Path(out) / ("run" if world == "2" else f"run{world}"))
     loop.train(cfg, workdir, build(cfg, workdir))
 
 

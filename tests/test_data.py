@@ -317,9 +317,10 @@ class FakeComm:
         self.events.append("barrier")
 
     def gather(self, obj):
-        """Only (uid, content key) pairs may cross processes (the overlap check)."""
+        """Only (uid, content key) pairs of the test share may cross processes (the overlap
+        check; every process holds the whole train split)."""
         assert all(isinstance(u, str) and len(k) == 64 for u, k in obj), "the data crossed"
-        self.events.append("gather")
+        self.events.append(("gather", len(obj)))
         return [obj, []] if self.rank == 0 else [[], obj]
 
     def sum_scalars(self, values):
@@ -327,7 +328,8 @@ class FakeComm:
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_each_process_reads_its_share_after_process_0_wrote_the_synthetic_set(rank, tmp_path):
+def test_each_process_reads_the_train_split_and_its_test_share_after_process_0_wrote_them(
+        rank, tmp_path):
     from common import prepare
     from configs import cpu
 
@@ -338,9 +340,9 @@ def test_each_process_reads_its_share_after_process_0_wrote_the_synthetic_set(ra
     if rank == 1:  # process 0 wrote it before the barrier
         prepare.write_synthetic(cfg)
     train, test = prepare.load_data(cfg, comm)
-    assert comm.events == ["barrier", "gather", "gather"]  # the train and test keys
-    assert train.shard == test.shard == (rank, 2)
-    assert train.rows == list(range(rank, 6, 2)) and test.rows == list(range(rank, 3, 2))
+    assert comm.events == ["barrier", ("gather", len(range(rank, 3, 2)))]  # its test keys
+    assert train.shard == (0, 1) and test.shard == (rank, 2)
+    assert train.rows == list(range(6)) and test.rows == list(range(rank, 3, 2))
 
 
 def test_the_synthetic_set_is_the_same_for_every_run_seed_and_other_settings_are_refused(
@@ -427,10 +429,9 @@ def test_a_process_that_cannot_read_its_share_stops_every_process(tmp_path):
     from common import prepare
     from configs import cpu
 
-    f = write_parquet(tmp_path / "train.parquet", [GOOD, {**GOOD, "images": [img(b"x")]}],
-                      SCHEMA)
-    cfg = cpu.get_config()
-    cfg.data.path = str(f)
+    cfg = cpu.get_config()  # test row 1, process 1's, cannot be read
+    cfg.data.path = _splits(tmp_path, [dict(GOOD, id="te0", images=[img(png(4, 4, (9, 9, 9)))]),
+                                       dict(GOOD, id="te1", images=[img(b"x")])])
     with pytest.raises(DataError, match="row 1: bad_image"):  # its own error
         prepare.load_data(cfg, FakeComm(1))
     with pytest.raises(DataError, match="1 of the 2 processes could not read their share"):

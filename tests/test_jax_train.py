@@ -128,8 +128,8 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
 
 @pytest.mark.heavy
 def test_two_processes_train_through_the_loop(tmp_path):
-    """The multi-host path end to end on 2 CPU processes (tests/jax_loop_worker.py): each reads
-    and samples its own share of the data, rolls out with its own JAX engine, and the learner
+    """The multi-host path end to end on 2 CPU processes (tests/jax_loop_worker.py): each takes
+    its part of every step's prompts from one shared order, rolls out with its own JAX engine, and the learner
     trains on parameters split over both; the run log counts both processes' episodes, each
     process dumps its own, and a checkpoint holds each process's data order."""
     import os
@@ -157,5 +157,6 @@ def test_two_processes_train_through_the_loop(tmp_path):
     for k in (0, 1):
         assert len((run / "rollouts" / f"step_3.process_{k}.jsonl").read_text().splitlines()) == 3
     state = json.loads((run / "checkpoints" / "step_3" / "loop_state.json").read_text())
-    assert [s["stream"] for s in state["sampler"]] == [0, 1]
-    assert [s["n"] for s in state["sampler"]] == [8, 8]  # 16 training rows, half each
+    assert [s["rank"] for s in state["sampler"]] == [0, 1]
+    assert [s["n"] for s in state["sampler"]] == [16, 16]  # one order over the 16 training rows
+    assert len({(s["epoch"], s["position"]) for s in state["sampler"]}) == 1

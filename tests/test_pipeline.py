@@ -71,25 +71,34 @@ def test_rollouts_ahead_render_their_own_prompts():
     assert [r for _, _, r in seen[:2]] == [None, None]
 
 
-def test_each_process_samples_its_own_share_and_resumes_from_its_own_state():
-    """Process 0 of one keeps the order it always had; the processes of a run draw different
-    orders of their shares (each epoch a permutation of it); a checkpoint holds one state per
-    process and each resumes exactly from its own."""
+def test_processes_share_one_order_and_resume_each_from_its_own_state():
+    """One process keeps the order it always had; two processes drawing 3 each take the two
+    halves of what one process drawing 6 takes, across epochs (the data order does not depend
+    on the number of processes); a checkpoint holds one state per process and each resumes
+    exactly from its own; a checkpoint of another process count, another split size or the
+    old per-process streams is refused."""
     import numpy as np
 
-    one = PromptSampler(6, seed=3)
-    assert one.next_batch(6) == np.random.default_rng([3, 0]).permutation(6).tolist()
-    samplers = [PromptSampler(5, seed=3, stream=r) for r in range(2)]
-    firsts = [s.next_batch(5) for s in samplers]
-    assert all(sorted(f) == list(range(5)) for f in firsts) and firsts[0] != firsts[1]
-    for s in samplers:
-        s.next_batch(3)
-    saved = [s.state() for s in samplers]  # what loop_state.json holds
-    for r, s in enumerate(samplers):
-        resumed = PromptSampler.of_process(saved, r)
-        assert resumed.next_batch(9) == s.next_batch(9)
+    one = PromptSampler(5, seed=3)
+    assert one.next_batch(5) == np.random.default_rng([3, 0]).permutation(5).tolist()
+    one = PromptSampler(5, seed=3)
+    two = [PromptSampler(5, seed=3, rank=r, world=2) for r in range(2)]
+    for _ in range(4):  # 24 indices: through epochs 0-4, boundaries inside batches
+        whole = one.next_batch(6)
+        assert two[0].next_batch(3) + two[1].next_batch(3) == whole
+    saved = [s.state() for s in two]  # what loop_state.json holds
+    for r, s in enumerate(two):
+        resumed = PromptSampler.of_process(saved, r, 2, n=5)
+        assert resumed.next_batch(4) == s.next_batch(4)
     single = PromptSampler(5, seed=3)
     single.next_batch(2)
     assert PromptSampler.of_process(single.state(), 0).next_batch(4) == single.next_batch(4)
-    with pytest.raises(ValueError, match="holds 2 processes' prompt samplers; this is process 2"):
-        PromptSampler.of_process(saved, 2)
+    with pytest.raises(ValueError, match="holds 2 processes' prompt samplers; this run has 3"):
+        PromptSampler.of_process(saved, 2, 3)
+    with pytest.raises(ValueError, match="over 5 training problems; this run's .* has 6"):
+        PromptSampler.of_process(saved, 1, 2, n=6)
+    streams = [{"epoch": 0, "position": 2, "n": 5, "seed": 3, "stream": r} for r in range(2)]
+    with pytest.raises(ValueError, match="per-process streams"):
+        PromptSampler.of_process(streams, 1, 2)
+    with pytest.raises(ValueError, match="rank must be in"):
+        PromptSampler(5, seed=3, rank=2, world=2)

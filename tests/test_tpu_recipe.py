@@ -50,22 +50,42 @@ def test_cpu_argument_keeps_the_structure_on_the_tiny_model():
         tpu.get_config("gpu")
 
 
-@pytest.mark.heavy
-def test_two_processes_run_the_recipe_structure(tmp_path):
-    """configs/tpu.py:cpu on 2 CPU processes (gloo), one device each: both processes roll out
-    with their own JAX engine and the learner trains on parameters split over both, in bf16
-    compute; the checkpoint's export is two bf16 shards, one per process, with their index."""
-    from safetensors.numpy import load_file
-
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+        return sock.getsockname()[1]
+
+
+def _workers(out: Path, world: int, devices: int) -> None:
+    """tests/jax_loop_worker.py's `tpu` run in `world` processes of `devices` CPU devices."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.jax_loop_worker", str(i), str(port),
-                               str(tmp_path), "tpu"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+                               str(out), "tpu", str(world)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(world)]
     logs = [p.communicate(timeout=900)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+
+
+def _rollouts(run: Path, step: int) -> list[dict]:
+    """Step `step`'s episodes, every process's dump, by group and sample."""
+    rows = [json.loads(x) for f in sorted((run / "rollouts").glob(f"step_{step}*.jsonl"))
+            for x in f.read_text().splitlines()]
+    return sorted(rows, key=lambda r: (r["group_id"], r["sample_idx"]))
+
+
+@pytest.mark.heavy
+def test_two_processes_run_the_recipe_structure_as_one_does(tmp_path):
+    """configs/tpu.py:cpu on 2 CPU processes (gloo), one device each: both processes roll out
+    with their own JAX engine and the learner trains on parameters split over both, in bf16
+    compute; the checkpoint's export is two bf16 shards, one per process, with their index.
+    The same run in one process on 2 devices draws the same prompts, samples the same episodes
+    and takes the same steps: the run does not depend on how many processes run it."""
+    from safetensors.numpy import load_file
+
+    _workers(tmp_path, world=2, devices=1)
     run = tmp_path / "run"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -83,3 +103,23 @@ def test_two_processes_run_the_recipe_structure(tmp_path):
     shards = [load_file(str(export / f)) for f in files]
     assert all(str(v.dtype) == "bfloat16" for s in shards for v in s.values())
     assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+
+    _workers(tmp_path, world=1, devices=2)  # the shared tiny checkpoint and data are built
+    one = tmp_path / "run1"
+    ones = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ones] == [0, 1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = _rollouts(run, step), _rollouts(one, step)
+        assert [(r["uid"], r["group_id"], r["sample_idx"]) for r in a] == [
+            (r["uid"], r["group_id"], r["sample_idx"]) for r in b], step
+        for x, y in zip(a, b):
+            assert x["token_ids"] == y["token_ids"], (step, x["group_id"], x["sample_idx"])
+            np.testing.assert_allclose(x["rollout_logprobs"], y["rollout_logprobs"], atol=2e-2)
+    for two_row, one_row in zip(rows, ones):
+        for key in ("train/reward_mean", "eval/greedy_accuracy", "train/response_len_mean"):
+            if key in one_row:
+                assert two_row[key] == one_row[key], (one_row["step"], key)
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            if key in one_row:
+                assert two_row[key] == pytest.approx(one_row[key], rel=2e-2, abs=1e-4), (
+                    one_row["step"], key)
