@@ -25,9 +25,16 @@ def recipe_config(shared: Path):
     cfg.data.synthetic_dir = str(shared / "data")
     cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 16, 4
     cfg.jax.compilation_cache_dir = ""
-    # a random tiny model scores 0 everywhere: keep every group so that every step updates
+    # a random tiny model never solves a problem: a reward that tells its episodes apart gives
+    # every step advantages, a loss and a gradient to compare
+    cfg.reward.fn = "tests.test_tpu_recipe:length_reward"
     cfg.advantage.filter_equal_groups = False
     return cfg
+
+
+def length_reward(texts, infos, answer, cfg, choices, env_cfg):
+    """The episode's text length modulo 5, over 4: varies between the samples of a group."""
+    return (sum(len(t) for t in texts) % 5) / 4
 
 
 def test_recipe_rolls_out_on_the_slice_with_the_jax_engine():
@@ -91,7 +98,7 @@ def test_two_processes_run_the_recipe_structure_as_one_does(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows[1:]:
         assert r["train/trajectories"] == 6  # 2 prompts x 3 samples, one prompt a process
-        assert r["train/engine_compiles"] > 0 and np.isfinite(r["train/loss"])
+        assert r["train/engine_compiles"] > 0 and r["train/grad_norm"] > 0
     assert rows[-1]["eval/greedy_trajectories"] == 3
     for k in (0, 1):  # each process sampled its own episodes with its own engine
         dump = (run / "rollouts" / f"step_3.process_{k}.jsonl").read_text().splitlines()
@@ -121,5 +128,6 @@ def test_two_processes_run_the_recipe_structure_as_one_does(tmp_path):
                 assert two_row[key] == one_row[key], (one_row["step"], key)
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
             if key in one_row:
-                assert two_row[key] == pytest.approx(one_row[key], rel=2e-2, abs=1e-4), (
+                # bf16 compute, other packings: grad norms 1.5e-4 apart in relative terms
+                assert two_row[key] == pytest.approx(one_row[key], rel=1e-3, abs=1e-4), (
                     one_row["step"], key)
