@@ -12,12 +12,14 @@ and gives the engine the step as its weights' version (a part of every request's
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from geo3k_jax.engine import JaxEngine
+from geo3k_jax.model import with_attention
 from geo3k_jax.sharding import AXES
 
 
@@ -69,15 +71,20 @@ class JaxBackend:
         model; slots, context, memory_fraction: `JaxEngine`'s (per process)."""
         dtype = learner.compute_dtype
         mesh, self._host = learner.mesh, None  # _host: this process's own mesh, if several
+        merge = learner.merge
         if learner.comm.world > 1:
             if mesh is None:
                 raise ValueError("a JAX engine on several processes needs the learner's mesh")
             mesh = self._host = host_mesh(mesh)
+            # the splash kernel's shard_map over the devices the engine's arrays live on, not
+            # over the learner's mesh of every process
+            merge = with_attention(merge, learner.params, lambda a: dataclasses.replace(
+                a, mesh=self._host) if a.mesh is not None else a)
         shardings = engine_shardings(getattr(learner, "param_sh", None))
         self._copy = jax.jit(lambda p: jax.tree.map(
             lambda a: a if dtype is None else a.astype(dtype), p), out_shardings=shardings)
         self.params = self._placed(learner)
-        self.engine = JaxEngine(learner.merge, lambda: self.params, processor, config,
+        self.engine = JaxEngine(merge, lambda: self.params, processor, config,
                                 seed=seed, compute_dtype=dtype, slots=slots, context=context,
                                 mesh=mesh, memory_fraction=memory_fraction)
 

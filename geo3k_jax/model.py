@@ -140,6 +140,19 @@ def split_params(model: nnx.Module):
     return functools.partial(_merge, graphdef, paths), params
 
 
+def with_attention(merge, params: dict, change) -> object:
+    """`merge` of the same model whose every attention setting (`geo3k_jax.splash.Attention`,
+    held by the text model and each vision attention) is `change(setting)`: e.g. the splash
+    kernel mapped over another mesh. `params` (arrays or ShapeDtypeStructs) only give the
+    graph its leaves; nothing is copied."""
+    model = merge(params)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and isinstance(getattr(node, "attention", None),
+                                                       Attention):
+            node.attention = change(node.attention)
+    return split_params(model)[0]
+
+
 def _merge(graphdef, paths: dict, params: dict) -> nnx.Module:
     state = nnx.from_flat_state([(paths[k], nnx.Param(params[k])) for k in paths])
     return nnx.merge(graphdef, state)

@@ -4,9 +4,11 @@ processes, assembles global arrays from the per-process rows and steps once on a
 (one device per process, the parameters split over the processes); the HF export all-gathers
 the parameters one at a time and each process writes its own shard.
 Before the step, each process's JAX engine (`geo3k_jax.backend.JaxBackend`, on its own device)
-runs its share of a few multi-turn sessions from the initial weights.
+runs its share of a few multi-turn sessions from the initial weights. MODE `splash`: the model's
+attention is the splash kernel (interpret mode) mapped over the learner's 2-process mesh, and
+only the engines run (each must map its vision attention over its own devices).
 
-    python -m tests.jax_multihost_worker PROCESS_ID PORT OUT_DIR
+    python -m tests.jax_multihost_worker PROCESS_ID PORT OUT_DIR [MODE]
 """
 
 import json
@@ -16,7 +18,7 @@ from pathlib import Path
 import jax
 
 
-def main(pid: int, port: int, out: str) -> None:
+def main(pid: int, port: int, out: str, mode: str = "") -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                                process_id=pid)
@@ -30,8 +32,15 @@ def main(pid: int, port: int, out: str) -> None:
     comm = JaxCollectives()
     setup = model_and_batch("qwen3_vl")
     mine = setup.batches[pid::2] if pid == 0 else setup.batches[pid::2][:1]  # uneven shares
-    learner = setup.learner(LossConfig(tis_cap=2.0), train_config(),
-                            mesh=make_mesh({"data": 1, "fsdp": 2, "tensor": 1}),
+    mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 1})
+    if mode == "splash":
+        import dataclasses
+
+        from geo3k_jax.model import with_attention
+        from geo3k_jax.splash import Attention
+        setup = dataclasses.replace(setup, merge=with_attention(
+            setup.merge, setup.params, lambda a: Attention("splash", mesh, interpret=True)))
+    learner = setup.learner(LossConfig(tis_cap=2.0), train_config(), mesh=mesh,
                             rules=JAX_RULES, comm=comm, model_dir=out)
     from geo3k_jax.backend import JaxBackend
     from tests.test_jax_engine import episodes
@@ -46,6 +55,9 @@ def main(pid: int, port: int, out: str) -> None:
     devices = len(backend.engine._cache[0][0].sharding.device_set)
     (Path(out) / f"engine_{pid}.json").write_text(json.dumps(
         {"sessions": sessions, "cache_devices": devices}))
+    if mode == "splash":
+        comm.barrier()
+        return
     metrics = setup.step(learner, mine)
     seen = comm.gather(len(mine))
     learner.export_hf(Path(out) / "export")
@@ -55,4 +67,4 @@ def main(pid: int, port: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

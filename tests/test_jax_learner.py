@@ -358,40 +358,32 @@ def test_sharded_step_equals_single_device(arch="qwen2_5_vl"):
     assert r["logit_rows"] == ["1"] and r["patch_rows"] == ["1"], r
 
 
-@pytest.mark.heavy
-def test_two_processes_equal_one(setup, tmp_path):
-    """The multi-host path on 2 CPU processes (gloo): per-process rows assembled into global
-    arrays, uneven shares (2 and 1 micro-batches), an export that gathers across processes."""
+def _multihost(out, *mode) -> None:
+    """tests/jax_multihost_worker.py on 2 CPU processes (gloo)."""
     import socket
 
-    from safetensors.numpy import load_file
-
-    from geo3k_jax.stacking import to_hf
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, "-m", "tests.jax_multihost_worker", str(i),
-                               str(port), str(tmp_path)], cwd=ROOT, env=env,
+                               str(port), str(out), *mode], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
-    multi = json.loads((tmp_path / "metrics.json").read_text())
-    assert multi["shares"] == [2, 1]
-    batches = setup.batches[0::2] + setup.batches[1::2][:1]
-    single = setup.learner(LossConfig(tis_cap=2.0), train_config())
-    ref = setup.step(single, batches)  # the same global batch in one process
-    for key in ("loss", "grad_norm", "entropy", "tis_mean"):
-        assert multi[key] == pytest.approx(ref[key], rel=1e-5), key
-    # each process's engine ran its share of the sessions on its own device: the same tokens
-    # and log-probs as one engine running them all
-    engine_runs = [json.loads((tmp_path / f"engine_{i}.json").read_text()) for i in range(2)]
+
+
+def _same_sessions_as_one_engine(setup, out) -> None:
+    """Each process's engine ran its share of the sessions on its own device: the same tokens
+    and log-probs as one engine (windowed attention, one process) running them all."""
+    from geo3k_jax.backend import JaxBackend
+    from tests.test_jax_engine import episodes
+
+    engine_runs = [json.loads((out / f"engine_{i}.json").read_text()) for i in range(2)]
     assert [r["cache_devices"] for r in engine_runs] == [1, 1]
     assert sorted(engine_runs[0]["sessions"]) == ["s0", "s2", "s4"]
     assert sorted(engine_runs[1]["sessions"]) == ["s1", "s3"]
-    from geo3k_jax.backend import JaxBackend
-    from tests.test_jax_engine import episodes
     one = JaxBackend(setup.learner(LossConfig(tis_cap=2.0), train_config()), setup.processor,
                      setup.config, seed=11, slots=2, context=512)
     turns = episodes(one.engine, setup.processor, 3, turns=2, max_new=8, n=5)
@@ -401,6 +393,24 @@ def test_two_processes_equal_one(setup, tmp_path):
                        if r.session in run["sessions"])
             assert got["tokens"][k] == [int(t) for t in o.token_ids], (r.session, k)
             assert np.abs(np.asarray(got["logprobs"][k]) - o.logprobs).max() <= 1e-5
+
+
+@pytest.mark.heavy
+def test_two_processes_equal_one(setup, tmp_path):
+    """The multi-host path on 2 CPU processes (gloo): per-process rows assembled into global
+    arrays, uneven shares (2 and 1 micro-batches), an export that gathers across processes."""
+    from safetensors.numpy import load_file
+
+    from geo3k_jax.stacking import to_hf
+    _multihost(tmp_path)
+    multi = json.loads((tmp_path / "metrics.json").read_text())
+    assert multi["shares"] == [2, 1]
+    batches = setup.batches[0::2] + setup.batches[1::2][:1]
+    single = setup.learner(LossConfig(tis_cap=2.0), train_config())
+    ref = setup.step(single, batches)  # the same global batch in one process
+    for key in ("loss", "grad_norm", "entropy", "tis_mean"):
+        assert multi[key] == pytest.approx(ref[key], rel=1e-5), key
+    _same_sessions_as_one_engine(setup, tmp_path)
     # each process wrote its own shard: the two files and the index that names them
     export = tmp_path / "export"
     index = json.loads((export / "model.safetensors.index.json").read_text())
@@ -414,3 +424,12 @@ def test_two_processes_equal_one(setup, tmp_path):
     mine = {k: np.asarray(v) for k, v in to_hf(single.params).items()}  # checkpoint keys
     assert weights.keys() == mine.keys()
     assert max(float(np.abs(weights[k] - mine[k]).max()) for k in mine) <= 1e-4
+
+
+@pytest.mark.heavy
+def test_two_processes_engines_map_splash_over_their_own_devices(setup, tmp_path):
+    """With the splash kernel (interpret mode) mapped over the learner's 2-process mesh, each
+    process's engine maps its vision attention over its own device, where its arrays live
+    (`geo3k_jax.model.with_attention`), and samples what one windowed engine samples."""
+    _multihost(tmp_path, "splash")
+    _same_sessions_as_one_engine(setup, tmp_path)

@@ -200,3 +200,25 @@ def test_unknown_architecture_is_an_error():
     hf.config.model_type = "llava"
     with pytest.raises(ValueError, match="llava"):
         QwenVL(hf.config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("build", [qwen3, qwen25])
+def test_with_attention_changes_every_setting_and_keeps_the_parameters(build):
+    """The text model and every vision attention take the changed setting (the engine's own
+    mesh on a multi-host slice, `geo3k_jax.backend`); the parameters stay the same arrays."""
+    from geo3k_jax.model import with_attention
+    from geo3k_jax.splash import Attention
+
+    config = build()[0].config
+    merge, params = split_params(QwenVL(config, rngs=nnx.Rngs(0)))
+    mesh = jax.make_mesh((1,), ("data",))
+    changed = with_attention(merge, params, lambda a: Attention("splash", mesh, True))
+    settings = [n.attention for _, n in nnx.iter_graph(changed(params))
+                if isinstance(getattr(n, "attention", None), Attention)]
+    blocks = config.vision_config.depth
+    assert len(settings) == blocks + 2  # each vision attention, the tower, the text model
+    assert all(s == Attention("splash", mesh, True) for s in settings)
+    assert all(n.attention == Attention() for _, n in nnx.iter_graph(merge(params))
+               if isinstance(getattr(n, "attention", None), Attention))  # the original's
+    again = split_params(changed(params))[1]
+    assert all(again[k] is params[k] for k in params)
