@@ -201,6 +201,30 @@ def _prefixed_fwd(key, q, k, v, seg, pre):
     return out, (q, k, v, seg, pre, out, lse)
 
 
+# The parameters of splash's private backward as jax 0.10.2 (requirements-cpu.txt) defines
+# them, in order; `_private_bwd` refuses any other, so a JAX that changed it stops at the trace
+# with what to do, not deep inside Pallas.
+PRIVATE_BWD = ("save_residuals", "mask_value", "is_mqa", "block_sizes",
+               "residual_checkpoint_name", "mask_function", "attn_logits_soft_cap",
+               "interpret", "res", "do")
+
+
+def _private_bwd():
+    """splash's `_splash_attention_bwd`, checked to take `PRIVATE_BWD`."""
+    import inspect
+
+    fn = getattr(sak, "_splash_attention_bwd", None)
+    got = tuple(inspect.signature(fn).parameters) if callable(fn) else None
+    if got != PRIVATE_BWD:
+        raise RuntimeError(
+            f"the shared-prefix splash backward calls splash's private _splash_attention_bwd"
+            f"{PRIVATE_BWD} as jax 0.10.2 defines it; jax {jax.__version__} has "
+            f"{'none' if got is None else got}. Install jax==0.10.2 (requirements-cpu.txt), or "
+            "train without shared prefixes (train.share_prefix=False) or with "
+            "jax.attention=windowed")
+    return fn
+
+
 def _prefixed_bwd(key, res, d_out):
     """Each pass's keys get splash's backward with the merged output and log-sum-exp: its
     probabilities exp(s - lse) are the merged softmax's on those keys, and dS = P (dP - rowsum(
@@ -212,7 +236,7 @@ def _prefixed_bwd(key, res, d_out):
     grads = []
     for i in ids:
         saved = (q, k, v, i, None, out, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
-        grads.append(sak._splash_attention_bwd(
+        grads.append(_private_bwd()(
             False, kw["mask_value"], kw["is_mqa"], kw["block_sizes"],
             kw["residual_checkpoint_name"], kw["mask_function"], kw["attn_logits_soft_cap"],
             kw["interpret"], saved, d_out)[3:6])

@@ -180,3 +180,22 @@ def test_vision_splash_compiles_for_tpu(tpu_mesh):
             spec(b, n, h, d), spec(b, n, h, d), spec(b, n, h, d), spec(b, n, dt=jnp.int32)
         ).compile()
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_the_private_backward_is_the_pinned_one_or_a_clear_error(monkeypatch):
+    """The shared-prefix backward calls splash's private `_splash_attention_bwd`: this JAX
+    (the pinned 0.10.2) has it with the parameters it is called with; one that changed it or
+    dropped it stops with the versions and the ways around it."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sak
+
+    from geo3k_jax import splash
+
+    assert jax.__version__ == "0.10.2"  # requirements-cpu.txt: the version this call is for
+    assert splash._private_bwd() is sak._splash_attention_bwd
+    monkeypatch.setattr(sak, "_splash_attention_bwd", lambda res, do, *, config: None)
+    with pytest.raises(RuntimeError, match=r"jax 0\.10\.2 has \('res', 'do', 'config'\)\. "
+                                           r"Install jax==0\.10\.2 .*share_prefix=False"):
+        splash._private_bwd()
+    monkeypatch.delattr(sak, "_splash_attention_bwd")
+    with pytest.raises(RuntimeError, match="has none"):
+        splash._private_bwd()
