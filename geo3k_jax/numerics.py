@@ -104,12 +104,7 @@ def torch_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_
             out["logits"].append(model(**inputs, use_cache=False).logits[0].float().numpy())
             targets = torch.from_numpy(np.flatnonzero(b.loss_mask))
             out["logp"].append(t_logprobs(model, inputs, targets, temperature).float().numpy())
-    loss = 0.0
-    for b in batches:
-        micro, _ = learner.micro_batch_loss(b, n_tokens, n_seqs)
-        micro.backward()
-        loss += float(micro.detach())
-    out["loss"] = loss
+    out["loss"] = float(learner.accumulate(batches, n_tokens, n_seqs)["loss"])
     out["grads"] = {k: p.grad.float().numpy().copy() for k, p in model.named_parameters()}
     out["params_before"] = {k: p.detach().float().numpy().copy()
                             for k, p in model.named_parameters()}
@@ -122,23 +117,36 @@ def torch_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_
 
 def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cfg, temperature,
              dtype: str, jcfg) -> dict:
-    """The same quantities from the JAX model and learner, on `jcfg.mesh`."""
+    """The same quantities from the JAX model and learner, on `jcfg.mesh`, computed as the
+    config trains: `jcfg.compute_dtype` (bf16 compute over `dtype` parameters), `jcfg.remat`
+    and `jcfg.attention` (splash off a TPU runs in Pallas' interpret mode)."""
+    from geo3k_jax.splash import resolve_attention
+    from geo3k_jax.train import DTYPES
+
     mesh = make_mesh(dict(jcfg.mesh))
+    attention = resolve_attention(jcfg.attention, jax.devices()[0].platform, mesh)
+    compute, remat = DTYPES[jcfg.compute_dtype], jcfg.remat
     model, config = load_jax_model(model_dir, dtype=getattr(jnp, dtype), mesh=mesh,
-                                   rules=jcfg.rules)
+                                   rules=jcfg.rules, attention=attention)
     merge, params = split_params(model)
     rows = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
     batch = device_batch(batches, processor, config, agg=loss_cfg.agg, n_tokens=n_tokens,
                          n_seqs=n_seqs, pad_to=jcfg.pad_to, rows_multiple=rows)
+    cast = (lambda p: p) if compute is None else (  # noqa: E731
+        lambda p: jax.tree.map(lambda a: a.astype(compute), p))
     with jax.set_mesh(mesh):
-        logits = jax.jit(lambda p, b: merge(p).logits(merge(p).hidden_states(b)))(params, batch)
-        logp = jax.jit(lambda p, b: token_logprobs(merge(p), b, temperature))(params, batch)
+        logits = jax.jit(lambda p, b: merge(cast(p)).logits(merge(cast(p)).hidden_states(b)))(
+            params, batch)
+        logp = jax.jit(lambda p, b: token_logprobs(merge(cast(p)), b, temperature))(
+            params, batch)
         grad_fn = jax.jit(jax.value_and_grad(
-            lambda p, b: grpo_loss(merge, p, b, loss_cfg, temperature), has_aux=True))
+            lambda p, b: grpo_loss(merge, p, b, loss_cfg, temperature, compute_dtype=compute,
+                                   remat=remat), has_aux=True))
         (loss, _), grads = grad_fn(params, batch)
         learner = JaxLearner(merge, params, loss_cfg, train_cfg, temperature, mesh=mesh,
                              rules=jcfg.rules, processor=processor, config=config,
-                             row_len=batch["input_ids"].shape[1], chunk=train_cfg.logprob_chunk)
+                             row_len=batch["input_ids"].shape[1], chunk=train_cfg.logprob_chunk,
+                             compute_dtype=compute, remat=remat)
         start = time.perf_counter()
         learner.train_step(batches, n_tokens, n_seqs)
         compile_and_step = time.perf_counter() - start
@@ -151,8 +159,21 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
     out = {"logits": [logits[r, :b.num_tokens] for r, b in enumerate(batches)],
            "logp": [logp[r, np.flatnonzero(b.loss_mask)] for r, b in enumerate(batches)],
            "loss": float(loss), "grads": f32(to_hf(grads)), "params": f32(to_hf(learner.params)),
-           "step_s": step_s, "compile_s": compile_and_step - step_s}
+           "step_s": step_s, "compile_s": compile_and_step - step_s,
+           "computation": f"{jcfg.compute_dtype} compute, {attention.kind} attention"
+                          f"{' (interpret)' if attention.interpret else ''}"
+                          f"{', remat' if remat else ''}"}
     return out
+
+
+def tolerances(cfg) -> dict:
+    """The check's tolerances: those of its weights' dtype, or bf16's where the JAX side
+    computes in bf16 over float32 weights (the TPU configuration against torch in float32)."""
+    chk = cfg.jax.check
+    if chk.dtype not in TOLERANCES:
+        raise ValueError(f"jax.check.dtype must be one of {sorted(TOLERANCES)}, got {chk.dtype!r}")
+    mixed = cfg.jax.compute_dtype == "bfloat16" and chk.dtype == "float32"
+    return TOLERANCES["bfloat16" if mixed else chk.dtype]
 
 
 def adamw_on(grads: dict, params: dict, train_cfg) -> dict:
@@ -166,15 +187,13 @@ def adamw_on(grads: dict, params: dict, train_cfg) -> dict:
 def run_check(cfg, model_dir: str, processor) -> tuple[list[Row], dict]:
     """(table rows, info) comparing the backends on `model_dir` under config `cfg`."""
     chk = cfg.jax.check
-    if chk.dtype not in TOLERANCES:
-        raise ValueError(f"jax.check.dtype must be one of {sorted(TOLERANCES)}, got {chk.dtype!r}")
+    tol = tolerances(cfg)
     batches, n_tokens, n_seqs = batches_from_config(processor, chk, cfg.train.share_prefix)
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     args = (model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, cfg.train,
             cfg.rollout.temperature, chk.dtype)
     th = torch_side(*args)
     jx = jax_side(*args, cfg.jax)
-    tol = TOLERANCES[chk.dtype]
     rows = [Row("logits", *_errors(np.concatenate([a.ravel() for a in jx["logits"]]),
                                    np.concatenate([a.ravel() for a in th["logits"]])),
                 *tol["logits"]),
@@ -204,7 +223,8 @@ def run_check(cfg, model_dir: str, processor) -> tuple[list[Row], dict]:
             "trained_tokens": int(n_tokens), "sequences": int(n_seqs),
             "images": int(sum(len(b.images) for b in batches)),
             "worst_grad_param": worst_name, "torch_step_s": th["step_s"],
-            "jax_step_s": jx["step_s"], "jax_compile_s": jx["compile_s"]}
+            "jax_step_s": jx["step_s"], "jax_compile_s": jx["compile_s"],
+            "jax": jx["computation"]}
     return rows, info
 
 

@@ -145,3 +145,29 @@ def test_batch_positions_equal_transformers(ckpt):
             checked += 1
     assert checked == n_seqs and first == len(grids)
     assert any((b.parent_of() >= 0).any() for b in batches)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("ckpt", ["qwen3_vl"], indirect=True)
+def test_the_tpu_configuration_passes_against_torch_in_float32(ckpt):
+    """configs/tpu.py's computation on this CPU: float32 weights and optimizer state, bf16
+    compute, rematerialised layers, the splash kernel (Pallas interpret mode), against torch in
+    float32, within the bf16 tolerances (`geo3k_jax.numerics.tolerances`)."""
+    from configs import tpu
+    from geo3k_jax.numerics import TOLERANCES, tolerances
+
+    arch, path = ckpt
+    cfg = tpu.get_config("cpu")
+    cfg.model.path = str(path)
+    cfg.jax.attention = "splash"
+    cfg.jax.check.images, cfg.jax.check.image_sizes = CHECK[arch]
+    assert (cfg.jax.check.dtype, cfg.jax.compute_dtype, cfg.jax.remat) == (
+        "float32", "bfloat16", True)
+    assert tolerances(cfg) is TOLERANCES["bfloat16"]
+    rows, info = run_check(cfg, str(path), load_processor(path))
+    assert info["jax"] == "bfloat16 compute, splash attention (interpret), remat"
+    print({r.quantity: (r.abs_err, r.rel_err) for r in rows})
+    failed = [(r.quantity, r.abs_err, r.rel_err) for r in rows if not r.passed]
+    assert not failed, failed
+    # bf16 compute is not float32: the log-probs move by more than float32's bound
+    assert next(r for r in rows if r.quantity == "log-probs").abs_err > 1e-4
