@@ -13,7 +13,8 @@ data/rep<k>/ (replicate 0 is `make train` itself, in the config's default folder
 one core with taskset, so two learners can run side by side on a 2-core machine); a replicate's
 checkpoint and data are built by whichever learner reaches it first, so start the two learners'
 first new replicate one after the other. `table` reads each workdir's metrics.jsonl: the
-greedy evaluation at step 0 and at the last evaluated step.
+greedy evaluation at step 0 and at the last evaluated step, judged against the target once
+the run has reached its `train.steps` (config.json).
 """
 
 from __future__ import annotations
@@ -75,6 +76,13 @@ def evaluations(metrics: Path) -> dict[int, dict]:
     return out
 
 
+def planned_steps(workdir: Path) -> int:
+    """The run's `train.steps`, from the config.json its run wrote (0 when there is none: the
+    last evaluation is taken as final)."""
+    path = workdir / "config.json"
+    return int(json.loads(path.read_text())["config"]["train"]["steps"]) if path.exists() else 0
+
+
 def meets_target(row: dict) -> bool:
     """Issue 48's target: first try >= 0.5, with feedback above the conditional line and recovery
     after a miss above blind elimination's 2/3."""
@@ -102,11 +110,13 @@ def table(root: Path) -> str:
         evals = evaluations(d / "metrics.jsonl")
         if not evals:
             continue
-        last = max(evals)
+        last, steps = max(evals), planned_steps(d)
         for step in sorted({min(evals), last}):
             row = evals[step]
             target = ""
-            if step == last and step:
+            if step == last and step and step < steps:
+                target = f"(running: {steps} steps)"
+            elif step == last and step:
                 ok = meets_target(row)
                 met.setdefault(learner, []).append(ok)
                 target = "yes" if ok else "**no**"

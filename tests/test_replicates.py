@@ -16,9 +16,11 @@ def _row(step, first, feedback, cond, recovery, blank=(0.2, 0.3)):
             "eval/blank/greedy_first_try_accuracy": blank[0], "eval/blank/greedy_accuracy": blank[1]}
 
 
-def _workdir(root, name, rows):
+def _workdir(root, name, rows, steps=None):
     d = root / name
     d.mkdir(parents=True)
+    if steps is not None:  # what the run's own config.json says
+        (d / "config.json").write_text(json.dumps({"config": {"train": {"steps": steps}}}))
     lines = [json.dumps(r) for r in rows]
     # training steps without an evaluation are skipped
     lines.insert(1, json.dumps({"step": 1, "train/reward_mean": 0.3}))
@@ -49,16 +51,20 @@ def test_table_has_step_zero_and_the_last_evaluation_and_counts_per_learner(tmp_
                                    _row(200, 0.613, 0.938, 0.871, 0.838)])
     _workdir(tmp_path, "torch-10", [_row(0, 0.25, 0.3, 0.75, 0.1), _row(200, 0.7, 0.85, 0.9, 0.5)])
     _workdir(tmp_path, "torch-2", [_row(0, 0.25, 0.3, 0.75, 0.1)])  # still at step 0: no verdict
-    _workdir(tmp_path, "jax-1", [_row(0, 0.3, 0.4, 0.767, 0.14), _row(180, 0.55, 0.9, 0.85, 0.78)])
+    _workdir(tmp_path, "jax-1", [_row(0, 0.3, 0.4, 0.767, 0.14), _row(180, 0.55, 0.9, 0.85, 0.78)],
+             steps=180)
+    _workdir(tmp_path, "jax-3", [_row(0, 0.3, 0.4, 0.767, 0.14), _row(80, 0.2, 0.3, 0.8, 0.1)],
+             steps=200)  # still running: no verdict yet
     (tmp_path / "notes-x").mkdir()  # not a learner's folder
     text = rep.table(tmp_path)
     lines = text.splitlines()
     assert lines[2] == "| jax | 1 | 0 | 0.300 | 0.400 | 0.767 | 0.140 | 0.200 | 0.300 |  |"
     assert lines[3] == "| jax | 1 | 180 | 0.550 | 0.900 | 0.850 | 0.780 | 0.200 | 0.300 | yes |"
     # replicates in numeric order (2 before 10), step 100 left out
-    assert [l.split(" | ")[1:3] for l in lines[4:9]] == [["0", "0"], ["0", "200"], ["2", "0"],
-                                                         ["10", "0"], ["10", "200"]]
-    assert lines[8].endswith("| **no** |")
+    assert lines[5] == "| jax | 3 | 80 | 0.200 | 0.300 | 0.800 | 0.100 | 0.200 | 0.300 | (running: 200 steps) |"
+    assert [l.split(" | ")[1:3] for l in lines[6:11]] == [["0", "0"], ["0", "200"], ["2", "0"],
+                                                          ["10", "0"], ["10", "200"]]
+    assert lines[10].endswith("| **no** |")
     assert "torch: 1 of 2 replicates meet the target" in text
     assert "jax: 1 of 1 replicates meet the target" in text
 
