@@ -134,7 +134,8 @@ def _few(keys: list[str]) -> str:
 def owners(sizes: dict[str, int], world: int) -> dict[str, int]:
     """{key: the process that writes it} for tensors of `sizes` bytes: largest first, each to
     the process with the fewest bytes so far (ties: the lower index; keys in order), so every
-    process computes the same assignment and the shares differ by at most one tensor."""
+    process computes the same assignment and no share exceeds another by more than the
+    largest tensor."""
     load = [0] * world
     out = {}
     for key in sorted(sizes, key=lambda k: (-sizes[k], k)):
