@@ -150,6 +150,12 @@ def get_config() -> ml_collections.ConfigDict:
     # take (checked at start: a cache that would not fit stops the run with the numbers).
     c.engine.slots = 32  # JAX engine: requests decoding at once
     c.engine.kv_memory_fraction = 0.9  # JAX engine: device memory share for cache and weights
+    # The JAX engine's largest prefill: at most this many work rows (0: the slots) of at most
+    # this many new tokens each (0: the context); a request with more new tokens (a long
+    # prompt, an evicted session prefilled whole) is prefilled alone. They bound the prefill's
+    # memory (`python -m geo3k_jax.aot` compiles them).
+    c.engine.prefill_rows = 0
+    c.engine.prefill_tokens = 0
 
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()
@@ -249,6 +255,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.compilation_cache_dir = "data/jax_cache"  # persistent XLA cache; "" = off
     c.jax.distributed = False  # jax.distributed.initialize() first (multi-host slices)
     c.jax.platform = ""  # "tpu": refuse to start where JAX sees another platform; "" = any
+    # At start, compile the learner's step (its one slice shape, jax.slice) and the JAX engine's
+    # largest programs on the run's devices and refuse when, together, they do not fit a
+    # device's memory (its own, or jax.hbm_gib GiB): `python -m geo3k_jax.aot`'s budget.
+    c.jax.hbm_check = False
+    c.jax.hbm_gib = 0.0
     c.jax.check = ml_collections.ConfigDict()
     c.jax.check.dtype = "float32"  # float32 | bfloat16 (both backends' weights in that dtype)
     c.jax.check.prompts = 3  # synthetic problems; each episode answers wrong, then right

@@ -36,11 +36,17 @@ def get_config(arg=None):
     c.jax.compute_dtype = "bfloat16"
     c.engine.slots = 128  # per host: 28 GiB of KV cache a v5p chip (docs/tpu_engine.md)
     c.jax.remat = True
+    # The learner and the engine on the same chips: checked together before the first step
+    # (geo3k_jax.aot.check_run), at most 8 prefill rows of 2,048 new tokens (docs/tpu.md)
+    c.jax.hbm_check = True
+    c.engine.prefill_rows = 8
+    c.engine.prefill_tokens = 2048
     if arg == "cpu":
         cpu.runlocal(c)
         c.jax.platform = ""
         c.jax.distributed = False  # a test starts its processes' cluster itself
         c.engine.slots = 8
+        c.jax.hbm_check = False  # minutes of compiling on a CPU; tests/test_jax_aot.py turns it on
     # A compile takes minutes here: one slice shape for the run (geo3k_jax.buckets.one_shape).
     # Rows of the micro-batch budget (16,384 tokens), any of them trained; 2,048 image patches
     # (a row holds a few groups, each prompt's image encoded once); a sequence is at most

@@ -1,4 +1,5 @@
-"""Compile the JAX learner's step for a TPU slice on a host without one, from shapes alone.
+"""Compile a run's learner and engine for a TPU slice on a host without one, from shapes alone,
+and hold what they take together against each chip's HBM.
 
     python -m geo3k_jax.aot --config=configs/tpu.py --topology=v5p-8 --shapes=qwen3_vl_2b
 
@@ -7,10 +8,15 @@ two programs for the chips of `--topology` — one slice's gradient added into t
 and the update — with the parameters built abstractly from a model's published config
 (`configs/models`, or a checkpoint directory's config.json: no weights), the mesh and partition
 rules of `--config`, and one slice of its one shape (`config.jax.slice`, one row per
-data-parallel device). It prints, per device, the bytes of each program's arguments, outputs,
-temporaries and code against the chip's HBM, the compiler's flops and bytes accessed, and a
-roofline bound on the program's time (max of flops / peak and bytes / bandwidth); exits 1 when
-a program does not fit. Nothing runs on a TPU: a compile that fits is no proof of speed.
+data-parallel device); with `engine.backend=local` also the JAX engine's programs on the same
+chips at their largest shapes (`geo3k_jax.engine_aot`). It prints, per device, the bytes of each
+program's arguments, outputs, temporaries and code, the compiler's flops and bytes accessed and
+a roofline bound on the program's time (max of flops / peak and bytes / bandwidth), then the
+run's budget (`budget`): each phase of a step — rollout, weight copy, training, and both at once
+when rollouts overlap training — as the peak of the program running plus what the other side
+keeps resident, the largest against the chip's HBM, and the engine slots that would fit. Exits 1
+when it does not fit; a run with `jax.hbm_check` refuses to start on the same numbers
+(`check_run`). Nothing runs on a TPU: a compile that fits is no proof of speed.
 
 This is MaxText's `train_compile` pattern. The figures in docs/tpu.md come from this command.
 """
@@ -166,16 +172,39 @@ def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
     return out
 
 
+def tpu_chip(devices) -> Chip:
+    """The `Chip` of a TPU slice's devices."""
+    chip = CHIPS.get(devices[0].device_kind)
+    if chip is None:
+        raise SystemExit(f"unknown chip {devices[0].device_kind!r}: add it to aot.CHIPS")
+    return chip
+
+
 def compile_step(cfg, topology: str, config) -> dict:
     """Compile the learner's gradient and update for `topology`; their `report`s and the
     run's figures (chips, slice shape, parameter count)."""
     devices = topology_devices(topology)
-    chip = CHIPS.get(devices[0].device_kind)
-    if chip is None:
-        raise SystemExit(f"unknown chip {devices[0].device_kind!r}: add it to aot.CHIPS")
-    learner = abstract_learner(cfg, config, devices)
+    chip = tpu_chip(devices)
+    return compile_learner(abstract_learner(cfg, config, devices), cfg, config, chip,
+                           topology)
+
+
+def learner_resident(learner) -> int:
+    """Bytes one device keeps of the learner's state for the whole run: parameters, optimizer
+    state and the KL reference."""
+    return sum(device_bytes(t) for t in (learner.params, learner.opt_state, learner.ref_params)
+               if t is not None)
+
+
+def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dict:
+    """`learner`'s gradient and update compiled for its mesh (of abstract or real devices):
+    their `report`s and the run's figures."""
+    devices = list(learner.mesh.devices.flat)
     lowered = learner.lower(abstract_slice(learner, config))
-    resident = {"grad": device_bytes(learner.opt_state), "apply": 0}
+    ref = device_bytes(learner.ref_params) if learner.ref_params is not None else 0
+    # what waits in HBM without being the program's argument: the Adam moments during the
+    # gradient, the KL reference during the update
+    resident = {"grad": device_bytes(learner.opt_state), "apply": ref}
     shape = learner.shape  # one row per data-parallel device; the mesh's devices share the work
     model_flops = {"grad": learner.rows_per_slice * row_flops(
         config, shape["length"], shape["targets"], shape["patches"], shape["window"])
@@ -195,34 +224,111 @@ def compile_step(cfg, topology: str, config) -> dict:
             "attention": resolve_attention(cfg.jax.attention, devices[0].platform).kind,
             "params": sum(math.prod(v.shape) for v in learner.params.values()),
             "slice": dict(learner.shape, rows=learner.rows_per_slice), "programs": programs,
-            "fits": all(p["fits"] for p in programs)}
+            "resident": learner_resident(learner), "fits": all(p["fits"] for p in programs)}
 
 
-def format_report(r: dict) -> str:
-    """The report as a table, bytes in GiB per device."""
+def program_peak(p: dict) -> int:
+    """A program's peak bytes per device, without what `report` added as resident."""
+    return p["peak"] - p["resident"]
+
+
+def budget(learner: dict, engine: dict | None, hbm: float, overlap: bool) -> dict:
+    """One device's bytes in each phase of a step, learner and engine on the same chips.
+    learner: `compile_learner`'s report; engine: `geo3k_jax.engine_aot.compile_engine`'s
+    (None: rollouts elsewhere); overlap: rollouts run while the learner trains
+    (train.max_staleness >= 1).
+
+    rollout: the learner's state (parameters, optimizer state, reference) + the engine's
+    costliest program (its weights and cache are arguments of each); weight copy: the learner's
+    state + the cache + the engine's weights twice (the new copy is made before the old one
+    goes); train: the learner's costliest program (its optimizer state included) + the engine's
+    weights and cache; overlapped: both costliest programs. Slots that fit: the engine's slots
+    scaled by what is left over the cache per slot (the cache grows linearly in slots; the
+    decode's gathered pages, a layer's share, come out of what the rounding leaves)."""
+    refused = [p["program"] for p in learner["programs"] + (engine or {}).get("programs", [])
+               if "refused" in p]
+    if refused:
+        return {"phases": {}, "refused": refused, "hbm": hbm, "fits": False}
+    lpeak = max(p["peak"] for p in learner["programs"])
+    phases = {}
+    if engine is None:
+        phases["train"] = lpeak
+    else:
+        epeak = max(program_peak(p) for p in engine["programs"])
+        resident = engine["weights"] + engine["cache"]
+        phases["rollout"] = learner["resident"] + epeak
+        phases["weight copy"] = learner["resident"] + engine["cache"] + 2 * engine["weights"]
+        phases["train"] = lpeak + resident
+        if overlap:
+            phases["overlapped"] = lpeak + epeak
+    worst = max(phases, key=phases.get)
+    out = {"phases": phases, "worst": worst, "peak": phases[worst], "hbm": hbm,
+           "fits": phases[worst] <= hbm and all(p["fits"] for p in learner["programs"])}
+    if engine is not None:
+        per_slot = engine["cache"] / engine["slots"]
+        unit = engine["data_shards"]  # each device holds as many slots
+        more = math.floor((hbm - phases[worst]) / per_slot)
+        out["slots_fit"] = max(0, (engine["slots"] + more) // unit * unit)
+    return out
+
+
+def format_budget(b: dict, slots: int | None = None) -> str:
+    """The budget as lines, GiB per device."""
+    if b.get("refused"):
+        return f"the compiler refused {', '.join(b['refused'])}: DOES NOT FIT"
+    lines = ["phase          GiB per device"]
+    for name, v in b["phases"].items():
+        lines.append(f"{name:14s} {v / GiB:8.2f}{'  <- peak' if name == b['worst'] else ''}")
+    verdict = "fits" if b["fits"] else "DOES NOT FIT"
+    lines.append(f"peak {b['peak'] / GiB:.2f} of {b['hbm'] / GiB:.2f} GiB per device: {verdict}")
+    if "slots_fit" in b:
+        lines.append(f"engine slots: {slots} asked, about {b['slots_fit']} fit "
+                     "(engine.slots; the cache grows linearly in them)")
+    return "\n".join(lines)
+
+
+def format_programs(programs: list[dict]) -> str:
+    """Programs' `report`s as a table, bytes in GiB per device."""
     g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
-    lines = [f"{r['topology']} ({r['devices']} x {r['chip']}), {r['params'] / 1e9:.2f}B "
-             f"parameters, {r['attention']} attention, slice {r['slice']}",
-             "program   argument  output   alias    temp    code  +state    peak /  HBM GiB"
+    lines = ["program       argument  output   alias    temp    code  +state    peak /  HBM GiB"
              "   fits  TFLOP (model)  GB accessed  roofline ms  compile s"]
-    for p in r["programs"]:
+    for p in programs:
         if "refused" in p:
-            lines.append(f"{p['program']:8s} refused by the compiler after {p['compile_s']:.0f} s: "
-                         f"{p['refused']}")
+            lines.append(f"{p['program']:12s} refused by the compiler after {p['compile_s']:.0f} "
+                         f"s: {p['refused']}")
             continue
-        lines.append(f"{p['program']:8s} {g(p['argument'])} {g(p['output'])} {g(p['alias'])} "
+        lines.append(f"{p['program']:12s} {g(p['argument'])} {g(p['output'])} {g(p['alias'])} "
                      f"{g(p['temp'])} {g(p['code'])} {g(p['resident'])} {g(p['peak'])} / "
                      f"{p['hbm'] / GiB:6.2f}  {'yes' if p['fits'] else 'NO ':>5s} "
                      f"{p['flops'] / 1e12:6.1f} ({p['model_flops'] / 1e12:6.1f})  "
                      f"{p['bytes_accessed'] / 1e9:11.1f}  "
                      f"{p['roofline_s'] * 1e3:11.1f}  {p['compile_s']:9.0f}")
-    lines.append("fits" if r["fits"] else "DOES NOT FIT")
     return "\n".join(lines)
 
 
-def main(argv) -> None:
-    """The command line. Its flags live in their own FlagValues, so a process that has defined
-    another `--config` (a test worker, a notebook) can call it."""
+def format_report(r: dict) -> str:
+    """The report as tables, bytes in GiB per device: the learner's programs, the engine's,
+    the budget."""
+    lines = [f"{r['topology']} ({r['devices']} x {r['chip']}), {r['params'] / 1e9:.2f}B "
+             f"parameters, {r['attention']} attention, slice {r['slice']}",
+             format_programs(r["programs"])]
+    e = r.get("engine")
+    if e is not None:
+        lines += [f"engine on {e['devices']} devices a host: {e['slots']} slots of "
+                  f"{e['context']} tokens (cache {e['cache'] / GiB:.2f} GiB, bf16 weights "
+                  f"{e['weights'] / GiB:.2f} GiB per device), prefills (rows, new tokens, "
+                  f"bound) {e['prefill_shapes']}", format_programs(e["programs"])]
+    if "budget" in r:
+        lines.append(format_budget(r["budget"], e["slots"] if e else None))
+    else:
+        lines.append("fits" if r["fits"] else "DOES NOT FIT")
+    return "\n".join(lines)
+
+
+def setup(argv, programs_help: str):
+    """The command line of this module and `geo3k_jax.engine_aot` (its flags in their own
+    FlagValues, so a process that has defined another `--config` can call it): (flags, config,
+    chip, abstract learner, model config)."""
     from absl import flags
     from ml_collections import config_flags
 
@@ -234,11 +340,53 @@ def main(argv) -> None:
     flags.DEFINE_string("shapes", "qwen3_vl_2b", "configs/models name or a checkpoint directory",
                         flag_values=fv)
     flags.DEFINE_string("json", "", "also write the report here", flag_values=fv)
+    flags.DEFINE_list("programs", [], programs_help + " (empty: all)", flag_values=fv)
     try:
         fv(argv)
     except flags.Error as e:
         raise SystemExit(f"{e}\n{fv.main_module_help()}") from None
-    r = dict(compile_step(fv.config, fv.topology, model_config(fv.shapes)), shapes=fv.shapes)
+    devices = topology_devices(fv.topology)
+    config = model_config(fv.shapes)
+    return fv, fv.config, tpu_chip(devices), abstract_learner(fv.config, config, devices), config
+
+
+def compile_run(cfg, learner, config, chip: Chip, topology: str = "",
+                engine_programs: list | None = None) -> dict:
+    """The learner's report (`compile_learner`), with the engine's on the same chips
+    (`engine.backend=local`) and the `budget` of both."""
+    from geo3k_jax.engine_aot import compile_engine
+    r = compile_learner(learner, cfg, config, chip, topology)
+    engine = None
+    if cfg.engine.backend == "local":
+        engine = r["engine"] = compile_engine(cfg, learner, config, chip, engine_programs)
+    r["budget"] = budget(r, engine, chip.hbm, cfg.train.max_staleness >= 1)
+    r["fits"] = r["budget"]["fits"]
+    return r
+
+
+def check_run(cfg, learner, config, memory: int) -> dict:
+    """At a run's start (`jax.hbm_check`): compile its learner and engine on its own devices and
+    refuse, with the budget's numbers, when they do not fit `memory` bytes a device (the
+    device's own, or `jax.hbm_gib`). Returns the report."""
+    devices = list(learner.mesh.devices.flat)
+    kind = devices[0].device_kind
+    known = CHIPS.get(kind)
+    chip = Chip(kind, float(memory), known.peak_flops if known else math.inf,
+                known.hbm_bandwidth if known else math.inf)
+    r = compile_run(cfg, learner, config, chip)
+    if not r["fits"]:
+        raise SystemExit("the run's learner and JAX engine do not fit its devices together "
+                         "(jax.hbm_check; python -m geo3k_jax.aot compiles the same for a TPU "
+                         "slice):\n" + format_report(dict(r, topology=kind)) + "\nlower "
+                         "engine.slots, engine.prefill_rows or engine.prefill_tokens, or "
+                         "train.micro_batch_tokens, or use more chips")
+    return r
+
+
+def main(argv) -> None:
+    fv, cfg, chip, learner, config = setup(argv, "the engine's programs to compile")
+    r = dict(compile_run(cfg, learner, config, chip, fv.topology, fv.programs or None),
+             shapes=fv.shapes)
     print(format_report(r))
     if fv.json:
         Path(fv.json).write_text(json.dumps(r, indent=1))

@@ -58,6 +58,19 @@ def on_host(tree: dict, mesh: Mesh) -> dict:
     return jax.tree.map(local, tree)
 
 
+def engine_mesh(merge, params: dict, mesh: Mesh | None, several: bool):
+    """(merge, mesh) of the JAX engine beside a learner of `merge`, `params` on `mesh`: with
+    `several` processes this process's own devices (`host_mesh`), the splash kernel's shard_map
+    over them rather than over the learner's mesh of every process; else the learner's."""
+    if not several:
+        return merge, mesh
+    if mesh is None:
+        raise ValueError("a JAX engine on several processes needs the learner's mesh")
+    host = host_mesh(mesh)
+    return with_attention(merge, params, lambda a: dataclasses.replace(
+        a, mesh=host) if a.mesh is not None else a), host
+
+
 class JaxBackend:
     """The engine of the JAX learner's process. With several processes (a multi-host slice)
     each runs an engine of its own on its own devices (`host_mesh`) for its own share of the
@@ -66,27 +79,23 @@ class JaxBackend:
     learner's parameters over the data axes."""
 
     def __init__(self, learner, processor, config, *, seed: int, slots: int = 8,
-                 context: int = 1024, memory_fraction: float = 0.9):
+                 context: int = 1024, memory_fraction: float = 0.9, prefill_rows: int = 0,
+                 prefill_tokens: int = 0):
         """learner: a `geo3k_jax.learner.Learner`; config: the transformers config of its
-        model; slots, context, memory_fraction: `JaxEngine`'s (per process)."""
+        model; slots, context, memory_fraction, prefill_rows, prefill_tokens: `JaxEngine`'s
+        (per process)."""
         dtype = learner.compute_dtype
-        mesh, self._host = learner.mesh, None  # _host: this process's own mesh, if several
-        merge = learner.merge
-        if learner.comm.world > 1:
-            if mesh is None:
-                raise ValueError("a JAX engine on several processes needs the learner's mesh")
-            mesh = self._host = host_mesh(mesh)
-            # the splash kernel's shard_map over the devices the engine's arrays live on, not
-            # over the learner's mesh of every process
-            merge = with_attention(merge, learner.params, lambda a: dataclasses.replace(
-                a, mesh=self._host) if a.mesh is not None else a)
+        several = learner.comm.world > 1
+        merge, mesh = engine_mesh(learner.merge, learner.params, learner.mesh, several)
+        self._host = mesh if several else None  # this process's own mesh, if several
         shardings = engine_shardings(getattr(learner, "param_sh", None))
         self._copy = jax.jit(lambda p: jax.tree.map(
             lambda a: a if dtype is None else a.astype(dtype), p), out_shardings=shardings)
         self.params = self._placed(learner)
         self.engine = JaxEngine(merge, lambda: self.params, processor, config,
                                 seed=seed, compute_dtype=dtype, slots=slots, context=context,
-                                mesh=mesh, memory_fraction=memory_fraction)
+                                mesh=mesh, memory_fraction=memory_fraction,
+                                prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
 
     def _placed(self, learner) -> dict:
         copy = self._copy(learner.params)

@@ -203,14 +203,21 @@ class JaxEngine:
     share_prefill: identical requests admitted together share one prefill row; keep_cache: a
     session's next turn continues its parked slot (off: every request is prefilled whole);
     memory_fraction: of a device's `memory` (None: as the device reports it) the cache and
-    weights may use (`check_kv_budget`)."""
+    weights may use (`check_kv_budget`); prefill_rows, prefill_tokens: the largest prefill
+    (`prefill_shapes`; 0: the slots, the context): at most `prefill_rows` work rows of at most
+    `prefill_tokens` new tokens each, and a request with more new tokens (a long prompt, a
+    session evicted from its slot and prefilled whole) goes in a prefill of its own."""
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
                  seed: int = 0, compute_dtype=None, slots: int = 8, context: int = 1024,
                  mesh=None, share_prefill: bool = True, keep_cache: bool = True,
-                 memory_fraction: float = 0.9, memory: int | None = None):
+                 memory_fraction: float = 0.9, memory: int | None = None,
+                 prefill_rows: int = 0, prefill_tokens: int = 0):
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
+        if prefill_rows < 0 or prefill_tokens < 0:
+            raise ValueError(f"engine.prefill_rows ({prefill_rows}) and engine.prefill_tokens "
+                             f"({prefill_tokens}) must be >= 0 (0: the slots, the context)")
         # without a mesh, a one-device one: the cache keeps one sharding from call to call
         # (one the programs' outputs would otherwise pick anew: traced again)
         self.keep_cache = keep_cache
@@ -220,6 +227,8 @@ class JaxEngine:
             raise ValueError(f"engine.slots ({slots}) must be >= 1 and the context ({context}) "
                              ">= 2 tokens")
         self.n_slots, self.capacity = slots, bucket(context, LENGTH_UNIT)
+        self.prefill_rows = min(prefill_rows or slots, slots)
+        self.prefill_tokens = min(prefill_tokens or self.capacity, self.capacity)
         self.shape = CacheShape.of(config)
         some = params()
         self.dtype = compute_dtype or next(iter(some.values())).dtype
@@ -350,7 +359,8 @@ class JaxEngine:
                     self._thread = None
                     return
             try:
-                self._admit()
+                while self._admit():
+                    pass
                 if self._state["live"].any():
                     self._decode_chunk()
             except BaseException as e:  # noqa: BLE001 - every waiting caller gets it
@@ -411,48 +421,79 @@ class JaxEngine:
             return None
         return min(ready, key=lambda i: self._slots[i].used), 0
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """Move waiting requests into slots, prefill them and insert their rows: in order
         while slots are left, and after that any request whose session's parked slot is free
-        (a next turn goes on in its own slot ahead of new sessions)."""
-        admitted, taken, kept, blocked = [], set(), collections.deque(), False
+        (a next turn goes on in its own slot ahead of new sessions); a prefill's rows and new
+        tokens within `prefill_shapes`. Returns whether the prefill was full (more may be
+        admitted at once)."""
+        admitted, taken, kept, blocked, full = [], set(), collections.deque(), False, False
+        rows: set = set()  # the work rows' keys (`_prefill_admitted` shares equal requests')
         with self._lock:
-            while self._waiting:
+            while self._waiting and not full:
                 job = self._waiting.popleft()
                 r = job.request
                 choice = None
                 if not blocked or self._own_slot(r, taken) is not None:
                     images = tuple(image_key(im) for im in r.images)
                     choice = self._pick(r, images, taken)
+                if choice is not None:
+                    key = self._row_key(r, images, choice[1], len(admitted))
+                    long = len(r.input_ids) - choice[1] > self.prefill_tokens
+                    if (long and admitted) or (key not in rows and len(rows) == self.prefill_rows):
+                        choice, full = None, True  # in the next prefill, in its turn
+                    else:
+                        full = long  # a long row goes alone
                 if choice is None:
                     blocked = True
                     kept.append(job)
                     continue
+                rows.add(key)
                 taken.add(choice[0])
                 admitted.append((job, images) + choice)
                 self._slots[choice[0]].job = job  # in flight: `_fail` finds it
+            kept.extend(self._waiting)
             self._waiting = kept
             epoch = self._epoch
         if not admitted:
-            return
+            return False
         for job, _, s, kept in admitted:  # a parked session whose keys are overwritten
             slot = self._slots[s]
             self.evictions += bool(slot.ids) and (slot.session != job.request.session
                                                   or kept == 0)
         self._prefill_admitted(admitted, epoch)
+        return full
+
+    def _row_key(self, r: Request, images: tuple, kept: int, n: int):
+        """The work row a request admitted `n`-th with `kept` cached tokens prefills in: equal
+        fresh requests share one (`share_prefill`), any other has its own."""
+        if kept == 0 and self.share_prefill:
+            return (np.asarray(r.input_ids, np.int64).tobytes(), images)
+        return n
+
+    def prefill_shapes(self) -> list[tuple[int, int, int]]:
+        """(work rows, new tokens, attention bound) of the largest prefills the engine runs:
+        `prefill_rows` rows of `prefill_tokens` new tokens over up to the whole context, and
+        one row of the whole context; every prefill it compiles is within one of them."""
+        rows = power_of_two(self.prefill_rows, 1)
+        tokens = bucket(self.prefill_tokens, NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
+        out = [(rows, tokens, self.capacity)]
+        if self.prefill_tokens < self.capacity:
+            out.append((1, bucket(self.capacity, NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS),
+                        self.capacity))
+        return out
 
     def _prefill_admitted(self, admitted: list, epoch: int) -> None:
         """Prefill the admitted requests' new tokens (work rows shared by equal requests),
         sample their first tokens, insert the rows into their slots."""
         work, expand, seen = [], [], {}
-        for job, images, s, kept in admitted:
+        for n, (job, images, s, kept) in enumerate(admitted):
             r = job.request
-            if kept == 0 and self.share_prefill:
-                key = (np.asarray(r.input_ids, np.int64).tobytes(), images)
-                if key in seen:
-                    expand.append(seen[key])
-                    continue
-                seen[key] = len(work)
+            key = self._row_key(r, images, kept, n)
+            if key in seen:
+                expand.append(seen[key])
+                continue
+            seen[key] = len(work)
             expand.append(len(work))
             work.append((r, s, kept))
         batch, source, lengths, first_pos, real = self._work_arrays(work)

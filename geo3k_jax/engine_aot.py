@@ -1,17 +1,19 @@
-"""Compile the JAX engine's prefill, insert and decode for a TPU slice from shapes alone.
+"""Lower the JAX engine's programs at the largest shapes a run gives them, from shapes alone.
 
-    python -m geo3k_jax.engine_aot --topology=v5p:2x2x1 --shapes=qwen3_vl_2b --slots=128 \
-        --context=8192
+    python -m geo3k_jax.engine_aot --config=configs/tpu.py --topology=v5p-8 \
+        --shapes=qwen3_vl_2b                # the engine alone; geo3k_jax.aot adds the learner
 
-The TPU compiler (libtpu) builds the engine's three programs for the chips of `--topology`,
-with the parameters built abstractly (bf16, the engine's layout: `geo3k_jax.backend`) from a
-published model config (`configs/models`), the cache sharded as the engine shards it
-(`geo3k_jax.kv_budget`), and the shapes of the recipe's rollout: `--slots` decode slots of
-`--context` tokens (decode reading every page of every slot: its costliest page table), a
-prefill of `--rows` work rows of `--new-tokens` tokens with one image of `--patches` patches
-each, inserted into `--rows` x 8 slots (a group's 8 episodes share a prompt row). Prints one JSON line per program:
-per-device bytes of arguments, outputs, temporaries, the cache's share, against the chip's HBM.
-Nothing runs on a TPU: a compile that fits is no proof of speed.
+The engine is the one a run of `--config` builds beside its learner (`abstract_engine`): bf16
+weights in the engine's layout (`geo3k_jax.backend`), the run's attention, on one host's chips
+of the slice (each host runs its own engine for `engine.slots` slots of
+`rollout.max_context_tokens` tokens). Its programs (`engine_programs`): the prefill at each of the
+engine's largest prefill shapes (`JaxEngine.prefill_shapes`: `engine.prefill_rows` rows of
+`engine.prefill_tokens` new tokens over up to the whole context, and one row of the whole
+context), every row with an image of `jax.slice.patches` patches and every slot asking for a
+first token; the insert of those rows; the decode reading every page of every slot (its
+costliest page table). A prefill the run compiles has at most these rows, new tokens and
+attention bound, so no more memory. Prints one line per program: per-device bytes against the
+chip's HBM. Nothing runs on a TPU: a compile that fits is no proof of speed.
 """
 
 from __future__ import annotations
@@ -22,28 +24,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host's devices: never prob
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import json  # noqa: E402
-import tempfile  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "libtpu topology (v5p-8: v5p:2x2x1)")
-_SHAPES = flags.DEFINE_string("shapes", "qwen3_vl_2b", "A configs/models name.")
-_SLOTS = flags.DEFINE_integer("slots", 128, "Decode slots.")
-_CONTEXT = flags.DEFINE_integer("context", 8192, "Tokens a slot holds.")
-_ROWS = flags.DEFINE_integer("rows", 32, "Prefill work rows.")
-_NEW = flags.DEFINE_integer("new_tokens", 512, "Prefill new tokens per row.")
-_PATCHES = flags.DEFINE_integer("patches", 1024, "Image patches per row.")
-_PROGRAMS = flags.DEFINE_list("programs", ["prefill", "insert", "decode"],
-                              "Which programs to compile (the prefill takes the longest).")
-
-GiB = 2 ** 30
-HBM = {"TPU v5": 95.74 * GiB}  # v5p: what the compiler lets a program use
 
 
 def abstract(tree, sharding):
@@ -52,114 +42,123 @@ def abstract(tree, sharding):
                         tree)
 
 
-def compile_engine(config, devices, slots, context, rows, new_tokens, patches,
-                   names=("prefill", "insert", "decode")) -> list[dict]:
-    """The engine's programs `names` (of prefill, insert, decode) compiled for `devices`; one
-    report per program."""
-    from configs.base import JAX_RULES
-    from geo3k_jax.backend import engine_shardings
-    from geo3k_jax.batch import pad_patches
-    from geo3k_jax.engine import DECODE_CHUNK, MAX_STOPS, JaxEngine
-    from geo3k_jax.model import QwenVL, split_params
-    from geo3k_jax.ragged import PAGE
-    from geo3k_jax.sharding import make_mesh, param_shardings
+def abstract_engine(cfg, learner, config, memory: int):
+    """(the `geo3k_jax.engine.JaxEngine` a run of `cfg` builds beside `learner` — an abstract
+    `geo3k_jax.aot.abstract_learner` — on one host's chips, its abstract bf16 parameters)."""
+    from geo3k_jax.backend import engine_mesh, engine_shardings
+    from geo3k_jax.engine import JaxEngine
 
-    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices)
-    merge, shapes = split_params(nnx.eval_shape(
-        lambda: QwenVL(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))
-    sh = engine_shardings(param_shardings(shapes, mesh, JAX_RULES))
-    params = {k: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16, sharding=sh[k])
-              for k, v in shapes.items()}
-    hbm = HBM.get(devices[0].device_kind, 16 * GiB)
+    several = len({d.process_index for d in learner.mesh.devices.flat}) > 1
+    merge, mesh = engine_mesh(learner.merge, learner.params, learner.mesh, several)
+    sh = engine_shardings(learner.param_sh)
+    params = {k: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16,
+                                      sharding=NamedSharding(mesh, sh[k].spec))
+              for k, v in learner.params.items()}
     engine = JaxEngine(merge, lambda: params, None, config, compute_dtype=jnp.bfloat16,
-                       slots=slots, context=context, mesh=mesh, memory=int(hbm))
-    rep = NamedSharding(mesh, P())
-    cache = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=s),
-                         engine._shardings, jax.eval_shape(lambda: _zeros(engine)))
-    requests = min(slots, rows * 8)
-    one = pad_patches(None, config, patches, new_tokens)
-    batch = {"input_ids": np.zeros((rows, new_tokens), np.int32),
-             "positions": np.zeros((rows, 3, new_tokens), np.int32),
-             "count": np.ones(rows, np.int32),
-             "pixel_values": np.zeros((rows,) + one["pixel_values"].shape, np.float32),
-             "visual_index": np.zeros((rows,) + one["visual_index"].shape, np.int32),
-             "vision": {k: np.zeros((rows,) + v.shape, v.dtype)
-                        for k, v in one["vision"].items()}}
+                       slots=cfg.engine.slots, context=cfg.rollout.max_context_tokens,
+                       mesh=mesh, memory=memory, memory_fraction=1.0,
+                       prefill_rows=cfg.engine.prefill_rows,
+                       prefill_tokens=cfg.engine.prefill_tokens)
+    return engine, params
+
+
+def engine_programs(engine, params: dict, patches: int) -> dict[str, Callable]:
+    """{name: a thunk lowering the program}: "prefill" (and "prefill_long", a row of the whole
+    context) at `engine.prefill_shapes()`, each row with an image of `patches` patches (0:
+    none), "insert" of the largest prefill's rows, "decode" over every page of every slot."""
+    from geo3k_jax.batch import pad_patches
+    from geo3k_jax.engine import MAX_STOPS, power_of_two
+    from geo3k_jax.kv_budget import allocate
+    from geo3k_jax.ragged import PAGE
+
+    rep = NamedSharding(engine.mesh, P())
+    cache = jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(x.shape, engine.dtype, sharding=s), engine._shardings,
+        jax.eval_shape(lambda: allocate(engine.shape, engine.n_slots, engine.capacity,
+                                        engine.dtype)))
+    requests = power_of_two(engine.n_slots, 1)  # every slot admitted at once, its first token
     vec = lambda n, dt: np.zeros(n, dt)  # noqa: E731
     sampling = (vec(requests, np.float32), vec(requests, np.float32))
-    prefill_args = abstract((vec(rows, np.int32), vec(rows, np.int32), batch,
-                             vec(requests, np.int32), sampling, vec(requests, np.uint32),
-                             vec(2, np.uint32)), rep)
-    bound = min(engine.capacity, new_tokens)
-    work = jax.eval_shape(lambda c: tuple((k[:rows, :bound], v[:rows, :bound])
-                                          for k, v in c), cache)
-    work = abstract(work, rep)
+
+    def prefill(rows, new_tokens, bound):
+        batch = {"input_ids": np.zeros((rows, new_tokens), np.int32),
+                 "positions": np.zeros((rows, 3, new_tokens), np.int32),
+                 "count": np.ones(rows, np.int32)}
+        if patches:
+            one = pad_patches(None, engine.config, patches, new_tokens)
+            batch.update(
+                pixel_values=np.zeros((rows,) + one["pixel_values"].shape, np.float32),
+                visual_index=np.zeros((rows,) + one["visual_index"].shape, np.int32),
+                vision={k: np.zeros((rows,) + v.shape, v.dtype) for k, v in one["vision"].items()})
+        args = abstract((vec(rows, np.int32), vec(rows, np.int32), batch,
+                         vec(requests, np.int32), sampling, vec(requests, np.uint32),
+                         vec(2, np.uint32)), rep)
+        return lambda: engine._prefill.lower(params, cache, *args, bound=bound, nucleus=False)
+
+    shapes = engine.prefill_shapes()
+    programs = {"prefill": prefill(*shapes[0])}
+    if len(shapes) > 1:
+        programs["prefill_long"] = prefill(*shapes[1])
+    rows, _, bound = shapes[0]
+    work = abstract(jax.eval_shape(lambda c: tuple((k[:rows, :bound], v[:rows, :bound])
+                                                   for k, v in c), cache), rep)
+    programs["insert"] = lambda: engine._insert.lower(cache, work, *abstract(
+        (vec(requests, np.int32), vec(requests, np.int32)), rep))
+    slots = engine.n_slots
     state = {k: vec(slots, dt) for k, dt in (
         ("tok", np.int32), ("pos", np.int32), ("length", np.int32), ("live", bool),
         ("count", np.int32), ("budget", np.int32), ("temperature", np.float32),
         ("top_p", np.float32), ("seed", np.uint32))}
     state["stops"] = np.zeros((slots, MAX_STOPS), np.int32)
     shards = engine._data_shards
-    full_table = np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32)
-    programs = {
-        "prefill": lambda: engine._prefill.lower(params, cache, *prefill_args, bound=bound,
-                                                 nucleus=False),
-        "insert": lambda: engine._insert.lower(cache, work, *abstract(
-            (vec(requests, np.int32), vec(requests, np.int32)), rep)),
-        "decode": lambda: engine._decode.lower(params, cache, abstract(state, rep),
-                                               abstract(full_table, rep),
-                                               abstract(vec(2, np.uint32), rep),
-                                               nucleus=False)}
-    cache_bytes = engine.cache_bytes
-    weight_bytes = sum(np.prod(p.sharding.shard_shape(p.shape)) * 2 for p in params.values())
-    out = []
-    unknown = set(names) - set(programs)
+    table = np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32)
+    programs["decode"] = lambda: engine._decode.lower(
+        params, cache, abstract(state, rep), abstract(table, rep), abstract(vec(2, np.uint32), rep),
+        nucleus=False)
+    return programs
+
+
+def weight_bytes(params: dict) -> int:
+    """Bytes one device holds of the engine's abstract weights."""
+    return int(sum(math.prod(p.sharding.shard_shape(p.shape)) * np.dtype(p.dtype).itemsize
+                   for p in params.values()))
+
+
+def compile_engine(cfg, learner, config, chip, names=None) -> dict:
+    """The engine's programs (`names`, default all) compiled for the learner's chips: their
+    `geo3k_jax.aot.report`s (the cache and weights are arguments of each) and what stays
+    resident between them (weights, cache), per device."""
+    from geo3k_jax.aot import report
+
+    engine, params = abstract_engine(cfg, learner, config, memory=2 ** 62)
+    programs = engine_programs(engine, params, cfg.jax.slice.patches)
+    unknown = set(names or ()) - set(programs)
     if unknown:
-        raise ValueError(f"no engine program {sorted(unknown)}: the programs are "
+        raise SystemExit(f"no engine program {sorted(unknown)}: the programs are "
                          f"{', '.join(programs)}")
-    for name in names:
-        lower = programs[name]
+    out = []
+    for name in names or programs:
         t0 = time.perf_counter()
         try:
-            mem = lower().compile().memory_analysis()
+            compiled = programs[name]().compile()
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler's own refusal or failure
-            out.append({"program": name, "failed": str(e).splitlines()[0][:300],
-                        "compile_s": round(time.perf_counter() - t0, 1)})
+            out.append({"program": name, "refused": str(e).splitlines()[0][:300], "fits": False,
+                        "compile_s": time.perf_counter() - t0})
             continue
-        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
-        out.append({"program": name, "devices": len(devices), "slots": slots,
-                    "context": engine.capacity, "rows": rows, "decode_chunk": DECODE_CHUNK,
-                    "cache_gib_per_device": round(cache_bytes / GiB, 2),
-                    "weights_gib_per_device": round(float(weight_bytes) / GiB, 2),
-                    "argument_gib": round(mem.argument_size_in_bytes / GiB, 2),
-                    "output_gib": round(mem.output_size_in_bytes / GiB, 2),
-                    "alias_gib": round(mem.alias_size_in_bytes / GiB, 2),
-                    "temp_gib": round(mem.temp_size_in_bytes / GiB, 2),
-                    "peak_gib": round(peak / GiB, 2), "hbm_gib": round(hbm / GiB, 2),
-                    "fits": bool(peak <= hbm),
-                    "compile_s": round(time.perf_counter() - t0, 1)})
-    return out
+        out.append(report(name, compiled, chip, 0, time.perf_counter() - t0))
+    return {"slots": engine.n_slots, "context": engine.capacity, "data_shards": engine._data_shards,
+            "devices": engine.mesh.devices.size, "prefill_shapes": engine.prefill_shapes(),
+            "weights": weight_bytes(params), "cache": int(engine.cache_bytes), "programs": out}
 
 
-def _zeros(engine):
-    from geo3k_jax.kv_budget import allocate
-    return allocate(engine.shape, engine.n_slots, engine.capacity, jnp.bfloat16)
-
-
-def main(_):
-    from jax.experimental import topologies
-    from transformers import AutoConfig
-
-    from configs.models import write_config_dir
-    devices = list(topologies.get_topology_desc(platform="tpu",
-                                                topology_name=_TOPOLOGY.value).devices)
-    with tempfile.TemporaryDirectory() as d:
-        config = AutoConfig.from_pretrained(str(write_config_dir(_SHAPES.value, d)))
-    for report in compile_engine(config, devices, _SLOTS.value, _CONTEXT.value, _ROWS.value,
-                                 _NEW.value, _PATCHES.value, _PROGRAMS.value):
-        print(json.dumps(report), flush=True)
+def main(argv) -> None:
+    from geo3k_jax import aot
+    fv, cfg, chip, learner, config = aot.setup(argv, "the engine's programs to compile")
+    r = compile_engine(cfg, learner, config, chip, fv.programs or None)
+    print(aot.format_programs(r["programs"]))
+    if fv.json:
+        Path(fv.json).write_text(json.dumps(r, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    main(sys.argv)

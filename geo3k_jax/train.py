@@ -52,6 +52,23 @@ def model_dir_of(cfg) -> str:
     return prepare_model_dir(cfg)
 
 
+def check_budget(cfg, learner, config) -> None:
+    """Refuse to start when the learner's step and the JAX engine's largest programs do not fit
+    a device together (`geo3k_jax.aot.check_run`; `jax.hbm_check`)."""
+    from geo3k_jax.aot import check_run
+    from geo3k_jax.kv_budget import device_memory
+    if learner.shape is None:
+        raise SystemExit("jax.hbm_check compiles the run's one slice shape: set jax.slice "
+                         "(targets, patches, window, prefix_window) as configs/tpu.py does")
+    memory = (int(cfg.jax.hbm_gib * 2 ** 30) if cfg.jax.hbm_gib
+              else device_memory(jax.local_devices()[0]))
+    r = check_run(cfg, learner, config, memory)
+    if jax.process_index() == 0:
+        b = r["budget"]
+        print(f"memory budget: {b['worst']} peak {b['peak'] / 2 ** 30:.2f} of "
+              f"{memory / 2 ** 30:.2f} GiB a device (jax.hbm_check)", flush=True)
+
+
 def build(cfg, workdir: str) -> loop.Run:
     """Processes, mesh, data, model, learner and rollout backend for `cfg`."""
     if cfg.jax.distributed:  # multi-host: before any other JAX call
@@ -89,12 +106,15 @@ def build(cfg, workdir: str) -> loop.Run:
                       chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
                       ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
                       shape=one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens))
+    if cfg.jax.hbm_check:
+        check_budget(cfg, learner, config)
     backend = make_backend(
         cfg, own_kind="jax", model_dir=model_dir, processor=processor, workdir=workdir,
         comm=comm, own=lambda: JaxBackend(
             learner, processor, config, seed=cfg.seed, slots=cfg.engine.slots,
             context=cfg.rollout.max_context_tokens,
-            memory_fraction=cfg.engine.kv_memory_fraction))
+            memory_fraction=cfg.engine.kv_memory_fraction, prefill_rows=cfg.engine.prefill_rows,
+            prefill_tokens=cfg.engine.prefill_tokens))
     counters = backend.metrics if isinstance(backend, JaxBackend) else dict
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 

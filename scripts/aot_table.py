@@ -1,12 +1,13 @@
-"""The table of docs/tpu.md: `python -m geo3k_jax.aot` for each model and TPU slice, one after
-another, then one markdown table of what the compiler reported.
+"""The budget table of docs/tpu.md: `python -m geo3k_jax.aot` (the learner and the JAX engine on
+the same chips) for each model and TPU slice, one after another, then one markdown table of what
+the compiler reported, per chip.
 
-    python scripts/aot_table.py --out=runs/aot               # every cell (minutes to tens each)
-    python scripts/aot_table.py --out=runs/aot --table_only  # the table of the reports kept
+    python scripts/aot_table.py --out=docs/aot               # every cell (tens of minutes each)
+    python scripts/aot_table.py --out=docs/aot --table_only  # the table of the reports kept
     python scripts/aot_table.py --cells=qwen3_vl_8b@v5p-16   # other cells
 
 Each compile runs in its own process (`--json` into --out); a report already there is kept, so an
-interrupted table resumes where it stopped.
+interrupted table resumes where it stopped. docs/aot holds the reports the docs' table shows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from absl import app, flags
 
-flags.DEFINE_string("out", "runs/aot", "where the per-compile JSON reports go")
+flags.DEFINE_string("out", "docs/aot", "where the per-compile JSON reports go")
 flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8", "qwen3_vl_8b@v6e-8",
                            "qwen3_vl_8b@v5p-8", "qwen3_vl_8b@v6e-16", "qwen3_vl_2b@v6e-16"],
                   "model@slice pairs (configs/models names, TPU slices), compiled in this order")
@@ -29,21 +30,31 @@ GiB = 2 ** 30
 
 
 def row(r: dict) -> str:
-    """One markdown row: the peak of the step's programs, fit, compile time, flops, roofline."""
-    progs = {p["program"]: p for p in r["programs"]}
-    if any("refused" in p for p in progs.values()):
-        refused = "; ".join(f"{k}: {p['refused']}" for k, p in progs.items() if "refused" in p)
-        return (f"| {r['shapes']} | {r['topology']} | {r['attention']} | refused | no | "
-                f"{sum(p['compile_s'] for p in progs.values()):.0f} | | | {refused} |")
-    g, a = progs["grad"], progs["apply"]
-    peak = max(g["peak"], a["peak"])
-    return (f"| {r['shapes']} | {r['topology']} | {r['attention']} | {peak / GiB:.1f} / "
-            f"{g['hbm'] / GiB:.2f} | "
-            f"{'yes' if r['fits'] else 'no'} | {g['compile_s'] + a['compile_s']:.0f} | "
-            f"{g.get('model_flops', 0) / 1e12:.0f} | {g['roofline_s'] * 1e3:.0f} + "
-            f"{a['roofline_s'] * 1e3:.0f}"
-            f" | grad {g['peak'] / GiB:.1f} (temp {g['temp'] / GiB:.1f}), apply "
-            f"{a['peak'] / GiB:.1f} |")
+    """One markdown row: the learner's and the engine's costliest programs, the budget's phases,
+    its peak against the chip's HBM, the slots that fit, the compile seconds."""
+    learner, engine, b = r["programs"], r.get("engine"), r.get("budget", {})
+    progs = learner + (engine["programs"] if engine else [])
+    seconds = sum(p["compile_s"] for p in progs)
+    refused = [p for p in progs if "refused" in p]
+    if refused:
+        return (f"| {r['shapes']} | {r['topology']} | refused: "
+                + "; ".join(f"{p['program']}: {p['refused']}" for p in refused)
+                + f" | | | | **no** | | {seconds:.0f} |")
+    gib = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+    top = lambda ps: max(ps, key=lambda p: p["peak"])  # noqa: E731
+    lp = top(learner)
+    if engine:
+        ep = top(engine["programs"])
+        eng = (f"{ep['program']} {gib(ep['peak'])} (weights {gib(engine['weights'])}, cache "
+               f"{gib(engine['cache'])})")
+    else:
+        eng = "elsewhere"
+    phases = ", ".join(f"{k} {gib(v)}" for k, v in b["phases"].items())
+    fits = "yes" if r["fits"] else "**no**"
+    slots = f"{engine['slots']} / {b['slots_fit']}" if engine else ""
+    return (f"| {r['shapes']} | {r['topology']} | {lp['program']} {gib(lp['peak'])} | {eng} | "
+            f"{phases} | {gib(b['peak'])} / {b['hbm'] / GiB:.2f} | {fits} | {slots} | "
+            f"{seconds:.0f} |")
 
 
 def main(_):
@@ -57,8 +68,9 @@ def main(_):
             subprocess.run([sys.executable, "-m", "geo3k_jax.aot", f"--config={FLAGS.config}",
                             f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"],
                            check=False)
-    print("| model | slice | attention | peak GiB per chip / HBM | fits | compile s "
-          "| grad model TFLOP per chip | roofline ms (grad + update) | programs |")
+    print("| model | slice | learner's costliest program GiB | engine's costliest program GiB "
+          "| phases GiB (rollout, weight copy, train) | peak / HBM GiB | fits | engine slots "
+          "(asked / fit) | compile s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for shapes, topology in sorted(cells):
         path = out / f"{shapes}_{topology}.json"

@@ -72,20 +72,167 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
 
 
 def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
-    from geo3k_jax import aot
+    from geo3k_jax import aot, engine_aot
 
     program = dict(program="grad", argument=1, output=1, alias=0, temp=2 * aot.GiB, code=1,
                    resident=0, peak=2 * aot.GiB, hbm=aot.GiB, fits=False, flops=1.0,
                    model_flops=2.0,
                    bytes_accessed=1.0, roofline_s=1e-3, compile_s=1.0)
-    monkeypatch.setattr(aot, "compile_step", lambda cfg, topology, config: dict(
-        topology=topology, chip="v5e", devices=8, params=10, attention="splash", slice={},
-        fits=False,
-        programs=[program, dict(program="apply", refused="RESOURCE_EXHAUSTED: too big",
-                                fits=False, compile_s=2.0)]))
+    learner = dict(topology="v5e-8", chip="v5e", devices=8, params=10, attention="splash",
+                   slice={}, fits=False, resident=0,
+                   programs=[program, dict(program="apply", refused="RESOURCE_EXHAUSTED: too big",
+                                           fits=False, compile_s=2.0)])
+    monkeypatch.setattr(aot, "compile_learner", lambda *a, **k: learner)
+    monkeypatch.setattr(aot, "abstract_learner", lambda *a: None)
     monkeypatch.setattr(aot, "model_config", lambda shapes: None)
+    engine = dict(slots=128, context=8192, devices=4, data_shards=4, weights=aot.GiB,
+                  cache=aot.GiB, prefill_shapes=[(8, 2048, 8192)],
+                  programs=[dict(program, program="decode", peak=aot.GiB // 2, fits=True)])
+    monkeypatch.setattr(engine_aot, "compile_engine", lambda *a: engine)
     with pytest.raises(SystemExit) as e:
         aot.main(["aot", "--config=configs/tpu.py", "--topology=v5e-8"])
     assert e.value.code == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "refused by the compiler" in out and "NO" in out
+    assert "engine on 4 devices a host: 128 slots of 8192 tokens" in out
+    assert "decode" in out and "refused apply" in out
+
+
+def _program(name, peak, resident=0):
+    return dict(program=name, peak=peak, resident=resident, fits=True)
+
+
+def test_the_budget_adds_what_each_phase_holds():
+    """Per device, in GiB: the learner keeps 10 (parameters, Adam, reference), its gradient
+    peaks at 30 (its Adam moments counted), the update at 25; the engine keeps 4 of weights and
+    20 of cache, its decode peaks at 26 and its prefill at 27 with 3 of them its own resident
+    share (which the budget does not count twice)."""
+    from geo3k_jax.aot import GiB, budget, format_budget
+
+    learner = {"resident": 10 * GiB,
+               "programs": [_program("grad", 30 * GiB, 8 * GiB), _program("apply", 25 * GiB)]}
+    engine = {"weights": 4 * GiB, "cache": 20 * GiB, "slots": 128, "data_shards": 4,
+              "programs": [_program("prefill", 27 * GiB, 3 * GiB), _program("decode", 26 * GiB)]}
+    b = budget(learner, engine, 95 * GiB, overlap=False)
+    assert b["phases"] == {"rollout": (10 + 26) * GiB, "weight copy": (10 + 20 + 8) * GiB,
+                           "train": (30 + 24) * GiB}
+    assert (b["worst"], b["peak"], b["fits"]) == ("train", 54 * GiB, True)
+    # 41 GiB left at 20/128 GiB a slot: 262 more slots, 390 in all, a multiple of 4: 388
+    assert b["slots_fit"] == 388
+    b = budget(learner, engine, 50 * GiB, overlap=True)
+    assert b["phases"]["overlapped"] == (30 + 26) * GiB
+    assert (b["worst"], b["fits"]) == ("overlapped", False)
+    assert b["slots_fit"] == 88  # 6 GiB short: 39 slots fewer, rounded down to a multiple of 4
+    text = format_budget(b, 128)
+    assert "overlapped" in text and "DOES NOT FIT" in text and "about 88 fit" in text
+    # rollouts elsewhere (SGLang): the learner alone
+    b = budget(learner, None, 31.25 * GiB, overlap=True)
+    assert b["phases"] == {"train": 30 * GiB} and b["fits"] and "slots_fit" not in b
+    refused = dict(program="prefill", refused="RESOURCE_EXHAUSTED", fits=False, compile_s=1.0)
+    b = budget(learner, dict(engine, programs=[refused]), 95 * GiB, overlap=False)
+    assert b["refused"] == ["prefill"] and not b["fits"]
+    assert "refused prefill" in format_budget(b)
+
+
+def _tiny_tpu_config():
+    """configs/tpu.py with the tiny model's shapes: one 256-token slice, 8 engine slots of 512
+    tokens, prefills of at most 2 rows of 64 new tokens."""
+    from configs import tpu
+
+    cfg = tpu.get_config()
+    cfg.train.micro_batch_tokens = 256
+    cfg.jax.slice.update(targets=128, patches=64, window=256, prefix_window=64)
+    cfg.engine.update(slots=8, prefill_rows=2, prefill_tokens=64)
+    cfg.rollout.max_context_tokens = 512
+    return cfg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_that_does_not_fit_its_devices_refuses_to_start(capsys):
+    """`jax.hbm_check` on this host's CPU device, the tiny model: the learner's two programs and
+    the engine's four (the bounded prefill, the one-row long prefill, insert, decode) compile,
+    and the run refuses with the budget's numbers when they do not fit `jax.hbm_gib`."""
+    import jax
+
+    from geo3k_jax import aot
+    from geo3k_jax.train import check_budget
+
+    cfg = _tiny_tpu_config()
+    cfg.jax.platform = ""
+    hf = config("qwen2_5_vl")[0]
+    learner = aot.abstract_learner(cfg, hf, jax.devices()[:1])
+    cfg.jax.hbm_gib = 1024.0
+    check_budget(cfg, learner, hf)
+    assert "of 1024.00 GiB a device (jax.hbm_check)" in capsys.readouterr().out
+    r = aot.check_run(cfg, learner, hf, 2 ** 40)
+    e = r["engine"]
+    assert [p["program"] for p in e["programs"]] == ["prefill", "prefill_long", "insert",
+                                                     "decode"]
+    assert e["prefill_shapes"] == [(2, 64, 512), (1, 512, 512)]
+    assert e["cache"] == 2 * 2 * 8 * 512 * 2 * 16 * 2  # layers, k/v, slots, tokens, heads, dim, bf16
+    b = r["budget"]
+    assert b["fits"] and set(b["phases"]) == {"rollout", "weight copy", "train"}
+    assert b["phases"]["train"] == max(p["peak"] for p in r["programs"]) + e["weights"] + e["cache"]
+    cfg.jax.hbm_gib = b["peak"] / 2 ** 30 * 0.99
+    with pytest.raises(SystemExit, match="do not fit its devices together") as exc:
+        check_budget(cfg, learner, hf)
+    assert "DOES NOT FIT" in str(exc.value) and "<- peak" in str(exc.value)
+    assert "lower engine.slots" in str(exc.value)
+    cfg.jax.slice.targets = 0
+    with pytest.raises(SystemExit, match="one slice shape"):
+        check_budget(cfg, aot.abstract_learner(cfg, hf, jax.devices()[:1]), hf)
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(3600)
+def test_the_tiny_run_compiles_for_v5p_8_with_its_engine():
+    """geo3k_jax.aot's whole budget for a TPU slice: the tiny model's learner and engine compile
+    for v5p-8 (4 chips, one host) with the runtime (splash) attention and fit together."""
+    import jax
+
+    from geo3k_jax import aot
+
+    cfg = _tiny_tpu_config()
+    devices = aot.topology_devices("v5p-8")
+    hf = config("qwen3_vl")[0]
+    optimise = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with jax.default_matmul_precision(None):
+            r = aot.compile_run(cfg, aot.abstract_learner(cfg, hf, devices), hf,
+                                aot.tpu_chip(devices), "v5p-8")
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimise)
+    e = r["engine"]
+    assert r["attention"] == "splash" and e["devices"] == 4 and e["data_shards"] == 4
+    assert all("refused" not in p for p in r["programs"] + e["programs"]), r
+    assert r["fits"] and r["budget"]["slots_fit"] > 8
+    assert "peak" in aot.format_report(dict(r, shapes="tiny"))
+
+
+def test_the_table_row_reads_a_report():
+    """scripts/aot_table.py's row: the costliest program of each side, the phases, the peak
+    against HBM, the slots asked and fitting; a refused program says so."""
+    import importlib.util
+
+    from geo3k_jax.aot import GiB, budget
+
+    spec = importlib.util.spec_from_file_location("aot_table", "scripts/aot_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    learner = [dict(_program("grad", 30 * GiB, 8 * GiB), compile_s=400.0),
+               dict(_program("apply", 25 * GiB), compile_s=20.0)]
+    engine = {"weights": 4 * GiB, "cache": 20 * GiB, "slots": 128, "data_shards": 4,
+              "programs": [dict(_program("prefill", 27 * GiB), compile_s=900.0),
+                           dict(_program("decode", 26 * GiB), compile_s=100.0)]}
+    r = {"shapes": "qwen3_vl_2b", "topology": "v5p-8", "programs": learner, "engine": engine,
+         "resident": 10 * GiB}
+    r["budget"] = budget(r, engine, 95.74 * GiB, overlap=False)
+    r["fits"] = r["budget"]["fits"]
+    assert table.row(r) == (
+        "| qwen3_vl_2b | v5p-8 | grad 30.0 | prefill 27.0 (weights 4.0, cache 20.0) | rollout "
+        "37.0, weight copy 38.0, train 54.0 | 54.0 / 95.74 | yes | 128 / 392 | 1420 |")
+    r["programs"] = [dict(program="grad", refused="RESOURCE_EXHAUSTED: 40G", fits=False,
+                          compile_s=300.0)] + learner[1:]
+    assert "refused: grad: RESOURCE_EXHAUSTED: 40G" in table.row(r) and "**no**" in table.row(r)

@@ -571,3 +571,41 @@ def test_engine_sharded_on_8_devices_samples_what_one_device_does():
     slots, length, heads, d = res["cache_shape"]  # (S, L, Hkv, D)
     assert (slots, heads) == (4, 2) and res["shard_shape"] == [1, length, 1, d]
     assert res["q_proj_shard"] == [2, 32, 64]  # 2 layers, (4 heads x 16) / tensor 2, hidden 64
+
+
+@one_arch("qwen2_5_vl")
+def test_a_bounded_prefill_samples_the_same(tiny):
+    """engine.prefill_rows and prefill_tokens bound every prefill the engine runs: 6 sessions x
+    2 turns on 8 slots with at most 2 rows of 32 new tokens a prefill (a whole prompt is longer:
+    it goes alone) sample what the unbounded engine samples, every prefill within
+    `prefill_shapes`; the unbounded one prefills more rows at once."""
+    def calls(engine):
+        shapes, prefill = [], engine._prefill
+
+        def spy(*args, **kw):
+            shapes.append((args[4]["input_ids"].shape, kw["bound"]))
+            return prefill(*args, **kw)
+        engine._prefill = spy
+        return shapes
+
+    wide = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config, seed=7,
+                     slots=8)
+    bounded = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                        seed=7, slots=8, prefill_rows=2, prefill_tokens=32)
+    assert bounded.prefill_shapes() == [(2, 32, 1024), (1, 1024, 1024)]
+    seen, seen_wide = calls(bounded), calls(wide)
+    a = episodes(wide, tiny.processor, 4, turns=2, n=6)
+    b = episodes(bounded, tiny.processor, 4, turns=2, n=6)
+    for (_, x), (_, y) in zip(a, b):
+        for p, q in zip(x, y):
+            assert p.token_ids == q.token_ids and p.finish_reason == q.finish_reason
+            np.testing.assert_allclose(p.logprobs, q.logprobs, rtol=0, atol=1e-5)
+    assert max(rows for (rows, _), _ in seen_wide) > 2
+    for (rows, tokens), bound in seen:
+        assert (rows <= 2 and tokens <= 32) or (rows == 1 and tokens > 32), seen
+        assert bound <= 1024
+    assert any(rows == 1 and tokens > 32 for (rows, tokens), _ in seen)  # the prompts
+    assert any(rows == 2 for (rows, _), _ in seen)  # the next turns, two a prefill
+    with pytest.raises(ValueError, match="prefill_rows"):
+        JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                  prefill_rows=-1)
