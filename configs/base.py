@@ -241,6 +241,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
     c.jax.remat = False  # recompute each decoder layer and vision block in the backward pass
+    # what a rematerialised layer keeps: full (nothing) | projections (the dense projections'
+    # outputs: geo3k_jax.layers.REMAT_POLICIES)
+    c.jax.remat_policy = "full"
     c.jax.attention = "auto"  # auto | splash | windowed (auto: splash on TPU; geo3k_jax.splash)
     # Learner row lengths (geo3k_jax.buckets.Ladder): lengths an octave (a power of two) and how
     # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from common.flops import row_flops  # noqa: E402
+from geo3k_jax.layers import remat_of  # noqa: E402
 from geo3k_jax.splash import resolve_attention  # noqa: E402
 
 GiB = 2 ** 30
@@ -128,7 +129,7 @@ def abstract_learner(cfg, config, devices):
     return Learner(merge, params, loss_cfg, cfg.train, cfg.rollout.temperature, config=config,
                    mesh=mesh, rules=cfg.jax.rules, compute_dtype=DTYPES[cfg.jax.compute_dtype],
                    ref_params=params if loss_cfg.kl_coef else None,
-                   chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, shape=shape)
+                   chunk=cfg.train.logprob_chunk, remat=remat_of(cfg.jax), shape=shape)
 
 
 def abstract_slice(learner, config) -> dict:

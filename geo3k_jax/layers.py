@@ -160,3 +160,35 @@ def scatter_rows(x: jax.Array, index: jax.Array, values: jax.Array, op: str) -> 
         at = row.at[idx]
         return at.set(val, mode="drop") if op == "set" else at.add(val, mode="drop")
     return jax.vmap(one)(x, index, values)
+
+
+REMAT_POLICIES = {
+    # save nothing: every intermediate of the layer is recomputed in the backward pass
+    "full": None,
+    # save the outputs of the dense projections (q, k, v, o, the MLP's: matmuls without batch
+    # dimensions), recompute the rest (norms, rotary, activations, attention)
+    "projections": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_of(jcfg):
+    """A config's `jax` section as the models' `remat` argument: False, or the policy name
+    (`jax.remat_policy`, one of `REMAT_POLICIES`) when `jax.remat`."""
+    if not jcfg.remat:
+        return False
+    if jcfg.remat_policy not in REMAT_POLICIES:
+        raise ValueError(f"jax.remat_policy must be one of {sorted(REMAT_POLICIES)}, got "
+                         f"{jcfg.remat_policy!r}")
+    return jcfg.remat_policy
+
+
+def rematerialised(fn, remat, scanned: bool):
+    """`fn` under `jax.checkpoint` as `remat` says: False as it is, True or "full" saving
+    nothing, "projections" saving the projections' outputs (`REMAT_POLICIES`). scanned: `fn`
+    is a `lax.scan` body, where CSE across iterations cannot undo the recomputation, so JAX's
+    guard against it (`prevent_cse`, extra ops in every layer) is left out."""
+    if not remat:
+        return fn
+    policy = REMAT_POLICIES["full" if remat is True else remat]
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not scanned)
+

@@ -32,6 +32,7 @@ from common.schedule import horizon, lr_table
 from configs import to_dataclass
 from geo3k_jax.batch import device_batch
 from geo3k_jax.check_batch import batches_from_config
+from geo3k_jax.layers import remat_of
 from geo3k_jax.learner import Learner as JaxLearner, grpo_loss, make_optimizer
 from geo3k_jax.model import split_params, token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, make_mesh
@@ -125,7 +126,7 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
 
     mesh = make_mesh(dict(jcfg.mesh))
     attention = resolve_attention(jcfg.attention, jax.devices()[0].platform, mesh)
-    compute, remat = DTYPES[jcfg.compute_dtype], jcfg.remat
+    compute, remat = DTYPES[jcfg.compute_dtype], remat_of(jcfg)
     model, config = load_jax_model(model_dir, dtype=getattr(jnp, dtype), mesh=mesh,
                                    rules=jcfg.rules, attention=attention)
     merge, params = split_params(model)

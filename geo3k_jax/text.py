@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary, rope_inv_freq,
-                              scatter_rows)
+from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
+                              rematerialised, rope_inv_freq, scatter_rows)
 from geo3k_jax.splash import Attention, text_attention
 from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
 
@@ -139,18 +139,20 @@ class DecoderStack(nnx.Module):
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool, after=None) -> jax.Array:
+    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool | str,
+            after=None) -> jax.Array:
         """x (B, T, hidden) through every layer in order (`DecoderLayer`'s inputs); after(i, x)
         is applied to layer i's output for the first `after[0]` layers (DeepStack): `after` is
         (count, fn) or None. remat: each layer's activations are recomputed in the backward
-        pass (memory of one layer's inputs per layer instead of all its intermediates)."""
+        pass (memory of one layer's inputs per layer instead of all its intermediates; a
+        `geo3k_jax.layers.REMAT_POLICIES` name says what else is kept)."""
         state = nnx.state(self)
 
         def step(fn):
             def body(h, xs):
                 h = nnx.merge(self.layer_def, xs[0])(h, cos, sin, attend)
                 return (h if fn is None else fn(xs[1], h)), None
-            return jax.checkpoint(body) if remat else body
+            return rematerialised(body, remat, scanned=True)
 
         def scan(h, lo, hi, fn):  # layers [lo, hi) in one scan
             part = jax.tree.map(lambda a: a[lo:hi], state)

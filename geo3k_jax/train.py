@@ -34,6 +34,7 @@ from geo3k_jax.distributed import JaxCollectives
 from geo3k_jax.backend import JaxBackend
 from geo3k_jax.buckets import Ladder, one_shape
 from geo3k_jax.compiler import use_compilation_cache
+from geo3k_jax.layers import remat_of
 from geo3k_jax.learner import Learner
 from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
@@ -103,7 +104,7 @@ def build(cfg, workdir: str) -> loop.Run:
                       processor=processor, config=config, mesh=mesh, rules=cfg.jax.rules,
                       compute_dtype=DTYPES[cfg.jax.compute_dtype],
                       ref_params=params if loss_cfg.kl_coef else None,
-                      chunk=cfg.train.logprob_chunk, remat=cfg.jax.remat, comm=comm,
+                      chunk=cfg.train.logprob_chunk, remat=remat_of(cfg.jax), comm=comm,
                       ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack), model_dir=model_dir,
                       shape=one_shape(cfg.jax.slice, cfg.train.micro_batch_tokens))
     if cfg.jax.hbm_check:

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm,
-                              activation, apply_rotary, attention, rope_inv_freq,
-                              segment_mask)
+                              activation, apply_rotary, attention, rematerialised,
+                              rope_inv_freq, segment_mask)
 from geo3k_jax.splash import Attention, vision_attention
 from geo3k_jax.vision_grid import QWEN3, QWEN25, unsupported
 
@@ -259,12 +259,11 @@ class Qwen3VisionTower(nnx.Module):
         return self.merger(x), deepstack
 
 
-def run_block(block: VisionBlock, x, cos, sin, segments, remat: bool) -> jax.Array:
+def run_block(block: VisionBlock, x, cos, sin, segments, remat: bool | str) -> jax.Array:
     """block(x, ...), under jax.checkpoint with `remat` (its (P, P) scores per head and MLP
-    activations recomputed in the backward pass, not stored for every block)."""
-    if not remat:
-        return block(x, cos, sin, segments)
-    return jax.checkpoint(lambda h: block(h, cos, sin, segments))(x)
+    activations recomputed in the backward pass, not stored for every block; a policy name:
+    `geo3k_jax.layers.rematerialised`)."""
+    return rematerialised(lambda h: block(h, cos, sin, segments), remat, scanned=False)(x)
 
 
 def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()

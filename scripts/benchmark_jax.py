@@ -31,6 +31,7 @@ from common.processor import load_processor
 from configs import to_dataclass
 from geo3k_jax.buckets import Ladder
 from geo3k_jax.check_batch import batches_from_config
+from geo3k_jax.layers import remat_of
 from geo3k_jax.learner import Learner as JaxLearner
 from geo3k_jax.model import split_params
 from geo3k_jax.weights import load_model as load_jax_model
@@ -76,7 +77,7 @@ def main(argv):
     row_len = -(-max(b.num_tokens for b in batches) // cfg.jax.pad_to) * cfg.jax.pad_to
     j_learner = JaxLearner(merge, params, loss_cfg, cfg.train, temp, processor=processor,
                            config=config, row_len=row_len, chunk=cfg.train.logprob_chunk,
-                           remat=cfg.jax.remat,
+                           remat=remat_of(cfg.jax),
                            ladder=Ladder(cfg.jax.row_rungs, cfg.jax.reuse_slack))
     j_first, j_step = _timed(lambda: j_learner.train_step(batches, n_tokens, n_seqs),
                              _STEPS.value)

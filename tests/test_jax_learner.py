@@ -144,13 +144,38 @@ def test_chunked_logprobs_and_remat_change_nothing(setup):
     grad = lambda **kw: jax.jit(jax.grad(lambda p: jnp.sum(  # noqa: E731
         token_logprobs(setup.merge(p), batch, **kw) * mask)))(setup.params)
     plain = grad()
-    for kw in (dict(chunk=32, remat=True),):  # both at once: each one's recomputation checked
+    # both at once: each one's recomputation checked; the policy that keeps the projections
+    for kw in (dict(chunk=32, remat=True), dict(remat="projections")):
         other = grad(**kw)
         worst = max(np.linalg.norm(np.asarray(other[k]) - g) / np.linalg.norm(g)
                     for k, g in plain.items() if np.linalg.norm(g) > 0)
         # float32 summation order, nothing more: 0.9e-6 with normalized probabilities times V,
         # 1.1e-6 with V times the exponentials, then normalized (geo3k_jax.windowed)
         assert worst <= 2e-6, (kw, worst)
+
+
+def test_the_remat_policy_says_what_a_layer_keeps():
+    """jax.remat_policy: "full" keeps nothing of a layer, "projections" its matmul outputs
+    (JAX's policy in the checkpoint), prevent_cse only outside a scan; an unknown name is
+    refused with the choices."""
+    import ml_collections
+
+    from geo3k_jax.layers import remat_of, rematerialised
+
+    def jaxpr(remat, scanned):
+        return str(jax.make_jaxpr(rematerialised(lambda x: jnp.tanh(x @ x), remat, scanned))(
+            jnp.ones((4, 4))))
+    assert "checkpoint" not in jaxpr(False, True)
+    assert "prevent_cse=False" in jaxpr("full", True) and "prevent_cse=True" in jaxpr(True, False)
+    assert "DotsSaveable(only_if_no_batch_dims=True)" in jaxpr("projections", True)
+    assert "DotsSaveable" not in jaxpr("full", True)
+    jcfg = ml_collections.ConfigDict({"remat": False, "remat_policy": "projections"})
+    assert remat_of(jcfg) is False
+    jcfg.remat = True
+    assert remat_of(jcfg) == "projections"
+    jcfg.remat_policy = "some"
+    with pytest.raises(ValueError, match="remat_policy must be one of"):
+        remat_of(jcfg)
 
 
 @pytest.mark.slow
