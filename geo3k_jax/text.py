@@ -146,23 +146,18 @@ class DecoderStack(nnx.Module):
         (count, fn) or None. remat: each layer's activations are recomputed in the backward
         pass (memory of one layer's inputs per layer instead of all its intermediates; a
         `geo3k_jax.layers.REMAT_POLICIES` name says what else is kept)."""
-        state = nnx.state(self)
-
-        def step(fn):
-            def body(h, xs):
-                h = nnx.merge(self.layer_def, xs[0])(h, cos, sin, attend)
-                return (h if fn is None else fn(xs[1], h)), None
-            return rematerialised(body, remat, scanned=True)
-
-        def scan(h, lo, hi, fn):  # layers [lo, hi) in one scan
-            part = jax.tree.map(lambda a: a[lo:hi], state)
-            return jax.lax.scan(step(fn), h, (part, jnp.arange(lo, hi)))[0]
-
         count, fn = after if after is not None else (0, None)
         count = min(count, len(self))
-        if count:
-            x = scan(x, 0, count, fn)
-        return scan(x, count, len(self), None) if count < len(self) else x
+
+        def body(h, xs):
+            h = nnx.merge(self.layer_def, xs[0])(h, cos, sin, attend)
+            i = xs[1]
+            if count:  # one scan over the whole stack: its weights are never sliced (copied)
+                h = jax.lax.cond(i < count, lambda h: fn(jnp.minimum(i, count - 1), h),
+                                 lambda h: h, h)
+            return h, None
+        body = rematerialised(body, remat, scanned=True)
+        return jax.lax.scan(body, x, (nnx.state(self), jnp.arange(len(self))))[0]
 
 
 def head_dim_of(cfg, arch: str) -> int:
