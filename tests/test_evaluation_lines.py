@@ -274,3 +274,16 @@ def test_the_training_loops_evaluation_runs_blank_images_when_configured(rendere
     cfg.eval.blank_images = True
     m = evaluate_split(cfg, split, ScriptedEngine({"0-0": [R, W, R]}), renderer)
     assert m["blank/greedy_first_try_accuracy"] == 0.0 and m["blank/greedy_accuracy"] == 1.0
+
+
+def test_the_share_of_later_answers_that_repeat_an_earlier_one(metrics, tmp_path):
+    """Greedy gave 4 answers after a wrong one: p1's and p3's right ones, and p2's 7 twice more
+    after its first 7 (the environment's "repeated"): 2 of 4 repeat. The report shows the row."""
+    m = metrics
+    assert m["greedy_repeat_after_miss"] == pytest.approx(2 / 4)
+    # sampled: p0's second episode 1 later answer (new), p2's second 2 (a repeated 7, then 12),
+    # p3's first 2 (7 twice more): 3 of 5
+    assert m["sampled_repeat_after_miss"] == pytest.approx(3 / 5)
+    assert m["geometry/greedy_repeat_after_miss"] == pytest.approx(2 / 4)
+    assert "perception/greedy_repeat_after_miss" not in m  # p0 solved on turn 1
+    assert "| later answers repeating an earlier one | 0.500 |" in markdown(m, 3)

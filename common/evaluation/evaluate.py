@@ -21,6 +21,10 @@ prefixed `greedy_` / `sampled_`; T is `max_turns`:
                          of 1 - (1 - 1/c)^(T-1) (uniform re-guessing), c the problem's number
                          of choices; a free-form problem counts 0 (`baselines.after_miss`).
                          Absent with recovery_after_miss
+    repeat_after_miss    of the answers given after a wrong one (turns 2..T), the share that
+                         repeat an answer the episode already gave (the environment's
+                         "repeated"): 0 for blind non-repeating elimination, 1/c on turn 2 for a
+                         uniform re-guess. Absent when no episode reached turn 2
     conditional_line     blind elimination after the run's own first try: the mean over all
                          episodes of [solved on turn 1] + [not] * min(T-1, c-1)/(c-1) (0 for a
                          free-form problem) = first_try_accuracy + (1 - first_try_accuracy) *
@@ -65,7 +69,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 from PIL import Image
 
-from common.env import EnvConfig
+from common.env import REPEATED, EnvConfig
 from common.evaluation.baselines import (Problem, after_miss, answer_position, baselines,
                                          kind_groups, position_label)
 from common.metrics import metrics_of_sums, rollout_sums
@@ -99,7 +103,10 @@ def outcome_sums(trajs: Sequence[Trajectory], max_turns: int, n: int,
     turn = np.array([t.correct_turn if t.correct and t.status != ABORTED else 0
                      for t in trajs], np.int64)  # 0: never solved
     out = {"episodes": float(len(trajs)), "first_try": float(np.sum(turn == 1)),
-           "solved": float(np.sum(turn > 0))}
+           "solved": float(np.sum(turn > 0)),
+           "later_turns": float(sum(max(0, len(t.turns) - 1) for t in trajs)),
+           "repeats": float(sum(u.info.get("reason") == REPEATED for t in trajs
+                                for u in t.turns[1:]))}
     for k in range(1, max_turns + 1):
         out[f"solved_by_turn_{k}"] = float(np.sum((turn > 0) & (turn <= k)))
     if rest is not None:
@@ -131,6 +138,8 @@ def outcome_of_sums(sums: dict[str, float], max_turns: int, n: int) -> dict[str,
            "accuracy": sums["solved"] / episodes}
     for k in range(1, max_turns + 1):
         out[f"solved_by_turn_{k}"] = sums[f"solved_by_turn_{k}"] / episodes
+    if sums.get("later_turns"):
+        out["repeat_after_miss"] = sums["repeats"] / sums["later_turns"]
     if "missed_elimination" in sums:
         out["conditional_line"] = (sums["first_try"] + sums["missed_elimination"]) / episodes
         missed = episodes - sums["first_try"]

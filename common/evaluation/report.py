@@ -59,7 +59,8 @@ def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
             (CONDITIONAL, "conditional_line"),
             ("recovery after a first-try miss", "recovery_after_miss"),
             ("elimination after a miss", "recovery_elimination_line"),
-            ("uniform re-guess after a miss", "recovery_uniform_line")]
+            ("uniform re-guess after a miss", "recovery_uniform_line"),
+            ("later answers repeating an earlier one", "repeat_after_miss")]
     out += [(f"pass@{k}, first try", f"pass_at_{k}") for k in _passes(m, "sampled_pass_at_")
             if k > 1]  # pass@1 is the sampled first-try accuracy
     out += [("tool-call rate", "tool_call_rate"), ("turns per episode", "turns_mean"),
