@@ -124,10 +124,10 @@ def test_table_and_chart(renderer, tmp_path):
     m = evaluate(prompts, ScriptedEngine(script()), renderer, RolloutConfig(),
                  EnvConfig(max_turns=3), n_samples=4)
     labels = [label for label, _ in rows(m, 3)]
-    assert labels[:8] == ["first try (turn 1)", "solved by turn 2", "with feedback (≤3 turns)",
+    assert labels[:9] == ["first try (turn 1)", "solved by turn 2", "with feedback (≤3 turns)",
                           "elimination after own first try", "recovery after a first-try miss",
                           "elimination after a miss", "uniform re-guess after a miss",
-                          "pass@2, first try"]
+                          "later answers repeating an earlier one", "pass@2, first try"]
     table = markdown(m, 3, "demo")
     assert "| first try (turn 1) | 0.333 | 0.167 |" in table
     assert "| with feedback (≤3 turns) | 0.667 | 0.500 |" in table
