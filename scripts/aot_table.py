@@ -5,6 +5,7 @@ the compiler reported, per chip.
     python scripts/aot_table.py --out=docs/aot               # every cell (tens of minutes each)
     python scripts/aot_table.py --out=docs/aot --table_only  # the table of the reports kept
     python scripts/aot_table.py --cells=qwen3_vl_8b@v5p-16   # other cells
+    python scripts/aot_table.py --cells=qwen3_vl_2b@v6e-8@48 # with 48 engine slots a host
 
 Each compile runs in its own process (`--json` into --out); a report already there is kept, so an
 interrupted table resumes where it stopped. docs/aot holds the reports the docs' table shows.
@@ -22,11 +23,25 @@ from absl import app, flags
 flags.DEFINE_string("out", "docs/aot", "where the per-compile JSON reports go")
 flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8", "qwen3_vl_8b@v6e-8",
                            "qwen3_vl_8b@v5p-8", "qwen3_vl_8b@v6e-16", "qwen3_vl_2b@v6e-16"],
-                  "model@slice pairs (configs/models names, TPU slices), compiled in this order")
+                  "model@slice pairs (configs/models names, TPU slices), compiled in this order; "
+                  "model@slice@slots sets engine.slots")
 flags.DEFINE_string("config", "configs/tpu.py", "the run's config")
 flags.DEFINE_bool("table_only", False, "print the table of the reports in --out, compile nothing")
 FLAGS = flags.FLAGS
 GiB = 2 ** 30
+
+
+def cell(text: str) -> tuple[str, str, int]:
+    """"model@slice" or "model@slice@slots" -> (model, slice, engine slots or 0: the config's)."""
+    parts = text.split("@")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+        raise SystemExit(f"--cells: {text!r} is not model@slice or model@slice@slots")
+    return parts[0], parts[1], int(parts[2]) if len(parts) == 3 else 0
+
+
+def report_name(shapes: str, topology: str, slots: int) -> str:
+    """The report's file name in --out."""
+    return f"{shapes}_{topology}" + (f"_slots{slots}" if slots else "") + ".json"
 
 
 def row(r: dict) -> str:
@@ -60,20 +75,20 @@ def row(r: dict) -> str:
 def main(_):
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
-    cells = [c.split("@") for c in FLAGS.cells]
-    for shapes, topology in cells:
-        path = out / f"{shapes}_{topology}.json"
+    cells = [cell(c) for c in FLAGS.cells]
+    for shapes, topology, slots in cells:
+        path = out / report_name(shapes, topology, slots)
         if not (FLAGS.table_only or path.exists()):
             print(f"compiling {shapes} for {topology}", flush=True)
             subprocess.run([sys.executable, "-m", "geo3k_jax.aot", f"--config={FLAGS.config}",
-                            f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"],
-                           check=False)
+                            f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"]
+                           + ([f"--config.engine.slots={slots}"] if slots else []), check=False)
     print("| model | slice | learner's costliest program GiB | engine's costliest program GiB "
           "| phases GiB (rollout, weight copy, train) | peak / HBM GiB | fits | engine slots "
           "(asked / fit) | compile s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shapes, topology in sorted(cells):
-        path = out / f"{shapes}_{topology}.json"
+    for shapes, topology, slots in sorted(cells):
+        path = out / report_name(shapes, topology, slots)
         if path.exists():
             print(row(json.loads(path.read_text())))
 

@@ -236,3 +236,17 @@ def test_the_table_row_reads_a_report():
     r["programs"] = [dict(program="grad", refused="RESOURCE_EXHAUSTED: 40G", fits=False,
                           compile_s=300.0)] + learner[1:]
     assert "refused: grad: RESOURCE_EXHAUSTED: 40G" in table.row(r) and "**no**" in table.row(r)
+
+
+def test_a_table_cell_may_set_the_engine_slots():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("aot_table", "scripts/aot_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    assert table.cell("qwen3_vl_2b@v6e-8") == ("qwen3_vl_2b", "v6e-8", 0)
+    assert table.cell("qwen3_vl_2b@v6e-8@40") == ("qwen3_vl_2b", "v6e-8", 40)
+    assert table.report_name("qwen3_vl_2b", "v6e-8", 40) == "qwen3_vl_2b_v6e-8_slots40.json"
+    assert table.report_name("qwen3_vl_2b", "v6e-8", 0) == "qwen3_vl_2b_v6e-8.json"
+    with pytest.raises(SystemExit, match="model@slice@slots"):
+        table.cell("qwen3_vl_2b@v6e-8@many")
