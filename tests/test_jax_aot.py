@@ -4,6 +4,8 @@ libtpu compiles for the chips of a topology without any TPU; the tiny model's st
 compile for v5p-8, fit, and report the bytes the compiler gives it.
 """
 
+import functools
+import importlib.util
 import math
 
 import pytest
@@ -96,6 +98,15 @@ def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
     assert "DOES NOT FIT" in out and "refused by the compiler" in out and "NO" in out
     assert "engine on 4 devices a host: 128 slots of 8192 tokens" in out
     assert "decode" in out and "refused apply" in out
+
+
+@functools.cache
+def aot_table():
+    """scripts/aot_table.py as a module, loaded once (it defines absl flags)."""
+    spec = importlib.util.spec_from_file_location("aot_table", "scripts/aot_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    return table
 
 
 def _program(name, peak, resident=0):
@@ -214,13 +225,9 @@ def test_the_tiny_run_compiles_for_v5p_8_with_its_engine():
 def test_the_table_row_reads_a_report():
     """scripts/aot_table.py's row: the costliest program of each side, the phases, the peak
     against HBM, the slots asked and fitting; a refused program says so."""
-    import importlib.util
-
     from geo3k_jax.aot import GiB, budget
 
-    spec = importlib.util.spec_from_file_location("aot_table", "scripts/aot_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = aot_table()
     learner = [dict(_program("grad", 30 * GiB, 8 * GiB), compile_s=400.0),
                dict(_program("apply", 25 * GiB), compile_s=20.0)]
     engine = {"weights": 4 * GiB, "cache": 20 * GiB, "slots": 128, "data_shards": 4,
@@ -239,11 +246,7 @@ def test_the_table_row_reads_a_report():
 
 
 def test_a_table_cell_may_set_the_engine_slots():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("aot_table", "scripts/aot_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = aot_table()
     assert table.cell("qwen3_vl_2b@v6e-8") == ("qwen3_vl_2b", "v6e-8", 0)
     assert table.cell("qwen3_vl_2b@v6e-8@40") == ("qwen3_vl_2b", "v6e-8", 40)
     assert table.report_name("qwen3_vl_2b", "v6e-8", 40) == "qwen3_vl_2b_v6e-8_slots40.json"
