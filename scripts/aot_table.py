@@ -14,6 +14,7 @@ interrupted table resumes where it stopped. docs/aot holds the reports the docs'
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,19 +45,28 @@ def report_name(shapes: str, topology: str, slots: int) -> str:
     return f"{shapes}_{topology}" + (f"_slots{slots}" if slots else "") + ".json"
 
 
+def temporaries(message: str) -> str:
+    """The compiler's refusal in a few words: the temporaries it asked for, if it says."""
+    m = re.search(r"HLO temporaries \(([\d.]+)G\)", message)
+    return f"{m.group(1)} GB of temporaries" if m else message[:80]
+
+
 def row(r: dict) -> str:
     """One markdown row: the learner's and the engine's costliest programs, the budget's phases,
     its peak against the chip's HBM, the slots that fit, the compile seconds."""
     learner, engine, b = r["programs"], r.get("engine"), r.get("budget", {})
     progs = learner + (engine["programs"] if engine else [])
     seconds = sum(p["compile_s"] for p in progs)
-    refused = [p for p in progs if "refused" in p]
-    if refused:
-        return (f"| {r['shapes']} | {r['topology']} | refused: "
-                + "; ".join(f"{p['program']}: {p['refused']}" for p in refused)
-                + f" | | | | **no** | | {seconds:.0f} |")
     gib = lambda b: f"{b / GiB:.1f}"  # noqa: E731
     top = lambda ps: max(ps, key=lambda p: p["peak"])  # noqa: E731
+    refused = [p for p in progs if "refused" in p]
+    if refused:
+        done = [p for p in learner if "refused" not in p]
+        lp = top(done) if len(done) == len(learner) else None
+        return (f"| {r['shapes']} | {r['topology']} | "
+                + (f"{lp['program']} {gib(lp['peak'])}" if lp else "") + " | refused: "
+                + ", ".join(f"{p['program']} ({temporaries(p['refused'])})" for p in refused)
+                + f" | | | **no** | {engine['slots'] if engine else ''} / ? | {seconds:.0f} |")
     lp = top(learner)
     if engine:
         ep = top(engine["programs"])

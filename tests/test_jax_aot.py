@@ -242,7 +242,14 @@ def test_the_table_row_reads_a_report():
         "37.0, weight copy 38.0, train 54.0 | 54.0 / 95.74 | yes | 128 / 392 | 1420 |")
     r["programs"] = [dict(program="grad", refused="RESOURCE_EXHAUSTED: 40G", fits=False,
                           compile_s=300.0)] + learner[1:]
-    assert "refused: grad: RESOURCE_EXHAUSTED: 40G" in table.row(r) and "**no**" in table.row(r)
+    assert "refused: grad (RESOURCE_EXHAUSTED: 40G)" in table.row(r) and "**no**" in table.row(r)
+    r["programs"] = learner
+    r["engine"] = dict(engine, programs=[dict(
+        program="decode", refused="RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+        "required for HLO temporaries (32.06G) exceeds available HBM (31.25G).", fits=False,
+        compile_s=80.0)])
+    assert table.row(r) == ("| qwen3_vl_2b | v5p-8 | grad 30.0 | refused: decode (32.06 GB of "
+                            "temporaries) | | | **no** | 128 / ? | 500 |")
 
 
 def test_a_table_cell_may_set_the_engine_slots():
