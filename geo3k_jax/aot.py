@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host's devices: never probe for a TPU
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks /tmp otherwise
+if __name__ == "__main__":  # the command, not a run that imports the budget
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host's devices: never probe for a TPU
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks /tmp otherwise
 
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -42,29 +42,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from common.flops import row_flops  # noqa: E402
+from geo3k_jax.compiled import CHIPS, GiB, Chip, report  # noqa: E402,F401 (re-exported)
 from geo3k_jax.layers import remat_of  # noqa: E402
 from geo3k_jax.splash import resolve_attention  # noqa: E402
 
-GiB = 2 ** 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """One TPU chip: the HBM the compiler lets a program use (its own figure, read from its
-    "exceeds available HBM" error) and the published peak bf16 flop/s and HBM bandwidth
-    (cloud.google.com/tpu/docs/v5p, /v6e, /v5e)."""
-
-    name: str
-    hbm: float  # bytes
-    peak_flops: float  # bf16 flop/s
-    hbm_bandwidth: float  # bytes/s
-
-
-CHIPS = {  # by the device_kind libtpu reports
-    "TPU v5": Chip("v5p", 95.74 * GiB, 459e12, 2765e9),
-    "TPU v6 lite": Chip("v6e", 31.25 * GiB, 918e12, 1638e9),
-    "TPU v5 lite": Chip("v5e", 15.75 * GiB, 197e12, 819e9),
-}
 # Cloud TPU slice names -> libtpu topologies. v5p names count TensorCores (2 a chip), v6e and
 # v5e chips. Any libtpu name ("v5p:2x2x1") is accepted as well.
 TOPOLOGIES = {
@@ -80,6 +61,7 @@ TOPOLOGIES = {
 def topology_devices(topology: str) -> list:
     """The devices of a TPU slice (`TOPOLOGIES` name or a libtpu topology), compile-only."""
     from jax.experimental import topologies
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks /tmp otherwise
     name = TOPOLOGIES.get(topology, topology)
     if ":" not in name:
         raise SystemExit(f"--topology={topology!r}: use one of {', '.join(TOPOLOGIES)} or a "
@@ -114,7 +96,7 @@ def abstract_learner(cfg, config, devices):
     from geo3k_jax.learner import Learner
     from geo3k_jax.model import QwenVL, split_params
     from geo3k_jax.sharding import make_mesh
-    from geo3k_jax.train import DTYPES
+    from geo3k_jax.learner import DTYPES
 
     mesh = make_mesh(dict(cfg.jax.mesh), devices)
     attention = resolve_attention(cfg.jax.attention, devices[0].platform, mesh)
@@ -145,32 +127,6 @@ def device_bytes(tree) -> int:
     """Bytes one device holds of a tree of sharded ShapeDtypeStructs."""
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
                for x in jax.tree.leaves(tree))
-
-
-def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
-           model_flops: float = 0.0) -> dict:
-    """One program's per-device figures. resident: bytes of the learner's state that stay in
-    HBM while it runs without being its arguments (the optimizer state, during a gradient).
-    model_flops: the program's model FLOPs per device (`common.flops`): the compiler's own count
-    sees one pass of a scanned layer and nothing inside a Pallas kernel, so the roofline takes
-    the larger of the two (its bytes accessed are undercounted the same way: the roofline stays
-    a lower bound)."""
-    mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    out = {"program": name, "argument": mem.argument_size_in_bytes,
-           "output": mem.output_size_in_bytes, "alias": mem.alias_size_in_bytes,
-           "temp": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes,
-           "resident": resident, "flops": float(cost.get("flops", 0.0)),
-           "bytes_accessed": float(cost.get("bytes accessed", 0.0)), "compile_s": seconds,
-           "model_flops": model_flops}
-    out["peak"] = (out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
-                   + resident)
-    out["hbm"] = chip.hbm
-    out["fits"] = out["peak"] <= chip.hbm
-    out["roofline_s"] = max(max(out["flops"], model_flops) / chip.peak_flops,
-                            out["bytes_accessed"] / chip.hbm_bandwidth)
-    return out
 
 
 def tpu_chip(devices) -> Chip:

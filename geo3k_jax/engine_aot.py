@@ -1,7 +1,5 @@
-"""Lower the JAX engine's programs at the largest shapes a run gives them, from shapes alone.
-
-    python -m geo3k_jax.engine_aot --config=configs/tpu.py --topology=v5p-8 \
-        --shapes=qwen3_vl_2b                # the engine alone; geo3k_jax.aot adds the learner
+"""Lower the JAX engine's programs at the largest shapes a run gives them, from shapes alone:
+the engine's half of `python -m geo3k_jax.aot`'s budget.
 
 The engine is the one a run of `--config` builds beside its learner (`abstract_engine`): bf16
 weights in the engine's layout (`geo3k_jax.backend`), the run's attention, on one host's chips
@@ -12,28 +10,20 @@ engine's largest prefill shapes (`JaxEngine.prefill_shapes`: `engine.prefill_row
 context), every row with an image of `jax.slice.patches` patches and every slot asking for a
 first token; the insert of those rows; the decode reading every page of every slot (its
 costliest page table). A prefill the run compiles has at most these rows, new tokens and
-attention bound, so no more memory. Prints one line per program: per-device bytes against the
-chip's HBM. Nothing runs on a TPU: a compile that fits is no proof of speed.
+attention bound, so no more memory. Nothing runs on a TPU: a compile that fits is no proof of
+speed.
 """
 
 from __future__ import annotations
 
-import os
+import math
+import time
+from typing import Callable
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host's devices: never probe for a TPU
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Callable  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def abstract(tree, sharding):
@@ -128,7 +118,7 @@ def compile_engine(cfg, learner, config, chip, names=None) -> dict:
     """The engine's programs (`names`, default all) compiled for the learner's chips: their
     `geo3k_jax.aot.report`s (the cache and weights are arguments of each) and what stays
     resident between them (weights, cache), per device."""
-    from geo3k_jax.aot import report
+    from geo3k_jax.compiled import report
 
     engine, params = abstract_engine(cfg, learner, config, memory=2 ** 62)
     programs = engine_programs(engine, params, cfg.jax.slice.patches)
@@ -149,16 +139,3 @@ def compile_engine(cfg, learner, config, chip, names=None) -> dict:
     return {"slots": engine.n_slots, "context": engine.capacity, "data_shards": engine._data_shards,
             "devices": engine.mesh.devices.size, "prefill_shapes": engine.prefill_shapes(),
             "weights": weight_bytes(params), "cache": int(engine.cache_bytes), "programs": out}
-
-
-def main(argv) -> None:
-    from geo3k_jax import aot
-    fv, cfg, chip, learner, config = aot.setup(argv, "the engine's programs to compile")
-    r = compile_engine(cfg, learner, config, chip, fv.programs or None)
-    print(aot.format_programs(r["programs"]))
-    if fv.json:
-        Path(fv.json).write_text(json.dumps(r, indent=1))
-
-
-if __name__ == "__main__":
-    main(sys.argv)

@@ -45,6 +45,7 @@ from geo3k_jax.buckets import Ladder, agree, fit, reuse, slice_sizes, step_slice
 from geo3k_jax.model import token_logprobs
 from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
 
+DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # jax.compute_dtype -> the compute dtype
 STATE_DIR = "jax_state"  # the orbax learner state inside a checkpoint directory
 SHAPES_FILE = "jax_shapes.json"  # and the slice shapes the run has used (`buckets.reuse`)
 

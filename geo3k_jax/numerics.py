@@ -122,7 +122,7 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
     config trains: `jcfg.compute_dtype` (bf16 compute over `dtype` parameters), `jcfg.remat`
     and `jcfg.attention` (splash off a TPU runs in Pallas' interpret mode)."""
     from geo3k_jax.splash import resolve_attention
-    from geo3k_jax.train import DTYPES
+    from geo3k_jax.learner import DTYPES
 
     mesh = make_mesh(dict(jcfg.mesh))
     attention = resolve_attention(jcfg.attention, jax.devices()[0].platform, mesh)

@@ -21,7 +21,6 @@ if __name__ == "__main__":  # --help, a bad --config.<key>: answered before jax 
     cli.preflight()
 
 import jax
-import jax.numpy as jnp
 
 from common import cli, train as loop
 from common.backends import make_backend
@@ -35,13 +34,12 @@ from geo3k_jax.backend import JaxBackend
 from geo3k_jax.buckets import Ladder, one_shape
 from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.layers import remat_of
-from geo3k_jax.learner import Learner
+from geo3k_jax.learner import DTYPES, Learner
 from geo3k_jax.model import split_params
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.splash import resolve_attention
 from geo3k_jax.weights import load_model
 
-DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
 def model_dir_of(cfg) -> str:

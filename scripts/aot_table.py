@@ -21,13 +21,6 @@ from pathlib import Path
 
 from absl import app, flags
 
-flags.DEFINE_string("out", "docs/aot", "where the per-compile JSON reports go")
-flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8", "qwen3_vl_8b@v6e-8",
-                           "qwen3_vl_8b@v5p-8", "qwen3_vl_8b@v6e-16", "qwen3_vl_2b@v6e-16"],
-                  "model@slice pairs (configs/models names, TPU slices), compiled in this order; "
-                  "model@slice@slots sets engine.slots")
-flags.DEFINE_string("config", "configs/tpu.py", "the run's config")
-flags.DEFINE_bool("table_only", False, "print the table of the reports in --out, compile nothing")
 FLAGS = flags.FLAGS
 GiB = 2 ** 30
 
@@ -103,5 +96,18 @@ def main(_):
             print(row(json.loads(path.read_text())))
 
 
+def define_flags() -> None:
+    """The command's flags (defined when it runs, not when a test imports its functions)."""
+    flags.DEFINE_string("out", "docs/aot", "where the per-compile JSON reports go")
+    flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8", "qwen3_vl_8b@v6e-8",
+                               "qwen3_vl_8b@v5p-8", "qwen3_vl_8b@v6e-16", "qwen3_vl_2b@v6e-16"],
+                      "model@slice pairs (configs/models names, TPU slices), compiled in this "
+                      "order; model@slice@slots sets engine.slots")
+    flags.DEFINE_string("config", "configs/tpu.py", "the run's config")
+    flags.DEFINE_bool("table_only", False,
+                      "print the table of the reports in --out, compile nothing")
+
+
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -181,7 +181,8 @@ def test_a_run_that_does_not_fit_its_devices_refuses_to_start(capsys):
     assert [p["program"] for p in e["programs"]] == ["prefill", "prefill_long", "insert",
                                                      "decode"]
     assert e["prefill_shapes"] == [(2, 64, 512), (1, 512, 512)]
-    assert e["cache"] == 2 * 2 * 8 * 512 * 2 * 16 * 2  # layers, k/v, slots, tokens, heads, dim, bf16
+    # layers, keys and values, slots, tokens, KV heads, head_dim, bf16 bytes
+    assert e["cache"] == 2 * 2 * 8 * 512 * 2 * 16 * 2
     b = r["budget"]
     assert b["fits"] and set(b["phases"]) == {"rollout", "weight copy", "train"}
     assert b["phases"]["train"] == max(p["peak"] for p in r["programs"]) + e["weights"] + e["cache"]
