@@ -428,7 +428,7 @@ class JaxEngine:
         tokens within `prefill_shapes`. Returns whether the prefill was full (more may be
         admitted at once)."""
         admitted, taken, kept, blocked, full = [], set(), collections.deque(), False, False
-        rows: set = set()  # the work rows' keys (`_prefill_admitted` shares equal requests')
+        keys, rows = [], set()  # each admitted request's work row (`_row_key`); the distinct
         with self._lock:
             while self._waiting and not full:
                 job = self._waiting.popleft()
@@ -448,6 +448,7 @@ class JaxEngine:
                     blocked = True
                     kept.append(job)
                     continue
+                keys.append(key)
                 rows.add(key)
                 taken.add(choice[0])
                 admitted.append((job, images) + choice)
@@ -461,7 +462,7 @@ class JaxEngine:
             slot = self._slots[s]
             self.evictions += bool(slot.ids) and (slot.session != job.request.session
                                                   or kept == 0)
-        self._prefill_admitted(admitted, epoch)
+        self._prefill_admitted(admitted, keys, epoch)
         return full
 
     def _row_key(self, r: Request, images: tuple, kept: int, n: int):
@@ -483,13 +484,12 @@ class JaxEngine:
                         self.capacity))
         return out
 
-    def _prefill_admitted(self, admitted: list, epoch: int) -> None:
-        """Prefill the admitted requests' new tokens (work rows shared by equal requests),
-        sample their first tokens, insert the rows into their slots."""
+    def _prefill_admitted(self, admitted: list, keys: list, epoch: int) -> None:
+        """Prefill the admitted requests' new tokens (work rows shared by equal requests: the
+        same `keys`), sample their first tokens, insert the rows into their slots."""
         work, expand, seen = [], [], {}
-        for n, (job, images, s, kept) in enumerate(admitted):
+        for (job, _, s, kept), key in zip(admitted, keys):
             r = job.request
-            key = self._row_key(r, images, kept, n)
             if key in seen:
                 expand.append(seen[key])
                 continue
