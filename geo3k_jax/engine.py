@@ -72,7 +72,7 @@ from geo3k_jax.buckets import PATCH_UNITS, bucket
 from geo3k_jax.decode import extend
 from geo3k_jax.kv_budget import (CacheShape, allocate, cache_shardings, cache_specs,
                                  check_kv_budget)
-from geo3k_jax.ragged import page_table, paged_attention
+from geo3k_jax.ragged import kernel_attention, page_table, paged_attention
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.vision_grid import vision_aux
 
@@ -232,6 +232,12 @@ class JaxEngine:
         self.shape = CacheShape.of(config)
         some = params()
         self.dtype = compute_dtype or next(iter(some.values())).dtype
+        # with the splash attention (`geo3k_jax.splash`) the decode attends through the Pallas
+        # paged attention kernel (interpret mode off TPU) where its TPU lowering takes the
+        # head dim (a multiple of 128, the Qwen-VL models' 128), else in XLA (`_paged`)
+        self.attention = merge(some).model.language_model.attention
+        self.kernel = self.attention.splash and (self.attention.interpret
+                                                 or self.shape.head_dim % 128 == 0)
         weight_bytes = sum(a.size for a in some.values()) * np.dtype(self.dtype).itemsize
         self.cache_bytes = check_kv_budget(self.shape, slots, self.capacity, self.dtype, self.mesh,
                                            weight_bytes, memory, memory_fraction)
@@ -254,7 +260,7 @@ class JaxEngine:
         self._decode = jax.jit(self._decode_fn, donate_argnums=1,
                                static_argnames=("nucleus",))
         spec = cache_specs(self.mesh, self.shape, slots)
-        self._data_shards = math.prod(self.mesh.shape[a] for a in spec[0])
+        self._data_shards = math.prod(self.mesh.shape[a] for a in spec[2])
         self._cache = None  # allocated at the first request
         self._slots = [_Slot() for _ in range(slots)]
         self._state = self._empty_state()
@@ -565,8 +571,8 @@ class JaxEngine:
         """Decode every live slot until one finishes (or `DECODE_CHUNK` steps), reading each
         slot's own pages of the cache (`geo3k_jax.ragged`)."""
         st = self._state
-        table = page_table(st["length"], st["live"], DECODE_CHUNK, self.capacity,
-                           self._data_shards)
+        table = None if self.kernel else page_table(
+            st["length"], st["live"], DECODE_CHUNK, self.capacity, self._data_shards)
         nucleus = bool((st["top_p"][st["live"]] < 1).any())
         arrays = {k: st[k] for k in ("tok", "pos", "length", "live", "count", "budget", "stops",
                                      "temperature", "top_p", "seed")}
@@ -593,12 +599,13 @@ class JaxEngine:
                     bound, nucleus):
         """Work row w continues slot source[w]'s first lengths[w] tokens (or starts empty:
         lengths 0) with its new tokens; request b (work row index[b]) samples its first token.
-        Returns (tokens (R,), log-probs (R,), the work rows' caches (W, ..., bound))."""
+        Returns (tokens (R,), log-probs (R,), the work rows' caches (Hkv, layers, W, bound,
+        D))."""
         self.compiles += 1  # runs while tracing only
         model = self._model(params)
         source, lengths, batch = self._by_slot((source, lengths, batch))
         at = jnp.maximum(source, 0)
-        rows = tuple((k[:, :bound][at], v[:, :bound][at]) for k, v in cache)
+        rows = tuple(a[:, :, at, :bound] for a in cache)  # (Hkv, layers, W, bound, D)
         logits, rows = extend(model, rows, lengths, batch)
         keys = row_keys(key, seeds, jnp.zeros_like(seeds))
         tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned, nucleus)
@@ -608,17 +615,17 @@ class JaxEngine:
         """Slot dest[b] (past the slots: dropped) takes work row index[b]'s first `bound`
         positions; the rest of the cache is unchanged."""
         self.compiles += 1  # runs while tracing only
-        bound = rows[0][1].shape[1]
-        return tuple((k.at[dest, :bound].set(rk[index], mode="drop"),
-                      v.at[dest, :bound].set(rv[index], mode="drop"))
-                     for (k, v), (rk, rv) in zip(cache, rows))
+        bound = rows[0].shape[3]
+        return tuple(a.at[:, :, dest, :bound].set(r[:, :, index], mode="drop")
+                     for a, r in zip(cache, rows))
 
     def _decode_fn(self, params, cache, st, table, key, nucleus):
         """Decode the live slots one token a step until a row finishes (a stop token among its
         `stops`, -1 padded, or its `budget`), DECODE_CHUNK steps, or a live row is full. Slot s
         feeds `tok` at M-RoPE position `pos`, cache position `length`; rows not live write
-        nothing; attention reads `table`'s pages ((shards, N), `geo3k_jax.ragged.page_table`,
-        covering DECODE_CHUNK more tokens a live slot). Returns (tokens, log-probs
+        nothing; attention reads each live slot's pages: through the Pallas kernel, or
+        `table`'s ((shards, N), `geo3k_jax.ragged.page_table`, covering DECODE_CHUNK more
+        tokens a live slot; None with the kernel). Returns (tokens, log-probs
         (S, DECODE_CHUNK), steps run, the cache)."""
         self.compiles += 1  # runs while tracing only
         model = self._model(params)
@@ -655,16 +662,27 @@ class JaxEngine:
         return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
 
     def _paged(self, table):
-        """`geo3k_jax.ragged.paged_attention` over `table`'s pages, each device over its own
-        slots and KV heads (the cache's layout, `cache_specs`) with its own row of the table."""
+        """The decode step's attention (`geo3k_jax.decode.extend`'s `attend`): each device over
+        its own slots and KV heads (the cache's layout, `cache_specs`), through the Pallas
+        kernel (`table` None) or over its own row of `table`'s pages."""
         spec = cache_specs(self.mesh, self.shape, self.n_slots)
-        by_head, by_slot = P(spec[0], spec[2]), P(spec[0])  # (S, H, D) queries; (S,)
+        by_head, by_slot = P(spec[2], spec[0]), P(spec[2])  # (S, H, D) queries; (S,)
+        interpret = self.attention.interpret
 
-        def attend(q, keys, values, at, scale):
-            return jax.shard_map(
-                lambda q, k, v, t, a: paged_attention(q, k, v, t[0], a, scale),
-                mesh=self.mesh, in_specs=(by_head, spec, spec, by_slot, by_slot),
-                out_specs=by_head)(q, keys, values, table, at)
+        def attend(q, keys, values, layer, at, scale):
+            if table is None:
+                def local(q, k, v, i, a):
+                    return kernel_attention(q, k, v, i, a, scale, interpret)
+                extra = ()
+            else:
+                def local(q, k, v, i, a, t):
+                    return paged_attention(q, k, v, i, t[0], a, scale)
+                extra = (table,)
+            # (the Pallas kernel's output states no varying mesh axes: unchecked)
+            return jax.shard_map(local, mesh=self.mesh, out_specs=by_head,
+                                 in_specs=(by_head, spec, spec, P(), by_slot)
+                                 + (by_slot,) * len(extra),
+                                 check_vma=bool(extra))(q, keys, values, layer, at, *extra)
         return attend
 
     def _by_slot(self, tree):

@@ -90,8 +90,8 @@ def engine_programs(engine, params: dict, patches: int) -> dict[str, Callable]:
     if len(shapes) > 1:
         programs["prefill_long"] = prefill(*shapes[1])
     rows, _, bound = shapes[0]
-    work = abstract(jax.eval_shape(lambda c: tuple((k[:rows, :bound], v[:rows, :bound])
-                                                   for k, v in c), cache), rep)
+    work = abstract(jax.eval_shape(lambda c: tuple(a[:, :, :rows, :bound] for a in c), cache),
+                    rep)
     programs["insert"] = lambda: engine._insert.lower(cache, work, *abstract(
         (vec(requests, np.int32), vec(requests, np.int32)), rep))
     slots = engine.n_slots
@@ -101,9 +101,10 @@ def engine_programs(engine, params: dict, patches: int) -> dict[str, Callable]:
         ("top_p", np.float32), ("seed", np.uint32))}
     state["stops"] = np.zeros((slots, MAX_STOPS), np.int32)
     shards = engine._data_shards
-    table = np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32)
+    table = None if engine.kernel else abstract(  # the Pallas kernel needs none
+        np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32), rep)
     programs["decode"] = lambda: engine._decode.lower(
-        params, cache, abstract(state, rep), abstract(table, rep), abstract(vec(2, np.uint32), rep),
+        params, cache, abstract(state, rep), table, abstract(vec(2, np.uint32), rep),
         nucleus=False)
     return programs
 

@@ -2,12 +2,15 @@
 
     shape = CacheShape.of(config)                                # layers, KV heads, head_dim
     check_kv_budget(shape, slots, capacity, dtype, mesh, weight_bytes)  # raises if it won't fit
-    cache = allocate(shape, slots, capacity, dtype, mesh)        # tuple over layers of (k, v)
+    cache = allocate(shape, slots, capacity, dtype, mesh)        # (keys, values)
 
-A layer's keys and values are each (slots, L, Hkv, D) (`geo3k_jax.decode`), split by slot over
-the mesh's data-parallel axes (`geo3k_jax.sharding.BATCH_AXES`: each device decodes its own
-slots) and by KV head over the tensor axis when it divides them (the
-attention of a KV head group stays on one device; otherwise they are replicated over it).
+The keys and the values are each one array (Hkv, layers, slots, L, D) (`geo3k_jax.decode`): a
+KV head's layers, slots and positions are consecutive, so (Hkv, layers x slots x L / PAGE, PAGE,
+D) is the same memory cut into pages, the layout the Pallas paged attention kernel reads
+(`geo3k_jax.ragged`), and the decode scans the layers over one array. They are split by slot
+over the mesh's data-parallel axes (`geo3k_jax.sharding.BATCH_AXES`: each device decodes its
+own slots) and by KV head over the tensor axis when it divides them (the attention of a KV head
+group stays on one device; otherwise they are replicated over it).
 """
 
 from __future__ import annotations
@@ -49,32 +52,31 @@ def _size(mesh, axes) -> int:
 
 
 def cache_specs(mesh, shape: CacheShape, slots: int) -> P:
-    """The PartitionSpec of a layer's keys and of its values (the same, (S, L, Hkv, D): slots
-    over the data axes, KV heads over tensor)."""
+    """The PartitionSpec of the keys and of the values (the same, (Hkv, layers, S, L, D): KV
+    heads over tensor, slots over the data axes)."""
     data = _size(mesh, BATCH_AXES)
     if slots % data:
         raise ValueError(f"engine.slots={slots} must be a multiple of the mesh's data-parallel "
                          f"size {data} ({', '.join(BATCH_AXES)}): each device holds its slots")
     heads = "tensor" if shape.kv_heads % _size(mesh, ("tensor",)) == 0 else None
-    return P(tuple(a for a in BATCH_AXES if a in mesh.shape), None, heads)
+    return P(heads, None, tuple(a for a in BATCH_AXES if a in mesh.shape))
 
 
-def cache_shardings(mesh, shape: CacheShape, slots: int) -> tuple:
+def cache_shardings(mesh, shape: CacheShape, slots: int) -> tuple | None:
     """The cache's shardings, as `allocate` builds it (None without a mesh: one device)."""
     if mesh is None:
         return None
     s = NamedSharding(mesh, cache_specs(mesh, shape, slots))
-    return tuple((s, s) for _ in range(shape.layers))
+    return s, s
 
 
 def allocate(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None) -> tuple:
-    """A zero cache: tuple over layers of (keys, values), each (S, L, Hkv, D), each device
-    allocating only its own share."""
-    dims = (slots, capacity, shape.kv_heads, shape.head_dim)
+    """A zero cache: (keys, values), each (Hkv, layers, S, L, D), each device allocating only
+    its own share."""
+    dims = (shape.kv_heads, shape.layers, slots, capacity, shape.head_dim)
 
     def zeros():
-        return tuple((jnp.zeros(dims, dtype), jnp.zeros(dims, dtype))
-                     for _ in range(shape.layers))
+        return jnp.zeros(dims, dtype), jnp.zeros(dims, dtype)
     return jax.jit(zeros, out_shardings=cache_shardings(mesh, shape, slots))()
 
 
@@ -94,7 +96,7 @@ def per_device_bytes(shape: CacheShape, slots: int, capacity: int, dtype, mesh=N
     if mesh is None:
         return total
     spec = cache_specs(mesh, shape, slots)
-    split = _size(mesh, BATCH_AXES) * (_size(mesh, ("tensor",)) if spec[1] else 1)
+    split = _size(mesh, BATCH_AXES) * (_size(mesh, ("tensor",)) if spec[0] else 1)
     return total // split
 
 

@@ -1,31 +1,45 @@
-"""Decode attention that reads each slot's own keys: a page table, and attention over its pages.
+"""Decode attention that reads each slot's own keys: on TPU the Pallas paged attention kernel,
+elsewhere a page table and attention over its pages in XLA.
 
 A decode step attends one new token per slot. Attention bounded by the longest row
 (`geo3k_jax.decode.extend`'s `bound`, as the prefill uses it) would read every slot up to the
 longest live one; with slots refilled as rows finish, one long row makes every slot pay its
-length. Here the cache's positions are cut into pages of `PAGE` tokens
-and the step reads only the pages a live slot holds, so its cost follows the live tokens:
+length. Here the cache's positions are cut into pages of `PAGE` tokens and a step reads only
+the pages a live slot holds, so its cost follows the live tokens. The cache
+(`geo3k_jax.kv_budget`: keys and values each (Hkv, layers, S, L, D)) is already the kernel's
+page array: (Hkv, layers x S x L / PAGE, PAGE, D), page id `(layer x S + slot) x L / PAGE +
+page`, so layer `layer` is an offset into the page ids, never a copy.
 
-    table = page_table(lengths, live, reach, capacity, shards)   # host: (shards, N) page ids
-    out = paged_attention(q, keys, values, table[k], at, scale)    # one shard's slots
+    out = kernel_attention(q, keys, values, layer, at, scale)      # TPU (interpret elsewhere)
+    table = page_table(lengths, live, reach, capacity, shards)     # XLA: host, (shards, N) ids
+    out = paged_attention(q, keys, values, layer, table[k], at, scale)   # one shard's slots
 
-A page id is `local slot x pages per slot + page`; -1 pads a shard's list to N, a bucket shared
-by the shards (a compile per bucket). The cache keeps its layout ((S, L, Hkv, D) keys and
-values: a slot's pages are its rows' consecutive positions), so the prefill and the insert are
-unchanged. Each page's scores are reduced on their own (max, sum, weighted values) and the pages
-of a slot combined by their maxima, the way a paged attention kernel does, in fp32.
+The kernel is JAX's `jax.experimental.pallas.ops.tpu.paged_attention` (one query per
+sequence, the decode's shape): it walks each slot's pages up to its length in blocks of
+`KERNEL_BLOCK` pages and skips slots of length 0. (JAX's ragged paged attention kernel, which
+also takes prefills, wants keys and values interleaved by head and does not run in JAX 0.10's
+interpret mode, so no test on a CPU could check it.) The XLA path's page ids are `local slot x
+L / PAGE + page`; -1 pads a shard's list to N, a bucket shared by the shards (a compile per
+bucket); each page's scores are reduced on their own (max, sum, weighted values) and the pages
+of a slot combined by their maxima, the way the kernel does, in fp32.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
 
 from geo3k_jax.buckets import bucket
 from geo3k_jax.layers import wide_dtype
 
 PAGE = 32  # cache positions a page
+KERNEL_BLOCK = 8  # pages the kernel reads in one block (fewer when a slot's pages are fewer)
 TABLE_UNIT = 8  # a table's pages per shard come in buckets of this (2 sizes an octave: each
 # is a compile of the decode call, a minute or more at a real model's size)
 
@@ -55,30 +69,58 @@ def page_table(lengths: np.ndarray, live: np.ndarray, reach: int, capacity: int,
     return table
 
 
-def paged_attention(q: jax.Array, keys: jax.Array, values: jax.Array, table: jax.Array,
-                    at: jax.Array, scale: float) -> jax.Array:
-    """One new token per slot over the pages of `table`. q: (S, H, D); keys and values
-    (S, L, Hkv, D) (H a multiple of Hkv: head i reads KV head i // (H / Hkv)); table (N,) page
-    ids (`page_table`'s row, -1 none); at (S,): slot s's new token sits at position at[s] and
-    attends to positions <= at[s]. A slot with no page gets zeros. Returns (S, H * D)."""
-    s, cap, g, d = keys.shape
+def pages(cache: jax.Array) -> jax.Array:
+    """The cache's keys or values (Hkv, layers, S, L, D) as pages (Hkv, layers x S x L / PAGE,
+    PAGE, D): the same memory."""
+    g, layers, s, cap, d = cache.shape
+    return cache.reshape(g, layers * s * cap // PAGE, PAGE, d)
+
+
+def kernel_attention(q: jax.Array, keys: jax.Array, values: jax.Array, layer: jax.Array,
+                     at: jax.Array, scale: float, interpret: bool = False) -> jax.Array:
+    """One new token per slot through the Pallas paged attention kernel. q: (S, H, D); keys and
+    values (Hkv, layers, S, L, D), the whole cache (H a multiple of Hkv: head i reads KV head
+    i // (H / Hkv)); layer: () int, the layer read; at (S,): slot s's new token sits at position
+    at[s] and attends to positions <= at[s] (at >= L: not live, zeros). interpret: Pallas' TPU
+    interpret mode (not on TPU: tests). Returns (S, H * D)."""
+    g, layers, s, cap, d = keys.shape
+    per_slot = cap // PAGE
+    block = math.gcd(per_slot, KERNEL_BLOCK)
+    ids = (layer * s * per_slot
+           + jnp.arange(s * per_slot, dtype=jnp.int32).reshape(s, per_slot))
+    lengths = jnp.where(at < cap, at + 1, 0).astype(jnp.int32)
+    q = (q.astype(wide_dtype(q.dtype)) * scale).astype(q.dtype)  # the kernel does not scale
+    mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
+    with mode:
+        out = pallas_paged(q, pages(keys), pages(values), lengths, ids,
+                           pages_per_compute_block=block)
+    return out.reshape(s, -1).astype(q.dtype)
+
+
+def paged_attention(q: jax.Array, keys: jax.Array, values: jax.Array, layer: jax.Array,
+                    table: jax.Array, at: jax.Array, scale: float) -> jax.Array:
+    """`kernel_attention` in XLA over the pages of `table`. q: (S, H, D); keys and values
+    (Hkv, layers, S, L, D); layer: () int; table (N,) page ids of the layer (`page_table`'s row,
+    -1 none); at (S,): slot s's new token sits at position at[s] and attends to positions
+    <= at[s]. A slot with no page gets zeros. Returns (S, H * D)."""
+    g, _, s, cap, d = keys.shape
     h = q.shape[1]
     per_slot = cap // PAGE
     wide = wide_dtype(q.dtype)
     valid = table >= 0
     page = jnp.maximum(table, 0)
     slot, first = page // per_slot, (page % per_slot) * PAGE  # (N,)
-    kp = keys.reshape(s * per_slot, PAGE, g, d)[page]  # (N, PAGE, Hkv, D)
-    vp = values.reshape(s * per_slot, PAGE, g, d)[page]
+    kp = pages(keys)[:, layer * s * per_slot + page]  # (Hkv, N, PAGE, D)
+    vp = pages(values)[:, layer * s * per_slot + page]
     qp = q[slot].reshape(-1, g, h // g, d)  # (N, Hkv, H / Hkv, D)
-    scores = jnp.einsum("ngrd,npgd->ngrp", qp, kp, preferred_element_type=wide) * scale
+    scores = jnp.einsum("ngrd,gnpd->ngrp", qp, kp, preferred_element_type=wide) * scale
     seen = valid[:, None] & (first[:, None] + jnp.arange(PAGE) <= at[slot][:, None])
     scores = jnp.where(seen[:, None, None, :], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1)  # (N, Hkv, H / Hkv); -inf: a page with nothing seen
     top = jnp.where(jnp.isfinite(top), top, jnp.finfo(wide).min)
     weights = jnp.exp(scores - top[..., None])  # 0 where not seen
     total = weights.sum(axis=-1)
-    out = jnp.einsum("ngrp,npgd->ngrd", weights.astype(values.dtype), vp,
+    out = jnp.einsum("ngrp,gnpd->ngrd", weights.astype(values.dtype), vp,
                      preferred_element_type=wide)
     segment = jnp.where(valid, slot, s)  # padding: a segment of its own, dropped
     best = jax.ops.segment_max(top, segment, num_segments=s + 1)

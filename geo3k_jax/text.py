@@ -139,25 +139,32 @@ class DecoderStack(nnx.Module):
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool | str,
-            after=None) -> jax.Array:
-        """x (B, T, hidden) through every layer in order (`DecoderLayer`'s inputs); after(i, x)
-        is applied to layer i's output for the first `after[0]` layers (DeepStack): `after` is
+    def scan(self, step, carry, *, remat: bool | str = False, after=None):
+        """carry = step(layer, i, carry) for every layer i in order, as one `jax.lax.scan`
+        (layer: a `DecoderLayer` of the scanned slice of the parameters, never a copy of them);
+        after(i, carry) follows layer i for the first `after[0]` layers (DeepStack): `after` is
         (count, fn) or None. remat: each layer's activations are recomputed in the backward
         pass (memory of one layer's inputs per layer instead of all its intermediates; a
         `geo3k_jax.layers.REMAT_POLICIES` name says what else is kept)."""
         count, fn = after if after is not None else (0, None)
         count = min(count, len(self))
 
-        def body(h, xs):
-            h = nnx.merge(self.layer_def, xs[0])(h, cos, sin, attend)
+        def body(c, xs):
             i = xs[1]
+            c = step(nnx.merge(self.layer_def, xs[0]), i, c)
             if count:  # one scan over the whole stack: its weights are never sliced (copied)
-                h = jax.lax.cond(i < count, lambda h: fn(jnp.minimum(i, count - 1), h),
-                                 lambda h: h, h)
-            return h, None
+                c = jax.lax.cond(i < count, lambda c: fn(jnp.minimum(i, count - 1), c),
+                                 lambda c: c, c)
+            return c, None
         body = rematerialised(body, remat, scanned=True)
-        return jax.lax.scan(body, x, (nnx.state(self), jnp.arange(len(self))))[0]
+        return jax.lax.scan(body, carry, (nnx.state(self), jnp.arange(len(self))))[0]
+
+    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool | str,
+            after=None) -> jax.Array:
+        """x (B, T, hidden) through every layer in order (`DecoderLayer`'s inputs); `remat` and
+        `after(i, x)` as `scan`'s."""
+        return self.scan(lambda layer, i, h: layer(h, cos, sin, attend), x, remat=remat,
+                         after=after)
 
 
 def head_dim_of(cfg, arch: str) -> int:

@@ -36,7 +36,7 @@ def main() -> None:
                       [np.concatenate([o.logprobs for o in outs]) for _, outs in turns],
                       engine)
     (t1, l1, _), (t2, l2, sharded) = runs["single"], runs["sharded"]
-    keys = sharded._cache[0][0]
+    keys = sharded._cache[0]
     print(json.dumps({
         "same_tokens": t1 == t2,
         "tokens": sum(len(x) for turn in t1 for x in turn),

@@ -52,7 +52,7 @@ def main(pid: int, port: int, out: str, mode: str = "") -> None:
         for r, o in zip(reqs, outs):
             sessions[r.session]["tokens"].append([int(t) for t in o.token_ids])
             sessions[r.session]["logprobs"].append([float(x) for x in o.logprobs])
-    devices = len(backend.engine._cache[0][0].sharding.device_set)
+    devices = len(backend.engine._cache[0].sharding.device_set)
     (Path(out) / f"engine_{pid}.json").write_text(json.dumps(
         {"sessions": sessions, "cache_devices": devices}))
     if mode == "splash":

@@ -261,3 +261,46 @@ def test_a_table_cell_may_set_the_engine_slots():
     assert table.report_name("qwen3_vl_2b", "v6e-8", 0) == "qwen3_vl_2b_v6e-8.json"
     with pytest.raises(SystemExit, match="model@slice@slots"):
         table.cell("qwen3_vl_2b@v6e-8@many")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("topology", ["v5p-8", "v6e-8"])
+def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
+    """On a TPU slice the engine's decode (one host's chips, the splash attention of a run)
+    attends through the Pallas paged attention kernel, compiled by libtpu for v5p and v6e,
+    reading the cache in place: no copy of it, temporaries far below its size (a cache of 256
+    MiB a chip: one small enough would be staged whole in on-chip memory). The tiny model with
+    Qwen-VL's head dim of 128, the kernel's tile."""
+    import re
+
+    import jax
+    from transformers import Qwen3VLConfig
+
+    from geo3k_jax import aot
+    from geo3k_jax.engine_aot import abstract_engine, engine_programs
+    from tests.jax_learner_setup import IDS, TEXT, VISION
+
+    hf = Qwen3VLConfig(text_config=dict(TEXT, head_dim=128, rope_scaling={
+        "rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+        vision_config=dict(VISION, patch_size=16, deepstack_visual_indexes=[0],
+                           num_position_embeddings=64), **IDS)
+    cfg = _tiny_tpu_config()
+    cfg.engine.slots, cfg.rollout.max_context_tokens = 64, 8192
+    devices = aot.topology_devices(topology)
+    optimise = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with jax.default_matmul_precision(None):
+            engine, params = abstract_engine(cfg, aot.abstract_learner(cfg, hf, devices), hf,
+                                             memory=2 ** 40)
+            compiled = engine_programs(engine, params, 0)["decode"]().compile()
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimise)
+    assert engine.kernel and engine.attention.splash and not engine.attention.interpret
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "paged_attention" in text
+    shard = "bf16[2,2,16,8192,128]"  # (Hkv, layers, slots, L, D) a chip: 64 slots over 4 chips
+    assert shard in text and not re.search(re.escape(shard) + r"\{[^}]*\} copy\(", text)
+    assert engine.cache_bytes == 2 ** 28  # keys and values of a chip
+    assert compiled.memory_analysis().temp_size_in_bytes < engine.cache_bytes / 16

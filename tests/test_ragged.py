@@ -1,28 +1,37 @@
-"""Decode attention over each slot's own pages (`geo3k_jax.ragged`): the page table, and the
-attention checked against the bounded attention the prefill uses and against the reference of
-JAX's own ragged paged attention kernel for TPU."""
+"""Decode attention over each slot's own pages (`geo3k_jax.ragged`): the page table, the XLA
+path checked against the bounded attention the prefill uses, and JAX's Pallas paged attention
+kernel for TPU (in interpret mode here) against the XLA path, over a layer of the cache in its
+one layout (Hkv, layers, S, L, D)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
-    ref_ragged_paged_attention)
 
 from geo3k_jax.decode import cached_attention
-from geo3k_jax.ragged import PAGE, TABLE_UNIT, page_table, paged_attention
+from geo3k_jax.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table, pages,
+                              paged_attention)
 
-SLOTS, CAP, HKV, H, D = 6, 4 * PAGE, 2, 4, 8
+SLOTS, CAP, HKV, H, D, LAYERS = 6, 4 * PAGE, 2, 4, 8, 3
 
 
-def _case(seed=0):
-    """q (S, H, D), keys and values (S, L, Hkv, D) of noise (garbage past every length: read,
-    it would change the output), the new tokens' positions (-> CAP: not live)."""
+def _case(seed=0, d=D):
+    """q (S, H, D), keys and values (Hkv, layers, S, L, D) of noise (garbage past every length
+    and in the other layers: read, it would change the output), the new tokens' positions
+    (-> CAP: not live)."""
     rng = np.random.default_rng(seed)
-    q = rng.normal(size=(SLOTS, H, D)).astype(np.float32)
-    keys = rng.normal(size=(SLOTS, CAP, HKV, D)).astype(np.float32) * 3
-    values = rng.normal(size=(SLOTS, CAP, HKV, D)).astype(np.float32)
+    q = rng.normal(size=(SLOTS, H, d)).astype(np.float32)
+    keys = rng.normal(size=(HKV, LAYERS, SLOTS, CAP, d)).astype(np.float32) * 3
+    values = rng.normal(size=(HKV, LAYERS, SLOTS, CAP, d)).astype(np.float32)
     at = np.array([0, PAGE - 1, PAGE, 3 * PAGE + 5, CAP, 17], np.int32)  # slot 4 not live
     return q, keys, values, at
+
+
+def _whole(q, keys, values, layer, at, scale):
+    """The prefill's attention over the whole of layer `layer`, each slot its causal mask."""
+    mask = (np.arange(CAP)[None, None, :] <= at[:, None, None])  # (S, 1, L)
+    return np.asarray(cached_attention(q[:, None], keys[:, layer], values[:, layer], mask,
+                                       scale))[:, 0]
 
 
 def test_page_table_lists_each_live_slots_pages():
@@ -48,40 +57,55 @@ def test_page_table_lists_each_live_slots_pages():
         page_table(lengths, live, reach=1, capacity=CAP, shards=4)
 
 
-def test_paged_attention_equals_attention_over_the_whole_cache():
-    """Each live slot's output equals the bounded attention's over the whole cache with its
-    own causal mask, whatever lies past its length; padding pages and a table reaching past
-    the new token change nothing; a slot without pages gets zeros."""
+def test_pages_are_the_cache_itself():
+    """Page `(layer x S + slot) x L / PAGE + p` of a KV head is that layer's slot's positions
+    p x PAGE ... (p + 1) x PAGE - 1: the kernel's page ids address the cache as it lies."""
+    _, keys, _, _ = _case()
+    paged = np.asarray(pages(jnp.asarray(keys)))
+    per_slot = CAP // PAGE
+    assert paged.shape == (HKV, LAYERS * SLOTS * per_slot, PAGE, D)
+    layer, slot, p = 2, 3, 1
+    np.testing.assert_array_equal(paged[:, (layer * SLOTS + slot) * per_slot + p],
+                                  keys[:, layer, slot, p * PAGE:(p + 1) * PAGE])
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_paged_attention_equals_attention_over_the_whole_cache(layer):
+    """Each live slot's output equals the bounded attention's over the whole layer with its
+    own causal mask, whatever lies past its length or in other layers; padding pages and a
+    table reaching past the new token change nothing; a slot without pages gets zeros."""
     q, keys, values, at = _case()
     live = at < CAP
     table = page_table(np.minimum(at, CAP - 1), live, reach=40, capacity=CAP)
     padded = np.concatenate([table, -np.ones((1, 5), np.int32)], axis=1)
     scale = D ** -0.5
-    mask = (np.arange(CAP)[None, None, :] <= at[:, None, None])  # (S, 1, L)
-    want = np.asarray(cached_attention(q[:, None], keys, values, mask, scale))[:, 0]
+    want = _whole(q, keys, values, layer, at, scale)
     for t in (table, padded):
-        got = np.asarray(paged_attention(q, keys, values, t[0], at, scale))
+        got = np.asarray(paged_attention(q, keys, values, layer, t[0], at, scale))
         np.testing.assert_allclose(got[live], want[live], rtol=0, atol=2e-6)
         assert (got[~live] == 0).all()
 
 
-def test_paged_attention_equals_jax_ragged_paged_attention_reference():
-    """The same numbers as `ref_ragged_paged_attention` (JAX's reference for its TPU kernel),
-    given the cache as that kernel's pages (keys and values interleaved by head) and each
-    slot's pages in order: a decode step is a sequence of one query over at + 1 keys."""
-    q, keys, values, at = _case(1)
+@pytest.mark.slow  # Pallas' TPU interpret mode: seconds a call
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_the_pallas_kernel_equals_the_xla_path(dtype):
+    """JAX's Pallas paged attention kernel, in TPU interpret mode, reading layer 1 of the cache
+    as its pages: the XLA path's numbers for every live slot (within the kernel's matmul
+    precision: the TPU's default rounds fp32 operands to bf16, as the interpreter does), zeros
+    for a slot not live; jitted with the layer a traced index, as the decode's scan calls it.
+    Head dim 128, the Qwen-VL models'."""
+    q, keys, values, at = _case(1, d=128)
     live = at < CAP
-    per_slot = CAP // PAGE
-    combined = np.stack([keys, values], axis=3).reshape(SLOTS, CAP, 2 * HKV, D)
-    pages = combined.reshape(SLOTS * per_slot, PAGE, 2 * HKV, D)
-    n = int(live.sum())
-    page_indices = (np.flatnonzero(live)[:, None] * per_slot
-                    + np.arange(per_slot)[None, :]).astype(np.int32)
-    ref = ref_ragged_paged_attention(
-        jnp.asarray(q[live]), jnp.asarray(pages), jnp.asarray(at[live] + 1),
-        jnp.asarray(page_indices), jnp.arange(n + 1, dtype=jnp.int32),
-        jnp.array([n], jnp.int32), sm_scale=D ** -0.5)
-    table = page_table(at, live, reach=1, capacity=CAP)
-    got = paged_attention(q, keys, values, table[0], at, D ** -0.5)
-    np.testing.assert_allclose(np.asarray(got)[live], np.asarray(ref).reshape(n, H * D),
-                               rtol=0, atol=2e-6)
+    q, keys, values = (jnp.asarray(a, dtype) for a in (q, keys, values))
+    scale = 128 ** -0.5
+    table = page_table(np.minimum(at, CAP - 1), live, reach=1, capacity=CAP)
+    want = np.asarray(paged_attention(q, keys, values, 1, table[0], at, scale), np.float32)
+    got = jax.jit(lambda q, k, v, i, a: kernel_attention(q, k, v, i, a, scale, True))(
+        q, keys, values, jnp.int32(1), at)
+    got = np.asarray(got, np.float32)
+    assert got.shape == (SLOTS, H * 128)
+    np.testing.assert_allclose(got[live], want[live], rtol=0, atol=3e-2)
+    assert np.abs(got[live] - want[live]).mean() < 5e-3
+    assert (got[~live] == 0).all()
+    other = np.asarray(paged_attention(q, keys, values, 2, table[0], at, scale), np.float32)
+    assert np.abs(got[live] - other[live]).max() > 0.1  # another layer's numbers are far
