@@ -399,9 +399,10 @@ def _multihost(out, *mode) -> None:
     assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
 
 
-def _same_sessions_as_one_engine(setup, out) -> None:
+def _same_sessions_as_one_engine(setup, out, atol: float = 1e-5) -> None:
     """Each process's engine ran its share of the sessions on its own device: the same tokens
-    and log-probs as one engine (windowed attention, one process) running them all."""
+    and log-probs (within `atol`) as one engine (windowed attention, one process) running them
+    all."""
     from geo3k_jax.backend import JaxBackend
     from tests.test_jax_engine import episodes
 
@@ -417,7 +418,7 @@ def _same_sessions_as_one_engine(setup, out) -> None:
             got = next(run["sessions"][r.session] for run in engine_runs
                        if r.session in run["sessions"])
             assert got["tokens"][k] == [int(t) for t in o.token_ids], (r.session, k)
-            assert np.abs(np.asarray(got["logprobs"][k]) - o.logprobs).max() <= 1e-5
+            assert np.abs(np.asarray(got["logprobs"][k]) - o.logprobs).max() <= atol
 
 
 @pytest.mark.heavy
@@ -455,6 +456,8 @@ def test_two_processes_equal_one(setup, tmp_path):
 def test_two_processes_engines_map_splash_over_their_own_devices(setup, tmp_path):
     """With the splash kernel (interpret mode) mapped over the learner's 2-process mesh, each
     process's engine maps its vision attention over its own device, where its arrays live
-    (`geo3k_jax.model.with_attention`), and samples what one windowed engine samples."""
+    (`geo3k_jax.model.with_attention`), and samples what one windowed engine samples: the same
+    tokens, log-probs within 2e-3 (its decode goes through the Pallas paged attention kernel,
+    whose matmuls round fp32 operands to bf16 as a TPU's do; 7.6e-4 measured)."""
     _multihost(tmp_path, "splash")
-    _same_sessions_as_one_engine(setup, tmp_path)
+    _same_sessions_as_one_engine(setup, tmp_path, atol=2e-3)
