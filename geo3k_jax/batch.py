@@ -115,7 +115,6 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         keys.append("old_logprobs")
     for key in keys:
         out[key] = np.zeros((n_rows, length), np.float32)
-    vision = []
     for r, row in enumerate(rows):
         b, t = row.batch, row.batch.num_tokens
         if t > length or len(row.targets) > n_targets:

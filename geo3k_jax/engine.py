@@ -605,8 +605,8 @@ class JaxEngine:
         model = self._model(params)
         source, lengths, batch = self._by_slot((source, lengths, batch))
         at = jnp.maximum(source, 0)
-        rows = tuple(a[:, :, at, :bound] for a in cache)  # (Hkv, layers, W, bound, D)
-        logits, rows = extend(model, rows, lengths, batch)
+        rows = self._by_slot(tuple(a[:, :, at, :bound] for a in cache), axis=2)
+        logits, rows = extend(model, rows, lengths, batch)  # rows (Hkv, layers, W, bound, D)
         keys = row_keys(key, seeds, jnp.zeros_like(seeds))
         tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned, nucleus)
         return tokens, logp, rows
@@ -615,9 +615,29 @@ class JaxEngine:
         """Slot dest[b] (past the slots: dropped) takes work row index[b]'s first `bound`
         positions; the rest of the cache is unchanged."""
         self.compiles += 1  # runs while tracing only
-        bound = rows[0].shape[3]
-        return tuple(a.at[:, :, dest, :bound].set(r[:, :, index], mode="drop")
-                     for a, r in zip(cache, rows))
+        spec = cache_specs(self.mesh, self.shape, self.n_slots)
+        local = self.n_slots // self._data_shards
+
+        def put(k, v, rk, rv, dest, index):  # one device: its own slots, every work row
+            first = jax.lax.axis_index(spec[2]) * local if spec[2] else 0
+            mine = (dest >= first) & (dest < first + local)
+
+            def one(b, kv):  # request b's row into its slot, in place, if the slot is here
+                slot = jnp.clip(dest[b] - first, 0, local - 1)
+
+                def write(a, r):
+                    row = jax.lax.dynamic_index_in_dim(r, index[b], 2)  # (Hkv, layers, 1, ..)
+                    old = jax.lax.dynamic_slice_in_dim(a, slot, 1, 2)[:, :, :, :r.shape[3]]
+                    return jax.lax.dynamic_update_slice(a, jnp.where(mine[b], row, old),
+                                                        (0, 0, slot, 0, 0))
+                return write(kv[0], rk), write(kv[1], rv)
+            return jax.lax.fori_loop(0, dest.shape[0], one, (k, v))
+        # a scatter of the requests' rows (one copy of its work row each, all at once) into
+        # slots split over the devices, left to the compiler, gathered the whole cache on every
+        # device: each writes its own slots here, a row at a time
+        return jax.shard_map(put, mesh=self.mesh, out_specs=(spec, spec),
+                             in_specs=(spec, spec, P(spec[0]), P(spec[0]), P(), P()))(
+            *cache, *rows, dest, index)
 
     def _decode_fn(self, params, cache, st, table, key, nucleus):
         """Decode the live slots one token a step until a row finishes (a stop token among its
@@ -685,15 +705,17 @@ class JaxEngine:
                                  check_vma=bool(extra))(q, keys, values, layer, at, *extra)
         return attend
 
-    def _by_slot(self, tree):
-        """Arrays of rows (slots, or a prefill's work rows) split over the mesh's data axes like
-        the cache, where their count allows."""
-        spec = cache_specs(self.mesh, self.shape, self.n_slots)[0]
+    def _by_slot(self, tree, axis: int = 0):
+        """Arrays of rows (slots, or a prefill's work rows) along `axis` split over the mesh's
+        data axes like the cache, where their count allows; with `axis` 2, caches of rows
+        (Hkv, layers, rows, L, D) laid out as the cache is (KV heads over tensor too)."""
+        spec = cache_specs(self.mesh, self.shape, self.n_slots)
+        spec = P(spec[2]) if axis == 0 else spec
 
         def place(a):
-            if a.ndim == 0 or a.shape[0] % self._data_shards:
+            if a.ndim == 0 or a.shape[axis] % self._data_shards:
                 return a
-            return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, P(spec)))
+            return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
         return jax.tree.map(place, tree)
 
     # ---- host-side arrays --------------------------------------------------------------

@@ -182,6 +182,64 @@ def remat_of(jcfg):
     return jcfg.remat_policy
 
 
+class LayerStack(nnx.Module):
+    """`n` layers of one kind (the decoder's, the vision tower's blocks) whose parameters are
+    stacked along a leading layer axis: the parts `parts` of one layer, each array (n, ...).
+    `stack[i]` is layer i (its parameters sliced), `len(stack)` the depth; `scan` runs them in
+    order as one `jax.lax.scan`, so a program compiles one layer whatever the depth."""
+
+    def __init__(self, n: int, make, parts: tuple[str, ...]):
+        layers = [make() for _ in range(n)]  # initialised in order: the unrolled model's draws
+        defs, states = zip(*(nnx.split(layer) for layer in layers))
+        self.layer_def = defs[0]
+        stacked = nnx.merge(defs[0], jax.tree.map(lambda *a: jnp.stack(a), *states))
+        self.parts = parts
+        for name in parts:
+            setattr(self, name, getattr(stacked, name))
+
+    def __len__(self) -> int:
+        return int(jax.tree.leaves(nnx.state(self))[0].shape[0])
+
+    def _current_def(self):
+        """One layer's graph as the parts now are: a setting changed on them since (a vision
+        attention's, `geo3k_jax.model.with_attention`) is in it, not the one at construction."""
+        layer = nnx.merge(self.layer_def, nnx.state(self))
+        for name in self.parts:
+            setattr(layer, name, getattr(self, name))
+        return nnx.split(layer)[0]
+
+    def __getitem__(self, i):
+        return nnx.merge(self._current_def(), jax.tree.map(lambda a: a[i], nnx.state(self)))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def scan(self, step, carry, *, remat: bool | str = False, after=None,
+             outputs: bool = False):
+        """carry = step(layer, i, carry) for every layer i in order (layer: the scanned slice of
+        the parameters, never a copy of them); with `outputs` step returns (carry, y) and this
+        (carry, ys): each y stacked over the layers. after(i, carry) follows layer i for the
+        first `after[0]` layers (DeepStack): `after` is (count, fn) or None. remat: each
+        layer's activations are recomputed in the backward pass (memory of one layer's inputs
+        per layer instead of all its intermediates; a `REMAT_POLICIES` name says what else is
+        kept)."""
+        count, fn = after if after is not None else (0, None)
+        count = min(count, len(self))
+        layer_def = self._current_def()
+
+        def body(c, xs):
+            i = xs[1]
+            out = step(nnx.merge(layer_def, xs[0]), i, c)
+            c, y = out if outputs else (out, None)
+            if count:  # one scan over the whole stack: its weights are never sliced (copied)
+                c = jax.lax.cond(i < count, lambda c: fn(jnp.minimum(i, count - 1), c),
+                                 lambda c: c, c)
+            return c, y
+        body = rematerialised(body, remat, scanned=True)
+        carry, ys = jax.lax.scan(body, carry, (nnx.state(self), jnp.arange(len(self))))
+        return (carry, ys) if outputs else carry
+
+
 def rematerialised(fn, remat, scanned: bool):
     """`fn` under `jax.checkpoint` as `remat` says: False as it is, True or "full" saving
     nothing, "projections" saving the projections' outputs (`REMAT_POLICIES`). scanned: `fn`

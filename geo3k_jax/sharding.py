@@ -22,7 +22,6 @@ import re
 from typing import Mapping, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from geo3k_jax.batch import REPLICATED_KEYS

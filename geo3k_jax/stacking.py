@@ -1,14 +1,17 @@
-"""Checkpoint keys <-> the stacked decoder parameters of `geo3k_jax.text.DecoderStack`.
+"""Checkpoint keys <-> the stacked parameters of `geo3k_jax.layers.LayerStack`: the decoder's
+layers and the vision tower's blocks.
 
-A Hugging Face checkpoint names each decoder layer's tensors apart,
+A Hugging Face checkpoint names each decoder layer's (each vision block's) tensors apart,
 
     model.language_model.layers.3.mlp.up_proj.weight          (out, in)
+    model.visual.blocks.3.attn.qkv.weight                      (out, in)
 
 while the model keeps one array per tensor kind with the layers along a leading axis,
 
     model.language_model.layers.mlp.up_proj.weight            (L, out, in)
+    model.visual.blocks.attn.qkv.weight                        (depth, out, in)
 
-so that a forward scans over layers. Loading stacks (`geo3k_jax.weights.load_model`), exporting
+so that a forward scans over them. Loading stacks (`geo3k_jax.weights.load_model`), exporting
 and the torch comparison unstack (`to_hf`); partition rules stay written against checkpoint keys
 (`geo3k_jax.sharding.spec_for` matches a stacked key as layer 0's, the layer axis unsharded).
 """
@@ -20,24 +23,31 @@ from collections.abc import Mapping
 
 import numpy as np
 
-LAYERS = "model.language_model.layers."
-_LAYER_KEY = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
+STACKS = ("model.language_model.layers.", "model.visual.blocks.")  # the stacked prefixes
+_LAYER_KEY = re.compile("^(" + "|".join(map(re.escape, STACKS)) + r")(\d+)\.(.+)$")
+
+
+def _stack(key: str) -> str | None:
+    """The stacked prefix `key` starts with, if any."""
+    return next((p for p in STACKS if key.startswith(p)), None)
 
 
 def is_stacked(key: str) -> bool:
-    """Whether `key` is a stacked decoder key (layers along its first axis)."""
-    return key.startswith(LAYERS) and not key[len(LAYERS)].isdigit()
+    """Whether `key` is a stacked key (layers along its first axis)."""
+    prefix = _stack(key)
+    return prefix is not None and not key[len(prefix)].isdigit()
 
 
 def layer_key(key: str, i: int) -> str:
     """The checkpoint key of layer i's slice of stacked key `key`."""
-    return f"{LAYERS}{i}.{key[len(LAYERS):]}"
+    prefix = _stack(key)
+    return f"{prefix}{i}.{key[len(prefix):]}"
 
 
 def stacked_key(hf_key: str) -> tuple[str, int] | None:
     """(stacked key, layer) of a per-layer checkpoint key; None for any other key."""
     m = _LAYER_KEY.match(hf_key)
-    return None if m is None else (LAYERS + m.group(2), int(m.group(1)))
+    return None if m is None else (m.group(1) + m.group(3), int(m.group(2)))
 
 
 def hf_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (Embedding, GatedMLP, Linear, RMSNorm, apply_rotary,
-                              rematerialised, rope_inv_freq, scatter_rows)
+from geo3k_jax.layers import (Embedding, GatedMLP, LayerStack, Linear, RMSNorm, apply_rotary,
+                              rope_inv_freq, scatter_rows)
 from geo3k_jax.splash import Attention, text_attention
 from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
 
@@ -115,49 +115,14 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DecoderStack(nnx.Module):
-    """`n` decoder layers whose parameters are stacked along a leading layer axis (the keys of
-    one DecoderLayer, each array (n, ...)). `stack[i]` is layer i as a DecoderLayer (its
-    parameters sliced), `len(stack)` the depth; `run` scans layers over hidden states."""
+class DecoderStack(LayerStack):
+    """`n` decoder layers stacked (`geo3k_jax.layers.LayerStack`); `run` scans them over hidden
+    states."""
 
-    LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
     def __init__(self, n: int, make):
-        layers = [make() for _ in range(n)]  # initialised in order: the unrolled model's draws
-        defs, states = zip(*(nnx.split(layer) for layer in layers))
-        self.layer_def = defs[0]
-        stacked = nnx.merge(defs[0], jax.tree.map(lambda *a: jnp.stack(a), *states))
-        for name in self.LAYER_PARTS:
-            setattr(self, name, getattr(stacked, name))
-
-    def __len__(self) -> int:
-        return int(self.input_layernorm.weight.shape[0])
-
-    def __getitem__(self, i) -> DecoderLayer:
-        return nnx.merge(self.layer_def, jax.tree.map(lambda a: a[i], nnx.state(self)))
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def scan(self, step, carry, *, remat: bool | str = False, after=None):
-        """carry = step(layer, i, carry) for every layer i in order, as one `jax.lax.scan`
-        (layer: a `DecoderLayer` of the scanned slice of the parameters, never a copy of them);
-        after(i, carry) follows layer i for the first `after[0]` layers (DeepStack): `after` is
-        (count, fn) or None. remat: each layer's activations are recomputed in the backward
-        pass (memory of one layer's inputs per layer instead of all its intermediates; a
-        `geo3k_jax.layers.REMAT_POLICIES` name says what else is kept)."""
-        count, fn = after if after is not None else (0, None)
-        count = min(count, len(self))
-
-        def body(c, xs):
-            i = xs[1]
-            c = step(nnx.merge(self.layer_def, xs[0]), i, c)
-            if count:  # one scan over the whole stack: its weights are never sliced (copied)
-                c = jax.lax.cond(i < count, lambda c: fn(jnp.minimum(i, count - 1), c),
-                                 lambda c: c, c)
-            return c, None
-        body = rematerialised(body, remat, scanned=True)
-        return jax.lax.scan(body, carry, (nnx.state(self), jnp.arange(len(self))))[0]
+        super().__init__(n, make, self.PARTS)
 
     def run(self, x: jax.Array, cos, sin, attend, *, remat: bool | str,
             after=None) -> jax.Array:

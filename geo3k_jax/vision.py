@@ -15,7 +15,10 @@ token with an MLP:
   features for the language model.
 
 Parameters carry Hugging Face's names and layouts (a path in the state, joined with dots, is the
-key of `model.visual.state_dict()`). Everything that depends on the image grids is computed on
+key of `model.visual.state_dict()`), except that the blocks are one `geo3k_jax.layers.LayerStack`
+(`blocks.attn.qkv.weight` holds every block's along a leading axis; `geo3k_jax.stacking` maps the
+checkpoint's `blocks.3.attn.qkv.weight`) run as one `lax.scan`: a program compiles one block
+whatever the depth. Everything that depends on the image grids is computed on
 the host by `geo3k_jax.vision_grid.vision_aux` in numpy, so the towers take arrays only and run
 under `jax.jit` (one compilation per patch count).
 """
@@ -26,13 +29,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, Linear, RMSNorm,
-                              activation, apply_rotary, attention, rematerialised,
-                              rope_inv_freq, segment_mask)
+from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, LayerStack, Linear,
+                              RMSNorm, activation, apply_rotary, attention, rope_inv_freq,
+                              segment_mask)
 from geo3k_jax.splash import Attention, vision_attention
 from geo3k_jax.vision_grid import QWEN3, QWEN25, unsupported
 
 NORM_EPS = 1e-6
+BLOCK_PARTS = ("norm1", "norm2", "attn", "mlp")  # a VisionBlock's parts, stacked over blocks
 
 def rotary_cos_sin(rope_pos: jax.Array, head_dim: int, theta: float
                    ) -> tuple[jax.Array, jax.Array]:
@@ -192,9 +196,8 @@ class Qwen25VisionTower(nnx.Module):
 
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()):
         self.patch_embed = PatchEmbed(cfg, bias=False, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([VisionBlock(cfg, qwen25=True, dtype=dtype, rngs=rngs,
-                                            attention=attention)
-                                for _ in range(cfg.depth)])
+        self.blocks = LayerStack(cfg.depth, lambda: VisionBlock(
+            cfg, qwen25=True, dtype=dtype, rngs=rngs, attention=attention), BLOCK_PARTS)
         self.attention = attention
         self.merger = Qwen25Merger(cfg, dtype=dtype, rngs=rngs)
         self.fullatt_block_indexes = tuple(cfg.fullatt_block_indexes)
@@ -207,10 +210,12 @@ class Qwen25VisionTower(nnx.Module):
         remat: each block's activations are recomputed in the backward pass."""
         x = self.patch_embed(pixel_values)[aux["window_perm"]]
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
-        for i, block in enumerate(self.blocks):
-            full = i in self.fullatt_block_indexes
-            x = run_block(block, x, cos, sin, aux["segments" if full else "window_segments"],
-                          remat)
+        full = jnp.asarray([i in self.fullatt_block_indexes for i in range(len(self.blocks))])
+
+        def step(block, i, h):  # the full-attention blocks' segments are frames, else windows
+            segments = jnp.where(full[i], aux["segments"], aux["window_segments"])
+            return block(h, cos, sin, segments)
+        x = self.blocks.scan(step, x, remat=remat)
         return self.merger(x)[aux["merge_unperm"]], []
 
 
@@ -225,9 +230,8 @@ class Qwen3VisionTower(nnx.Module):
         self.patch_embed = PatchEmbed(cfg, bias=True, dtype=dtype, rngs=rngs)
         self.pos_embed = Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype=dtype,
                                    rngs=rngs)
-        self.blocks = nnx.List([VisionBlock(cfg, qwen25=False, dtype=dtype, rngs=rngs,
-                                            attention=attention)
-                                for _ in range(cfg.depth)])
+        self.blocks = LayerStack(cfg.depth, lambda: VisionBlock(
+            cfg, qwen25=False, dtype=dtype, rngs=rngs, attention=attention), BLOCK_PARTS)
         self.attention = attention
         self.merger = Qwen3Merger(cfg, postshuffle=False, dtype=dtype, rngs=rngs)
         self.deepstack_merger_list = nnx.List([
@@ -250,20 +254,16 @@ class Qwen3VisionTower(nnx.Module):
         x = self.patch_embed(pixel_values)
         x = x + self.interpolated_pos_embed(aux["pos_indices"], aux["pos_weights"]).astype(x.dtype)
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
-        deepstack = []
-        for i, block in enumerate(self.blocks):
-            x = run_block(block, x, cos, sin, aux["segments"], remat)
-            if i in self.deepstack_visual_indexes:
-                merger = self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)]
-                deepstack.append(merger(x))
-        return self.merger(x), deepstack
+        if not self.deepstack_visual_indexes:
+            return self.merger(self.blocks.scan(
+                lambda block, i, h: block(h, cos, sin, aux["segments"]), x, remat=remat)), []
 
-
-def run_block(block: VisionBlock, x, cos, sin, segments, remat: bool | str) -> jax.Array:
-    """block(x, ...), under jax.checkpoint with `remat` (its (P, P) scores per head and MLP
-    activations recomputed in the backward pass, not stored for every block; a policy name:
-    `geo3k_jax.layers.rematerialised`)."""
-    return rematerialised(lambda h: block(h, cos, sin, segments), remat, scanned=False)(x)
+        def step(block, i, h):  # every block's output: the DeepStack mergers read some
+            h = block(h, cos, sin, aux["segments"])
+            return h, h
+        x, outs = self.blocks.scan(step, x, remat=remat, outputs=True)  # outs (depth, P, D)
+        return self.merger(x), [merger(outs[i]) for i, merger in
+                                zip(self.deepstack_visual_indexes, self.deepstack_merger_list)]
 
 
 def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()

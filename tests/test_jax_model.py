@@ -213,11 +213,14 @@ def test_with_attention_changes_every_setting_and_keeps_the_parameters(build):
     merge, params = split_params(QwenVL(config, rngs=nnx.Rngs(0)))
     mesh = jax.make_mesh((1,), ("data",))
     changed = with_attention(merge, params, lambda a: Attention("splash", mesh, True))
-    settings = [n.attention for _, n in nnx.iter_graph(changed(params))
+    model = changed(params)
+    settings = [n.attention for _, n in nnx.iter_graph(model)
                 if isinstance(getattr(n, "attention", None), Attention)]
-    blocks = config.vision_config.depth
-    assert len(settings) == blocks + 2  # each vision attention, the tower, the text model
+    assert len(settings) == 3  # the stacked blocks' vision attention, the tower, the text model
     assert all(s == Attention("splash", mesh, True) for s in settings)
+    blocks = model.model.visual.blocks  # each block as the tower's scan runs it
+    assert all(blocks[i].attn.attention == Attention("splash", mesh, True)
+               for i in range(config.vision_config.depth))
     assert all(n.attention == Attention() for _, n in nnx.iter_graph(merge(params))
                if isinstance(getattr(n, "attention", None), Attention))  # the original's
     again = split_params(changed(params))[1]

@@ -21,6 +21,7 @@ from transformers.vision_utils import (get_vision_cu_seqlens,
                                        get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids, get_vision_window_index)
 
+from geo3k_jax import stacking
 from geo3k_jax.vision import Qwen3VisionTower, Qwen25VisionTower, build_vision_tower
 from geo3k_jax.vision_grid import vision_aux
 from tests.tiny_models import ImageOnlyProcessor, image, qwen2_5_vl, qwen3_vl
@@ -69,25 +70,33 @@ def randomize(visual, seed):
     return visual
 
 
+VISUAL = "model.visual."  # the towers' keys within a model (`geo3k_jax.stacking`'s)
+
+
 def hf_shapes(visual):
     """Torch parameter name -> shape."""
     return {k: tuple(v.shape) for k, v in visual.state_dict().items()}
 
 
 def jax_shapes(tower):
-    """JAX parameter path joined with dots -> shape."""
-    return {".".join(map(str, path)): tuple(v.shape)
-            for path, v in nnx.to_flat_state(nnx.state(tower, nnx.Param))}
+    """Checkpoint name (the blocks' stacked parameters split per block, `geo3k_jax.stacking`)
+    -> shape, of the JAX tower's parameters."""
+    shapes = {VISUAL + ".".join(map(str, path)): tuple(v.shape)
+              for path, v in nnx.to_flat_state(nnx.state(tower, nnx.Param))}
+    return {k[len(VISUAL):]: v for k, v in stacking.hf_shapes(shapes).items()}
 
 
 def load_from_torch(visual):
-    """A JAX tower for `visual`'s config holding a copy of its weights, looked up by name."""
+    """A JAX tower for `visual`'s config holding a copy of its weights, looked up by name (each
+    block's stacked in the tower's blocks)."""
     tower = nnx.eval_shape(lambda: build_vision_tower(visual.config, dtype=jnp.float32,
                                                       rngs=nnx.Rngs(0)))
-    weights = {k: v.detach().numpy() for k, v in visual.state_dict().items()}
+    weights = {VISUAL + k: v.detach().numpy() for k, v in visual.state_dict().items()}
     flat = nnx.to_flat_state(nnx.state(tower, nnx.Param))
-    for path, var in flat:
-        var.set_value(jnp.asarray(weights[".".join(map(str, path))]))
+    names = [VISUAL + ".".join(map(str, path)) for path, _ in flat]
+    stacked = stacking.from_hf(weights, {n: var.get_value() for n, (_, var) in zip(names, flat)})
+    for name, (_, var) in zip(names, flat):
+        var.set_value(jnp.asarray(stacked[name]))
     nnx.update(tower, nnx.from_flat_state(flat))
     return tower
 
