@@ -270,8 +270,10 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     """On a TPU slice the engine's decode (one host's chips, the splash attention of a run)
     attends through the Pallas paged attention kernel, compiled by libtpu for v5p and v6e,
     reading the cache in place: no copy of it, temporaries far below its size (a cache of 256
-    MiB a chip: one small enough would be staged whole in on-chip memory). The tiny model with
-    Qwen-VL's head dim of 128, the kernel's tile."""
+    MiB a chip: one small enough would be staged whole in on-chip memory). The insert writes
+    each chip's slots in place (it had gathered the whole cache on every chip: 309 MiB), and the
+    prefill's 8 work rows are split over the 4 chips (replicated, their (T, L) scores took 4.4
+    GiB a chip, split 1.0). The tiny model with Qwen-VL's head dim of 128, the kernel's tile."""
     import re
 
     import jax
@@ -287,6 +289,7 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
                            num_position_embeddings=64), **IDS)
     cfg = _tiny_tpu_config()
     cfg.engine.slots, cfg.rollout.max_context_tokens = 64, 8192
+    cfg.engine.prefill_rows, cfg.engine.prefill_tokens = 8, 2048
     devices = aot.topology_devices(topology)
     optimise = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
@@ -294,7 +297,10 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
         with jax.default_matmul_precision(None):
             engine, params = abstract_engine(cfg, aot.abstract_learner(cfg, hf, devices), hf,
                                              memory=2 ** 40)
-            compiled = engine_programs(engine, params, 0)["decode"]().compile()
+            programs = engine_programs(engine, params, 0)
+            compiled = programs["decode"]().compile()
+            temps = {name: programs[name]().compile().memory_analysis().temp_size_in_bytes
+                     for name in ("insert", "prefill")}
     finally:
         jax.config.update("jax_disable_most_optimizations", optimise)
     assert engine.kernel and engine.attention.splash and not engine.attention.interpret
@@ -304,3 +310,5 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     assert shard in text and not re.search(re.escape(shard) + r"\{[^}]*\} copy\(", text)
     assert engine.cache_bytes == 2 ** 28  # keys and values of a chip
     assert compiled.memory_analysis().temp_size_in_bytes < engine.cache_bytes / 16
+    assert temps["insert"] < engine.cache_bytes / 16
+    assert temps["prefill"] < 1.5 * 2 ** 30
