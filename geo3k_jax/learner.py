@@ -243,6 +243,15 @@ class Learner:
                               {"params": self.params, "opt_state": self.opt_state})
         _quiet_orbax()
         with ocp.StandardCheckpointer() as ckpt:
+            saved, here = set(ckpt.metadata(path).item_metadata["params"]), set(self.params)
+            if saved != here:
+                raise ValueError(
+                    f"{directory}'s learner state does not fit this model: "
+                    f"{len(saved - here)} parameters saved that it lacks (such as "
+                    f"{sorted(saved - here)[:2]}), {len(here - saved)} of its own not saved "
+                    f"(such as {sorted(here - saved)[:2]}); saved for another model, or "
+                    "another layout of its parameters (the vision blocks are stacked along "
+                    "their first axis since 556a206, as the decoder layers were before)")
             out = ckpt.restore(path, target)
         self.params, self.opt_state = out["params"], out["opt_state"]
         shapes = storage.path(directory) / SHAPES_FILE

@@ -356,6 +356,10 @@ def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
         np.testing.assert_array_equal(np.asarray(resumed.params[k]), np.asarray(v), err_msg=k)
     with pytest.raises(FileNotFoundError, match="not a JAX learner checkpoint"):
         resumed.restore(tmp_path / "elsewhere")
+    old = next(iter(resumed.params))  # a checkpoint of another parameter layout: named
+    resumed.params = {("renamed." + k if k == old else k): v for k, v in resumed.params.items()}
+    with pytest.raises(ValueError, match=f"1 parameters saved that it lacks .*{old}"):
+        resumed.restore(tmp_path)
 
 
 @pytest.mark.heavy
