@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from geo3k_jax.layers import apply_rotary, scatter_rows, wide_dtype
 from geo3k_jax.model import QwenVL
+from geo3k_jax.text import deepstack_after
 
 
 def cached_attention(q: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array,
@@ -81,10 +82,9 @@ def extend(model: QwenVL, cache: tuple, lengths: jax.Array, batch: dict,
                                                                batch["vision"])
         index = batch["visual_index"]  # (B, N); padding entries are T (dropped)
         x = scatter_rows(x, index, image_embeds.astype(x.dtype), "set")
-        if len(deepstack):
-            features = jnp.stack([f.astype(x.dtype) for f in deepstack])  # (K, B, N, hidden)
-            after = (len(deepstack), lambda i, c: (
-                scatter_rows(c[0], index, features[i], "add"),) + c[1:])
+        deep = deepstack_after(deepstack, index, x.dtype)
+        if deep is not None:  # on the hidden states of the (x, keys, values) carry
+            after = (deep[0], lambda i, c: (deep[1](i, c[0]),) + c[1:])
     cos, sin = lm.rope(batch["positions"])  # (B, T, D)
     slots = lengths[:, None] + jnp.arange(t)[None, :]  # (B, T) where each new token goes
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))

@@ -132,6 +132,16 @@ class DecoderStack(LayerStack):
                          after=after)
 
 
+def deepstack_after(deepstack, index: jax.Array, dtype):
+    """`LayerStack.scan`'s `after` for DeepStack: feature k (B, N, hidden) added to layer k's
+    output (B, T, hidden) at the row positions index (B, N) (positions >= T dropped); None
+    without features."""
+    if not len(deepstack):
+        return None
+    features = jnp.stack([f.astype(dtype) for f in deepstack])  # (K, B, N, hidden)
+    return len(deepstack), lambda i, h: scatter_rows(h, index, features[i], "add")
+
+
 def head_dim_of(cfg, arch: str) -> int:
     """Qwen2.5-VL derives head_dim from the hidden size; Qwen3-VL configs carry it."""
     if arch == "qwen3_vl" and getattr(cfg, "head_dim", None):
@@ -179,8 +189,5 @@ class TextModel(nnx.Module):
 
             def attend(q, k, v, scale):
                 return windowed_attention(q, k, v, windows, mask, scale)
-        deep = None
-        if len(deepstack):
-            features = jnp.stack([f.astype(embeds.dtype) for f in deepstack])  # (K, B, N, hidden)
-            deep = (len(deepstack), lambda i, h: scatter_rows(h, visual_index, features[i], "add"))
+        deep = deepstack_after(deepstack, visual_index, embeds.dtype)
         return self.norm(self.layers.run(embeds, cos, sin, attend, remat=remat, after=deep))
