@@ -156,6 +156,10 @@ def get_config() -> ml_collections.ConfigDict:
     # memory (`python -m geo3k_jax.aot` compiles them).
     c.engine.prefill_rows = 0
     c.engine.prefill_tokens = 0
+    # Compile the JAX engine's every program (`JaxEngine.compile_set`: a prefill with and one
+    # without images and an insert for each prefill shape, the decode) before the first
+    # rollout, in parallel; off: each at its first use (the same bounded set).
+    c.engine.warm_up = False
 
     # GRPO (common.grpo.LossConfig) and the advantage options.
     c.loss = ml_collections.ConfigDict()

@@ -71,5 +71,8 @@ def get_config():
     # The JAX engine's slots (torch's engine has none): all 256 episodes of a step at once; with
     # 32 a step took 95-115 s on 2 CPU cores, with 256 about 30 s
     c.engine.slots = 256
+    # a prefill of several rows runs 16 (padding): the 64 prompts of a step in 4, the next
+    # turns as they come
+    c.engine.prefill_rows = 16
     c.eval.every = 20
     return c

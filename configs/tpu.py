@@ -41,12 +41,14 @@ def get_config(arg=None):
     c.jax.hbm_check = True
     c.engine.prefill_rows = 8
     c.engine.prefill_tokens = 2048
+    c.engine.warm_up = True  # every engine program compiled at start (docs/tpu_engine.md)
     if arg == "cpu":
         cpu.runlocal(c)
         c.jax.platform = ""
         c.jax.distributed = False  # a test starts its processes' cluster itself
         c.engine.slots = 8
         c.jax.hbm_check = False  # minutes of compiling on a CPU; tests/test_jax_aot.py turns it on
+        c.engine.warm_up = False  # the same: tests/test_jax_engine.py warms an engine up
     # A compile takes minutes here: one slice shape for the run (geo3k_jax.buckets.one_shape).
     # Rows of the micro-batch budget (16,384 tokens), any of them trained; 2,048 image patches
     # (a row holds a few groups, each prompt's image encoded once); a sequence is at most

@@ -273,8 +273,8 @@ def format_report(r: dict) -> str:
     if e is not None:
         lines += [f"engine on {e['devices']} devices a host: {e['slots']} slots of "
                   f"{e['context']} tokens (cache {e['cache'] / GiB:.2f} GiB, bf16 weights "
-                  f"{e['weights'] / GiB:.2f} GiB per device), prefills (rows, new tokens, "
-                  f"bound) {e['prefill_shapes']}", format_programs(e["programs"])]
+                  f"{e['weights'] / GiB:.2f} GiB per device), largest prefills (rows, new "
+                  f"tokens) {e['prefill_shapes']}, {e['compile_set']} programs in all", format_programs(e["programs"])]
     if "budget" in r:
         lines.append(format_budget(r["budget"], e["slots"] if e else None))
     else:

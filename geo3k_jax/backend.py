@@ -80,10 +80,11 @@ class JaxBackend:
 
     def __init__(self, learner, processor, config, *, seed: int, slots: int = 8,
                  context: int = 1024, memory_fraction: float = 0.9, prefill_rows: int = 0,
-                 prefill_tokens: int = 0):
+                 prefill_tokens: int = 0, warm_up: bool = False):
         """learner: a `geo3k_jax.learner.Learner`; config: the transformers config of its
         model; slots, context, memory_fraction, prefill_rows, prefill_tokens: `JaxEngine`'s
-        (per process)."""
+        (per process); warm_up: compile the engine's whole compile set now
+        (`JaxEngine.warm_up`), else each program at its first use."""
         dtype = learner.compute_dtype
         several = learner.comm.world > 1
         merge, mesh = engine_mesh(learner.merge, learner.params, learner.mesh, several)
@@ -96,6 +97,14 @@ class JaxBackend:
                                 seed=seed, compute_dtype=dtype, slots=slots, context=context,
                                 mesh=mesh, memory_fraction=memory_fraction,
                                 prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
+        programs = len(self.engine.compile_set())
+        if warm_up:
+            n, seconds = self.engine.warm_up()
+            print(f"JAX engine: compiled its {n} programs in {seconds:.1f} s (prefill "
+                  f"shapes {self.engine.prefill_ladder()})", flush=True)
+        else:
+            print(f"JAX engine: {programs} programs at most, each compiled at its first use "
+                  "(engine.warm_up compiles them at start)", flush=True)
 
     def _placed(self, learner) -> dict:
         copy = self._copy(learner.params)

@@ -43,16 +43,22 @@ reads only the cache pages its live slots hold (`geo3k_jax.ragged`): its cost fo
 slot's own length, not the longest row's nor the capacity.
 
 Three compiled functions take the parameters as an argument (new weights never recompile):
-the prefill (new tokens of the admitted requests' work rows, bucketed, and their first token),
-the insert (work rows into their slots; donates the cache) and the decode chunk (a
-`lax.while_loop` of at most `DECODE_CHUNK` steps that stops when a row finishes; donates the
-cache). `compiles` counts their traces.
+the prefill (the admitted requests' work rows: their new tokens' keys and values, read over
+the cache, and each request's first token), the insert (the new keys and values into their
+slots; donates the cache) and the decode chunk (a `lax.while_loop` of at most `DECODE_CHUNK`
+steps that stops when a row finishes; donates the cache). Their shapes come from the config
+alone (`compile_set`): a prefill's new tokens are a rung of `token_rungs` and its rows one or
+`prefill_rows` (`prefill_ladder`), its images as many patches as its image tokens could be;
+how far it reads the cache (the longest row's cached tokens), whether a request samples from a
+nucleus and how many requests it serves are values, not shapes. So a run compiles a bounded
+set, `warm_up` all of it at start (`engine.warm_up`); `compiles` counts the traces.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import time
 import dataclasses
 import math
 import threading
@@ -68,38 +74,38 @@ from common.engine import STOP, LENGTH, Completion, FatalEngineError, Request
 from common.mrope import mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
-from geo3k_jax.buckets import PATCH_UNITS, bucket
-from geo3k_jax.decode import extend
+from geo3k_jax.buckets import bucket
+from geo3k_jax.decode import decode, prefill
 from geo3k_jax.kv_budget import (CacheShape, allocate, cache_shardings, cache_specs,
                                  check_kv_budget)
-from geo3k_jax.ragged import kernel_attention, page_table, paged_attention
+from geo3k_jax.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table,
+                              paged_attention)
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.vision_grid import vision_aux
 
-LENGTH_UNIT = 128  # the cache's capacity and the attention bound are buckets of this
-NEW_TOKENS_UNIT = 32  # and the new tokens of a prefill (a whole prompt, or a turn's feedback),
-NEW_TOKENS_RUNGS = 4  # 4 lengths an octave (`bucket`): a 410-token prompt runs 448, not 512
+LENGTH_UNIT = 128  # the cache's capacity is a multiple of this
+NEW_TOKENS_UNIT = 32  # a prefill's new tokens (a whole prompt, or a turn's feedback) are this
+# times a power of two (or the whole context): one compile each, all of them at start
+CACHE_BLOCK = 512  # a prefill reads the cached tokens in blocks of this many (or fewer)
 DRAW_BLOCK = 128  # `draw` picks a block of this many token ids, then a token in it
 DECODE_CHUNK = 32  # decode steps per device call at most (fewer when a row finishes)
 RESERVE_STEPS = DECODE_CHUNK  # decode steps a parked session's slot waits for its next turn
 MAX_STOPS = 32  # stop tokens a request may have
-MIN_REQUESTS = 8  # a prefill samples first tokens for at least this many requests (padding):
-# per-episode admission groups 1, 2, 4 ... requests by timing, each a compile of the prefill
-# and the insert; sampling 8 rows costs little beside a prefill
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax.Array,
-           banned: jax.Array, nucleus: bool = True) -> tuple[jax.Array, jax.Array]:
+           banned: jax.Array, nucleus=True) -> tuple[jax.Array, jax.Array]:
     """One token per row, as `geo3k_torch.engine.sample`. logits: (B, V) fp32 raw; temperature,
-    top_p: (B,); banned: ids never sampled; nucleus: whether some row has top_p < 1 (else the
-    sort is skipped). Returns (tokens (B,) int32, log-probs (B,) under log_softmax(logits / T);
-    greedy rows (T = 0) report log_softmax(logits))."""
+    top_p: (B,); banned: ids never sampled; nucleus: () bool, whether some row has top_p < 1
+    (else the sort is skipped at run time: one program either way). Returns (tokens (B,)
+    int32, log-probs (B,) under log_softmax(logits / T); greedy rows (T = 0) report
+    log_softmax(logits))."""
     greedy = temperature <= 0
     t = jnp.where(greedy, 1.0, temperature)[:, None]
     logp = jax.nn.log_softmax(logits / t, axis=-1)
     logits = logits.at[:, banned].set(-jnp.inf)
-    scaled = logits / t
-    if nucleus:
+
+    def in_nucleus(scaled):
         probs = jax.nn.softmax(scaled, axis=-1)
         order = jnp.argsort(-probs, axis=-1)  # descending
         sorted_p = jnp.take_along_axis(probs, order, axis=-1)
@@ -107,8 +113,8 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, key: jax
         keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1)
         rows = jnp.arange(logits.shape[0])[:, None]
         keep = jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
-        scaled = jnp.where(keep, scaled, -jnp.inf)
-    drawn = draw(key, scaled)
+        return jnp.where(keep, scaled, -jnp.inf)
+    drawn = draw(key, jax.lax.cond(nucleus, in_nucleus, lambda s: s, logits / t))
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
@@ -151,7 +157,7 @@ def _invert(key: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def sample_rows(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, keys: jax.Array,
-                banned: jax.Array, nucleus: bool) -> tuple[jax.Array, jax.Array]:
+                banned: jax.Array, nucleus) -> tuple[jax.Array, jax.Array]:
     """`sample` with a key per row: keys (B, 2) uint32. Returns (tokens (B,), log-probs (B,))."""
     one = lambda lg, t, p, k: sample(lg[None], t[None], p[None], k, banned, nucleus)  # noqa
     tokens, logp = jax.vmap(one)(logits, temperature, top_p, keys)
@@ -204,9 +210,10 @@ class JaxEngine:
     session's next turn continues its parked slot (off: every request is prefilled whole);
     memory_fraction: of a device's `memory` (None: as the device reports it) the cache and
     weights may use (`check_kv_budget`); prefill_rows, prefill_tokens: the largest prefill
-    (`prefill_shapes`; 0: the slots, the context): at most `prefill_rows` work rows of at most
+    (`prefill_ladder`; 0: the slots, the context): at most `prefill_rows` work rows of at most
     `prefill_tokens` new tokens each, and a request with more new tokens (a long prompt, a
-    session evicted from its slot and prefilled whole) goes in a prefill of its own."""
+    session evicted from its slot and prefilled whole) goes in a prefill of its own; a
+    prefill of several rows runs `prefill_rows` of them (padding: one shape)."""
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
                  seed: int = 0, compute_dtype=None, slots: int = 8, context: int = 1024,
@@ -226,9 +233,10 @@ class JaxEngine:
         if slots < 1 or context < 2:
             raise ValueError(f"engine.slots ({slots}) must be >= 1 and the context ({context}) "
                              ">= 2 tokens")
-        self.n_slots, self.capacity = slots, bucket(context, LENGTH_UNIT)
+        self.n_slots, self.capacity = slots, -(-context // LENGTH_UNIT) * LENGTH_UNIT
         self.prefill_rows = min(prefill_rows or slots, slots)
         self.prefill_tokens = min(prefill_tokens or self.capacity, self.capacity)
+        self.block = math.gcd(self.capacity, CACHE_BLOCK)
         self.shape = CacheShape.of(config)
         some = params()
         self.dtype = compute_dtype or next(iter(some.values())).dtype
@@ -249,16 +257,16 @@ class JaxEngine:
         placeholders = {config.image_token_id, getattr(config, "video_token_id", None)} - {None}
         self.banned = jnp.asarray(sorted(placeholders), jnp.int32)
         self.compiles = 0  # traces of the prefill, insert and decode functions
+        self._traces = threading.Lock()  # `warm_up` traces in several threads
         self.decode_steps = 0  # decode steps run, summed over calls
         self.prefilled = 0  # tokens prefilled (real ones, not padding)
         self.prefill_steps = 0  # a prefill call's longest row's new tokens, summed over calls
         self.evictions = 0  # parked sessions whose slot another request took
         self._shardings = cache_shardings(self.mesh, self.shape, slots)
-        self._prefill = jax.jit(self._prefill_fn, static_argnames=("bound", "nucleus"))
+        self._prefill = jax.jit(self._prefill_fn)
         self._insert = jax.jit(self._insert_fn, donate_argnums=0,
                                out_shardings=self._shardings)
-        self._decode = jax.jit(self._decode_fn, donate_argnums=1,
-                               static_argnames=("nucleus",))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=1)
         spec = cache_specs(self.mesh, self.shape, slots)
         self._data_shards = math.prod(self.mesh.shape[a] for a in spec[2])
         self._cache = None  # allocated at the first request
@@ -431,7 +439,7 @@ class JaxEngine:
         """Move waiting requests into slots, prefill them and insert their rows: in order
         while slots are left, and after that any request whose session's parked slot is free
         (a next turn goes on in its own slot ahead of new sessions); a prefill's rows and new
-        tokens within `prefill_shapes`. Returns whether the prefill was full (more may be
+        tokens within `prefill_ladder`. Returns whether the prefill was full (more may be
         admitted at once)."""
         admitted, taken, kept, blocked, full = [], set(), collections.deque(), False, False
         keys, rows = [], set()  # each admitted request's work row (`_row_key`); the distinct
@@ -478,17 +486,94 @@ class JaxEngine:
             return (np.asarray(r.input_ids, np.int64).tobytes(), images)
         return n
 
-    def prefill_shapes(self) -> list[tuple[int, int, int]]:
-        """(work rows, new tokens, attention bound) of the largest prefills the engine runs:
-        `prefill_rows` rows of `prefill_tokens` new tokens over up to the whole context, and
-        one row of the whole context; every prefill it compiles is within one of them."""
-        rows = power_of_two(self.prefill_rows, 1)
-        tokens = bucket(self.prefill_tokens, NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
-        out = [(rows, tokens, self.capacity)]
-        if self.prefill_tokens < self.capacity:
-            out.append((1, bucket(self.capacity, NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS),
-                        self.capacity))
+    # ---- the compile set ---------------------------------------------------------------
+    def prefill_ladder(self) -> list[tuple[int, int]]:
+        """(work rows, new tokens) of every prefill the engine runs: new tokens
+        NEW_TOKENS_UNIT x 2^k (or the whole context), in one row or, up to `prefill_tokens`'
+        rung, in `prefill_rows` rows; fewer rows or tokens are padding. The attention's reach
+        over the cached tokens is no shape (`geo3k_jax.decode.prefill`)."""
+        top, out = self._rung(self.prefill_tokens), []
+        for tokens in token_rungs(self.capacity):
+            if self.prefill_rows > 1 and tokens <= top:
+                out.append((self.prefill_rows, tokens))
+            out.append((1, tokens))
         return out
+
+    def compile_set(self) -> list[tuple]:
+        """Every program the engine runs, one compile each: ("prefill", rows, tokens, with
+        images) and ("insert", rows, tokens) for each `prefill_ladder` shape, ("decode", pages)
+        for each page-table size of the XLA decode (`geo3k_jax.ragged.page_table`'s buckets;
+        pages 0: the Pallas kernel's one program, which takes no table)."""
+        out = []
+        for rows, tokens in self.prefill_ladder():
+            out += [("prefill", rows, tokens, False), ("prefill", rows, tokens, True),
+                    ("insert", rows, tokens)]
+        per_shard = self.n_slots // self._data_shards * self.capacity // PAGE
+        return out + [("decode", n) for n in ([0] if self.kernel else table_rungs(per_shard))]
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(work rows, new tokens) of the largest prefills (`geo3k_jax.engine_aot` compiles
+        them): `prefill_rows` rows at `prefill_tokens`' rung, one row of the whole context."""
+        ladder = self.prefill_ladder()
+        return sorted({max(ladder), (1, max(t for _, t in ladder))}, reverse=True)
+
+    def warm_up(self, workers: int = 8) -> tuple[int, float]:
+        """Compile every program of `compile_set` for the arguments a request gives it, in
+        `workers` threads (XLA compiles without the GIL), running none: after this no request
+        waits for a compile. Returns (programs compiled, seconds)."""
+        t0, before = time.perf_counter(), self.compiles
+        if self._cache is None:
+            self._cache = allocate(self.shape, self.n_slots, self.capacity, self.dtype,
+                                   self.mesh)
+        params, cache = self.params(), self._cache
+        dest = np.full(self.n_slots, self.n_slots, np.int32)  # every request: nowhere
+
+        def prefills(rows: int, tokens: int):  # both prefills, then the insert of their rows
+            for images in (False, True):
+                work = self._dummy_work(rows, tokens, images)
+                compiled = self._prefill.lower(params, cache, *self._prefill_args(
+                    work, [], [], [])).compile()
+            rows_out = compiled.output_shardings[2]
+            abstract = jax.tree.map(lambda o, sh: jax.ShapeDtypeStruct(o.shape, o.dtype,
+                                                                       sharding=sh),
+                                    compiled.out_info[2], rows_out)
+            self._insert.lower(cache, abstract, dest, np.zeros(self.n_slots, np.int32),
+                               work[2]).compile()
+
+        def decodes(pages: int):
+            table = None if pages == 0 else np.full((self._data_shards, pages), -1, np.int32)
+            self._decode.lower(params, cache, self._decode_arrays(), table, self.key).compile()
+
+        jobs = [(prefills, shape) for shape in self.prefill_ladder()]
+        jobs += [(decodes, (p[1],)) for p in self.compile_set() if p[0] == "decode"]
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(fn, *args) for fn, args in jobs]:
+                f.result()
+        return self.compiles - before, time.perf_counter() - t0
+
+    def _traced(self) -> None:
+        """Count a trace of a compiled function (each one compile)."""
+        with self._traces:
+            self.compiles += 1
+
+    def _rung(self, tokens: int) -> int:
+        """The prefill ladder's new tokens for `tokens` new tokens."""
+        return min(power_of_two(tokens, NEW_TOKENS_UNIT), self.capacity)
+
+    # ---- prefill and insert --------------------------------------------------------------
+    def _prefill_args(self, work: tuple, expand, jobs: list, seeds: list) -> tuple:
+        """The prefill's arguments after (params, cache): the work rows' arrays (`_work_arrays`)
+        and, for each of `n_slots` requests (the first len(jobs) real), its work row, its
+        sampling and its seed."""
+        batch, source, lengths = work[:3]
+        pad = self.n_slots - len(jobs)
+        index = np.r_[expand, np.zeros(pad, int)].astype(np.int32)
+        sampling = (np.r_[[j.request.sampling.temperature for j in jobs], np.zeros(pad)]
+                    .astype(np.float32),
+                    np.r_[[j.request.sampling.top_p for j in jobs], np.ones(pad)]
+                    .astype(np.float32))
+        return (source, lengths, batch, index, sampling,
+                np.r_[seeds, np.zeros(pad)].astype(np.uint32), self.key)
 
     def _prefill_admitted(self, admitted: list, keys: list, epoch: int) -> None:
         """Prefill the admitted requests' new tokens (work rows shared by equal requests: the
@@ -502,26 +587,17 @@ class JaxEngine:
             seen[key] = len(work)
             expand.append(len(work))
             work.append((r, s, kept))
-        batch, source, lengths, first_pos, real = self._work_arrays(work)
-        n_req = power_of_two(max(len(admitted), MIN_REQUESTS), 1)
-        bound = min(self.capacity, bucket(int((lengths + batch["count"]).max()), LENGTH_UNIT))
+        arrays = self._work_arrays(work)
+        batch, source, lengths, first_pos, real = arrays
         jobs = [a[0] for a in admitted]
-        pad = n_req - len(jobs)
-        index = np.r_[expand, np.zeros(pad, int)].astype(np.int32)
-        dest = np.r_[[a[2] for a in admitted], np.full(pad, self.n_slots)].astype(np.int32)
-        sampling = (np.r_[[j.request.sampling.temperature for j in jobs], np.zeros(pad)]
-                    .astype(np.float32),
-                    np.r_[[j.request.sampling.top_p for j in jobs], np.ones(pad)]
-                    .astype(np.float32))
-        seeds = np.r_[[j.seed for j in jobs], np.zeros(pad)].astype(np.uint32)
-        nucleus = bool((sampling[1] < 1).any())
+        dest = np.r_[[a[2] for a in admitted],
+                     np.full(self.n_slots - len(jobs), self.n_slots)].astype(np.int32)
         if self._cache is None:
             self._cache = allocate(self.shape, self.n_slots, self.capacity, self.dtype,
                                    self.mesh)
-        params = self.params()
-        tok, lp, rows = self._prefill(params, self._cache, source, lengths, batch, index,
-                                      sampling, seeds, self.key, bound=bound, nucleus=nucleus)
-        self._cache = self._insert(self._cache, rows, dest, index)
+        args = self._prefill_args(arrays, expand, jobs, [j.seed for j in jobs])
+        tok, lp, rows = self._prefill(self.params(), self._cache, *args)
+        self._cache = self._insert(self._cache, rows, dest, args[3], lengths)
         tok, lp = np.asarray(tok), np.asarray(lp)
         self.prefilled += real
         self.prefill_steps += int(batch["count"].max())
@@ -573,11 +649,8 @@ class JaxEngine:
         st = self._state
         table = None if self.kernel else page_table(
             st["length"], st["live"], DECODE_CHUNK, self.capacity, self._data_shards)
-        nucleus = bool((st["top_p"][st["live"]] < 1).any())
-        arrays = {k: st[k] for k in ("tok", "pos", "length", "live", "count", "budget", "stops",
-                                     "temperature", "top_p", "seed")}
         tokens, logps, steps, self._cache = self._decode(
-            self.params(), self._cache, arrays, table, self.key, nucleus=nucleus)
+            self.params(), self._cache, self._decode_arrays(st), table, self.key)
         tokens, logps, steps = np.asarray(tokens), np.asarray(logps), int(steps)
         self.decode_steps += steps
         for s in np.flatnonzero(st["live"]):
@@ -589,57 +662,94 @@ class JaxEngine:
                 if not st["live"][s]:
                     break
 
+    def _decode_arrays(self, state: dict | None = None) -> dict:
+        """The decode's per-slot arrays of `state` (None: every slot idle)."""
+        st = self._empty_state() if state is None else state
+        return {k: st[k] for k in ("tok", "pos", "length", "live", "count", "budget", "stops",
+                                   "temperature", "top_p", "seed")}
+
     # ---- compiled pieces ---------------------------------------------------------------
     def _model(self, params):
         if self.compute_dtype is not None:
             params = jax.tree.map(lambda a: a.astype(self.compute_dtype), params)
         return self.merge(params)
 
-    def _prefill_fn(self, params, cache, source, lengths, batch, index, sampling, seeds, key,
-                    bound, nucleus):
+    def _prefill_fn(self, params, cache, source, lengths, batch, index, sampling, seeds, key):
         """Work row w continues slot source[w]'s first lengths[w] tokens (or starts empty:
         lengths 0) with its new tokens; request b (work row index[b]) samples its first token.
-        Returns (tokens (R,), log-probs (R,), the work rows' caches (Hkv, layers, W, bound,
-        D))."""
-        self.compiles += 1  # runs while tracing only
+        Returns (tokens (N,), log-probs (N,), the work rows' new keys and values, each
+        (Hkv, layers, W, T, D))."""
+        self._traced()
         model = self._model(params)
-        source, lengths, batch = self._by_slot((source, lengths, batch))
-        at = jnp.maximum(source, 0)
-        rows = self._by_slot(tuple(a[:, :, at, :bound] for a in cache), axis=2)
-        logits, rows = extend(model, rows, lengths, batch)  # rows (Hkv, layers, W, bound, D)
+        lengths, batch = self._by_slot((lengths, batch))
+        blocks = -(-jnp.max(lengths) // self.block)  # the longest row's cached blocks
+        logits, rows = prefill(model, self._reader(cache, source), lengths, blocks, batch)
+        rows = self._by_slot(rows, axis=2)
         keys = row_keys(key, seeds, jnp.zeros_like(seeds))
-        tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned, nucleus)
+        tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned,
+                                   jnp.any(sampling[1] < 1))
         return tokens, logp, rows
 
-    def _insert_fn(self, cache, rows, dest, index):
-        """Slot dest[b] (past the slots: dropped) takes work row index[b]'s first `bound`
-        positions; the rest of the cache is unchanged."""
-        self.compiles += 1  # runs while tracing only
+    def _reader(self, cache, source):
+        """`geo3k_jax.decode.prefill`'s read(layer, j): block j of every work row's slot
+        source[w] (-1: none, zeros). Each device reads its own slots (the cache's layout,
+        `cache_specs`), zeros for rows whose slot is elsewhere, summed over the data axes: a
+        block of the rows crosses devices, never the cache."""
+        spec = cache_specs(self.mesh, self.shape, self.n_slots)
+        local, size = self.n_slots // self._data_shards, self.block
+
+        def read(k, v, source, layer, j):
+            first = jax.lax.axis_index(spec[2]) * local if spec[2] else 0
+            mine = (source >= first) & (source < first + local)
+            at = jnp.clip(source - first, 0, local - 1)
+
+            def one(a):  # (Hkv, layers, local, L, D) -> (Hkv, W, size, D): one gather
+                # the KV head an index, not a window: with (Hkv, D) windows the TPU compiler
+                # lays the cache out with Hkv innermost and copies it whole (as the decode's
+                # write did, `geo3k_jax.decode.decode`)
+                heads = jnp.arange(a.shape[0])[:, None, None]
+                rows = a[heads, layer, at[None, :, None],
+                         j * size + jnp.arange(size)[None, None, :]]
+                rows = jnp.where(mine[None, :, None, None], rows, 0)
+                return jax.lax.psum(rows, spec[2]) if spec[2] else rows
+            return one(k), one(v)
+
+        def read_block(layer, j):
+            return jax.shard_map(read, mesh=self.mesh, out_specs=(P(spec[0]), P(spec[0])),
+                                 in_specs=(spec, spec, P(), P(), P()))(*cache, source, layer, j)
+        return read_block
+
+    def _insert_fn(self, cache, rows, dest, index, lengths):
+        """Slot dest[b] (past the slots: none; the real requests first) takes work row
+        index[b]'s new keys and values at positions lengths[index[b]] on (past the capacity:
+        dropped); the rest of the cache is unchanged."""
+        self._traced()
         spec = cache_specs(self.mesh, self.shape, self.n_slots)
         local = self.n_slots // self._data_shards
+        new = rows[0].shape[3]
 
-        def put(k, v, rk, rv, dest, index):  # one device: its own slots, every work row
+        def put(k, v, rk, rv, dest, index, lengths):  # one device: its own slots, every row
             first = jax.lax.axis_index(spec[2]) * local if spec[2] else 0
-            mine = (dest >= first) & (dest < first + local)
 
             def one(b, kv):  # request b's row into its slot, in place, if the slot is here
-                slot = jnp.clip(dest[b] - first, 0, local - 1)
+                slot = jnp.where((dest[b] >= first) & (dest[b] < first + local),
+                                 dest[b] - first, local)  # elsewhere: dropped
+                at = lengths[index[b]] + jnp.arange(new)
 
-                def write(a, r):
-                    row = jax.lax.dynamic_index_in_dim(r, index[b], 2)  # (Hkv, layers, 1, ..)
-                    old = jax.lax.dynamic_slice_in_dim(a, slot, 1, 2)[:, :, :, :r.shape[3]]
-                    return jax.lax.dynamic_update_slice(a, jnp.where(mine[b], row, old),
-                                                        (0, 0, slot, 0, 0))
+                def write(a, r):  # the KV head and the layer indices, as the decode's write
+                    row = jax.lax.dynamic_index_in_dim(r, index[b], 2, keepdims=False)
+                    heads = jnp.arange(a.shape[0])[:, None, None]
+                    layers = jnp.arange(a.shape[1])[None, :, None]
+                    return a.at[heads, layers, slot, at[None, None]].set(row, mode="drop")
                 return write(kv[0], rk), write(kv[1], rv)
-            return jax.lax.fori_loop(0, dest.shape[0], one, (k, v))
-        # a scatter of the requests' rows (one copy of its work row each, all at once) into
-        # slots split over the devices, left to the compiler, gathered the whole cache on every
-        # device: each writes its own slots here, a row at a time
+            return jax.lax.fori_loop(0, jnp.sum(dest < self.n_slots), one, (k, v))
+        # a scatter of the requests' rows into slots split over the devices, left to the
+        # compiler, gathered the whole cache on every device: each writes its own slots here
         return jax.shard_map(put, mesh=self.mesh, out_specs=(spec, spec),
-                             in_specs=(spec, spec, P(spec[0]), P(spec[0]), P(), P()))(
-            *cache, *rows, dest, index)
+                             in_specs=(spec, spec, P(spec[0]), P(spec[0]), P(), P(), P()))(
+            *cache, *rows, dest, index, lengths)
 
-    def _decode_fn(self, params, cache, st, table, key, nucleus):
+    def _decode_fn(self, params, cache, st, table, key):
         """Decode the live slots one token a step until a row finishes (a stop token among its
         `stops`, -1 padded, or its `budget`), DECODE_CHUNK steps, or a live row is full. Slot s
         feeds `tok` at M-RoPE position `pos`, cache position `length`; rows not live write
@@ -647,12 +757,12 @@ class JaxEngine:
         `table`'s ((shards, N), `geo3k_jax.ragged.page_table`, covering DECODE_CHUNK more
         tokens a live slot; None with the kernel). Returns (tokens, log-probs
         (S, DECODE_CHUNK), steps run, the cache)."""
-        self.compiles += 1  # runs while tracing only
+        self._traced()
         model = self._model(params)
         st = self._by_slot(st)  # each device decodes its own slots
         n = st["tok"].shape[0]
-        ones = jnp.ones(n, jnp.int32)
         sampling = (st["temperature"], st["top_p"])
+        nucleus = jnp.any(st["live"] & (st["top_p"] < 1))
         attend = self._paged(table)
 
         def go(s):
@@ -662,10 +772,10 @@ class JaxEngine:
 
         def body(s):
             i, cache, tok, pos, length, live, count, finished, toks, lps = s
-            batch = {"input_ids": tok[:, None], "count": ones,
+            batch = {"input_ids": tok[:, None],
                      "positions": jnp.broadcast_to(pos[:, None, None], (n, 3, 1))}
             at = jnp.where(live, length, self.capacity)  # past the cache: dropped
-            logits, cache = extend(model, cache, at, batch, attend=attend)
+            logits, cache = decode(model, cache, at, batch, attend)
             new, lp = sample_rows(logits, *sampling, row_keys(key, st["seed"], count),
                                   self.banned, nucleus)
             step = live.astype(jnp.int32)
@@ -682,7 +792,7 @@ class JaxEngine:
         return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
 
     def _paged(self, table):
-        """The decode step's attention (`geo3k_jax.decode.extend`'s `attend`): each device over
+        """The decode step's attention (`geo3k_jax.decode.decode`'s `attend`): each device over
         its own slots and KV heads (the cache's layout, `cache_specs`), through the Pallas
         kernel (`table` None) or over its own row of `table`'s pages."""
         spec = cache_specs(self.mesh, self.shape, self.n_slots)
@@ -708,31 +818,33 @@ class JaxEngine:
     def _by_slot(self, tree, axis: int = 0):
         """Arrays of rows (slots, or a prefill's work rows) along `axis` split over the mesh's
         data axes like the cache, where their count allows; with `axis` 2, caches of rows
-        (Hkv, layers, rows, L, D) laid out as the cache is (KV heads over tensor too)."""
+        (Hkv, layers, rows, L, D) laid out as the cache is (KV heads over tensor too; rows that
+        do not split, on every device of the data axes: one layout a shape, which the insert
+        compiled for)."""
         spec = cache_specs(self.mesh, self.shape, self.n_slots)
         spec = P(spec[2]) if axis == 0 else spec
 
         def place(a):
             if a.ndim == 0 or a.shape[axis] % self._data_shards:
-                return a
+                if axis == 0:
+                    return a
+                return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh,
+                                                                         P(spec[0])))
             return jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec))
         return jax.tree.map(place, tree)
 
     # ---- host-side arrays --------------------------------------------------------------
     def _work_arrays(self, work: list):
-        """(batch of new tokens for `extend`, slot per work row (-1: none), cached tokens per
-        row, the first generated token's M-RoPE position per row, real new tokens), rows a
-        power of two and new tokens bucketed; rows past the work hold one pad token."""
+        """(batch of new tokens for `geo3k_jax.decode.prefill`, slot per work row (-1: none),
+        cached tokens per row, the first generated token's M-RoPE position per row, real new
+        tokens) at a `prefill_ladder` shape: one row or `prefill_rows`, the new tokens' rung;
+        rows past the work hold one pad token."""
         fresh = [r for r, _, kept in work if kept == 0]
         prompts = self._prompt_rows(fresh)
-        n_rows = power_of_two(len(work), 1)
         news = [np.asarray(r.input_ids[kept:], np.int64) for r, _, kept in work]
-        length = bucket(max(map(len, news)), NEW_TOKENS_UNIT, NEW_TOKENS_RUNGS)
-        batch = {"input_ids": np.zeros((n_rows, length), np.int32),
-                 "positions": np.zeros((n_rows, 3, length), np.int32),
-                 "count": np.ones(n_rows, np.int32)}
-        source, lengths = np.full(n_rows, -1, np.int32), np.zeros(n_rows, np.int32)
-        first_pos = np.zeros(n_rows, np.int32)
+        n_rows = 1 if len(work) == 1 else self.prefill_rows
+        batch, source, lengths, first_pos = self._empty_work(
+            n_rows, self._rung(max(map(len, news))))
         image_rows, f = [None] * n_rows, 0
         for b, ((r, s, kept), ids) in enumerate(zip(work, news)):
             if kept == 0:
@@ -747,16 +859,37 @@ class JaxEngine:
             batch["positions"][b, :, :len(ids)] = pos
             batch["count"][b] = len(ids)
             first_pos[b] = int(pos.max()) + 1
-        patches = max((len(row.pixel_values) for row in image_rows if row is not None),
-                      default=0)
-        if patches:
-            n_patches = bucket(patches, PATCH_UNITS * self.merge_size ** 2)
-            padded = [pad_patches(row, self.config, n_patches, length) for row in image_rows]
-            batch["pixel_values"] = np.stack([p["pixel_values"] for p in padded])
-            batch["visual_index"] = np.stack([p["visual_index"] for p in padded])
-            batch["vision"] = {k: np.stack([p["vision"][k] for p in padded])
-                               for k in padded[0]["vision"]}
+        if any(row is not None for row in image_rows):
+            self._add_images(batch, image_rows)
         return batch, source, lengths, first_pos, sum(map(len, news))
+
+    def _empty_work(self, rows: int, tokens: int) -> tuple:
+        """(batch, source, lengths, first positions) of `rows` work rows of `tokens` new
+        tokens, each one pad token over no cached one."""
+        batch = {"input_ids": np.zeros((rows, tokens), np.int32),
+                 "positions": np.zeros((rows, 3, tokens), np.int32),
+                 "count": np.ones(rows, np.int32)}
+        return batch, np.full(rows, -1, np.int32), np.zeros(rows, np.int32), \
+            np.zeros(rows, np.int32)
+
+    def _add_images(self, batch: dict, image_rows: list) -> None:
+        """The rows' images (`HostRow`s, None: none) into `batch`, every row padded to the
+        patches of as many image tokens as it has new tokens: the patch count follows the
+        prefill's shape, never the images."""
+        tokens = batch["input_ids"].shape[1]
+        padded = [pad_patches(row, self.config, tokens * self.merge_size ** 2, tokens)
+                  for row in image_rows]
+        batch["pixel_values"] = np.stack([p["pixel_values"] for p in padded])
+        batch["visual_index"] = np.stack([p["visual_index"] for p in padded])
+        batch["vision"] = {k: np.stack([p["vision"][k] for p in padded])
+                           for k in padded[0]["vision"]}
+
+    def _dummy_work(self, rows: int, tokens: int, images: bool) -> tuple:
+        """`_work_arrays`' arrays of a prefill shape with nothing in it (`warm_up`)."""
+        batch, source, lengths, first_pos = self._empty_work(rows, tokens)
+        if images:
+            self._add_images(batch, [None] * rows)
+        return batch, source, lengths, first_pos, 0
 
     def _prompt_rows(self, requests: list[Request]) -> list[tuple]:
         """(M-RoPE positions (3, t), image row for `pad_patches` or None) of whole requests,
@@ -791,6 +924,22 @@ class JaxEngine:
 
 
 def power_of_two(n: int, unit: int) -> int:
-    """The smallest unit x 2^k >= n: the engine's rows (coarser than
-    `geo3k_jax.buckets.bucket`: every row count compiles the prefill and the decode step)."""
+    """The smallest unit x 2^k >= n."""
     return unit * 2 ** max(0, math.ceil(math.log2(max(n, 1) / unit)))
+
+
+def token_rungs(capacity: int) -> list[int]:
+    """A prefill's new tokens: NEW_TOKENS_UNIT x 2^k below `capacity`, then `capacity`."""
+    out = [NEW_TOKENS_UNIT]
+    while out[-1] < capacity:
+        out.append(min(2 * out[-1], capacity))
+    return out
+
+
+def table_rungs(pages: int) -> list[int]:
+    """Every size `geo3k_jax.ragged.page_table` gives a shard's table of at most `pages`
+    pages."""
+    out = [bucket(1, TABLE_UNIT)]
+    while out[-1] < pages:
+        out.append(bucket(out[-1] + 1, TABLE_UNIT))
+    return out

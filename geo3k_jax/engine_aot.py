@@ -6,11 +6,12 @@ weights in the engine's layout (`geo3k_jax.backend`), the run's attention, on on
 of the slice (each host runs its own engine for `engine.slots` slots of
 `rollout.max_context_tokens` tokens). Its programs (`engine_programs`): the prefill at each of the
 engine's largest prefill shapes (`JaxEngine.prefill_shapes`: `engine.prefill_rows` rows of
-`engine.prefill_tokens` new tokens over up to the whole context, and one row of the whole
-context), every row with an image of `jax.slice.patches` patches and every slot asking for a
-first token; the insert of those rows; the decode reading every page of every slot (its
-costliest page table). A prefill the run compiles has at most these rows, new tokens and
-attention bound, so no more memory. Nothing runs on a TPU: a compile that fits is no proof of
+`engine.prefill_tokens`' rung of new tokens, and one row of the whole context), every row
+with images (the patches of as many image tokens as it has new tokens) and every slot asking
+for a first token; the insert of those rows; the decode reading every page of every slot (its
+costliest page table). Every other program of the engine's compile set
+(`JaxEngine.compile_set`) has fewer rows, new tokens or pages, so no more memory; how far a
+prefill reads the cache is no shape. Nothing runs on a TPU: a compile that fits is no proof of
 speed.
 """
 
@@ -52,12 +53,11 @@ def abstract_engine(cfg, learner, config, memory: int):
     return engine, params
 
 
-def engine_programs(engine, params: dict, patches: int) -> dict[str, Callable]:
+def engine_programs(engine, params: dict) -> dict[str, Callable]:
     """{name: a thunk lowering the program}: "prefill" (and "prefill_long", a row of the whole
-    context) at `engine.prefill_shapes()`, each row with an image of `patches` patches (0:
-    none), "insert" of the largest prefill's rows, "decode" over every page of every slot."""
-    from geo3k_jax.batch import pad_patches
-    from geo3k_jax.engine import MAX_STOPS, power_of_two
+    context) at `engine.prefill_shapes()` with images (as many patches as image tokens fit);
+    "insert" of the largest prefill's rows; "decode" over every page of every slot."""
+    from geo3k_jax.engine import MAX_STOPS
     from geo3k_jax.kv_budget import allocate
     from geo3k_jax.ragged import PAGE
 
@@ -66,34 +66,25 @@ def engine_programs(engine, params: dict, patches: int) -> dict[str, Callable]:
         lambda s, x: jax.ShapeDtypeStruct(x.shape, engine.dtype, sharding=s), engine._shardings,
         jax.eval_shape(lambda: allocate(engine.shape, engine.n_slots, engine.capacity,
                                         engine.dtype)))
-    requests = power_of_two(engine.n_slots, 1)  # every slot admitted at once, its first token
     vec = lambda n, dt: np.zeros(n, dt)  # noqa: E731
-    sampling = (vec(requests, np.float32), vec(requests, np.float32))
 
-    def prefill(rows, new_tokens, bound):
-        batch = {"input_ids": np.zeros((rows, new_tokens), np.int32),
-                 "positions": np.zeros((rows, 3, new_tokens), np.int32),
-                 "count": np.ones(rows, np.int32)}
-        if patches:
-            one = pad_patches(None, engine.config, patches, new_tokens)
-            batch.update(
-                pixel_values=np.zeros((rows,) + one["pixel_values"].shape, np.float32),
-                visual_index=np.zeros((rows,) + one["visual_index"].shape, np.int32),
-                vision={k: np.zeros((rows,) + v.shape, v.dtype) for k, v in one["vision"].items()})
-        args = abstract((vec(rows, np.int32), vec(rows, np.int32), batch,
-                         vec(requests, np.int32), sampling, vec(requests, np.uint32),
-                         vec(2, np.uint32)), rep)
-        return lambda: engine._prefill.lower(params, cache, *args, bound=bound, nucleus=False)
+    def prefill_args(rows, new_tokens):
+        work = engine._dummy_work(rows, new_tokens, images=True)
+        return abstract(engine._prefill_args(work, [], [], []), rep)
+
+    def prefill(rows, new_tokens):
+        return lambda: engine._prefill.lower(params, cache, *prefill_args(rows, new_tokens))
 
     shapes = engine.prefill_shapes()
     programs = {"prefill": prefill(*shapes[0])}
     if len(shapes) > 1:
         programs["prefill_long"] = prefill(*shapes[1])
-    rows, _, bound = shapes[0]
-    work = abstract(jax.eval_shape(lambda c: tuple(a[:, :, :rows, :bound] for a in c), cache),
-                    rep)
-    programs["insert"] = lambda: engine._insert.lower(cache, work, *abstract(
-        (vec(requests, np.int32), vec(requests, np.int32)), rep))
+    rows, tokens = shapes[0]
+    work = jax.eval_shape(lambda *a: engine._prefill_fn(*a)[2], params, cache,
+                          *prefill_args(rows, tokens))
+    programs["insert"] = lambda: engine._insert.lower(cache, abstract(work, rep), *abstract(
+        (vec(engine.n_slots, np.int32), vec(engine.n_slots, np.int32), vec(rows, np.int32)),
+        rep))
     slots = engine.n_slots
     state = {k: vec(slots, dt) for k, dt in (
         ("tok", np.int32), ("pos", np.int32), ("length", np.int32), ("live", bool),
@@ -104,8 +95,7 @@ def engine_programs(engine, params: dict, patches: int) -> dict[str, Callable]:
     table = None if engine.kernel else abstract(  # the Pallas kernel needs none
         np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32), rep)
     programs["decode"] = lambda: engine._decode.lower(
-        params, cache, abstract(state, rep), table, abstract(vec(2, np.uint32), rep),
-        nucleus=False)
+        params, cache, abstract(state, rep), table, abstract(vec(2, np.uint32), rep))
     return programs
 
 
@@ -122,7 +112,7 @@ def compile_engine(cfg, learner, config, chip, names=None) -> dict:
     from geo3k_jax.compiled import report
 
     engine, params = abstract_engine(cfg, learner, config, memory=2 ** 62)
-    programs = engine_programs(engine, params, cfg.jax.slice.patches)
+    programs = engine_programs(engine, params)
     unknown = set(names or ()) - set(programs)
     if unknown:
         raise SystemExit(f"no engine program {sorted(unknown)}: the programs are "
@@ -139,4 +129,5 @@ def compile_engine(cfg, learner, config, chip, names=None) -> dict:
         out.append(report(name, compiled, chip, 0, time.perf_counter() - t0))
     return {"slots": engine.n_slots, "context": engine.capacity, "data_shards": engine._data_shards,
             "devices": engine.mesh.devices.size, "prefill_shapes": engine.prefill_shapes(),
+            "compile_set": len(engine.compile_set()),
             "weights": weight_bytes(params), "cache": int(engine.cache_bytes), "programs": out}

@@ -1,9 +1,9 @@
 """Decode attention that reads each slot's own keys: on TPU the Pallas paged attention kernel,
 elsewhere a page table and attention over its pages in XLA.
 
-A decode step attends one new token per slot. Attention bounded by the longest row
-(`geo3k_jax.decode.extend`'s `bound`, as the prefill uses it) would read every slot up to the
-longest live one; with slots refilled as rows finish, one long row makes every slot pay its
+A decode step attends one new token per slot. Attention bounded by the longest row (as the
+prefill reads the cache, `geo3k_jax.decode.prefill`) would read every slot up to the longest
+live one; with slots refilled as rows finish, one long row makes every slot pay its
 length. Here the cache's positions are cut into pages of `PAGE` tokens and a step reads only
 the pages a live slot holds, so its cost follows the live tokens. The cache
 (`geo3k_jax.kv_budget`: keys and values each (Hkv, layers, S, L, D)) is already the kernel's

@@ -113,7 +113,7 @@ def build(cfg, workdir: str) -> loop.Run:
             learner, processor, config, seed=cfg.seed, slots=cfg.engine.slots,
             context=cfg.rollout.max_context_tokens,
             memory_fraction=cfg.engine.kv_memory_fraction, prefill_rows=cfg.engine.prefill_rows,
-            prefill_tokens=cfg.engine.prefill_tokens))
+            prefill_tokens=cfg.engine.prefill_tokens, warm_up=cfg.engine.warm_up))
     counters = backend.metrics if isinstance(backend, JaxBackend) else dict
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 

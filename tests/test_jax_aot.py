@@ -88,7 +88,7 @@ def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
     monkeypatch.setattr(aot, "abstract_learner", lambda *a: None)
     monkeypatch.setattr(aot, "model_config", lambda shapes: None)
     engine = dict(slots=128, context=8192, devices=4, data_shards=4, weights=aot.GiB,
-                  cache=aot.GiB, prefill_shapes=[(8, 2048, 8192)],
+                  cache=aot.GiB, prefill_shapes=[(8, 2048), (1, 8192)], compile_set=49,
                   programs=[dict(program, program="decode", peak=aot.GiB // 2, fits=True)])
     monkeypatch.setattr(engine_aot, "compile_engine", lambda *a: engine)
     with pytest.raises(SystemExit) as e:
@@ -180,7 +180,7 @@ def test_a_run_that_does_not_fit_its_devices_refuses_to_start(capsys):
     e = r["engine"]
     assert [p["program"] for p in e["programs"]] == ["prefill", "prefill_long", "insert",
                                                      "decode"]
-    assert e["prefill_shapes"] == [(2, 64, 512), (1, 512, 512)]
+    assert e["prefill_shapes"] == [(2, 64), (1, 512)]
     # layers, keys and values, slots, tokens, KV heads, head_dim, bf16 bytes
     assert e["cache"] == 2 * 2 * 8 * 512 * 2 * 16 * 2
     b = r["budget"]
@@ -297,7 +297,7 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
         with jax.default_matmul_precision(None):
             engine, params = abstract_engine(cfg, aot.abstract_learner(cfg, hf, devices), hf,
                                              memory=2 ** 40)
-            programs = engine_programs(engine, params, 0)
+            programs = engine_programs(engine, params)
             compiled = programs["decode"]().compile()
             temps = {name: programs[name]().compile().memory_analysis().temp_size_in_bytes
                      for name in ("insert", "prefill")}

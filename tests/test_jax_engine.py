@@ -223,7 +223,9 @@ def test_seeded_rng_state_and_top_p(tiny):
     after = engine.generate([req])[0]
     engine.set_rng_state(saved)
     engine.clear_cache(version=4)  # as a resumed run syncs the weights it saved
-    assert engine.generate([req])[0] == after
+    again = engine.generate([req])[0]  # prefilled whole, where `after` continued its slot:
+    assert again.token_ids == after.token_ids  # the same numbers but for rounding
+    np.testing.assert_allclose(again.logprobs, after.logprobs, rtol=0, atol=1e-5)
     greedy = dataclasses.replace(req, sampling=SamplingParams(0.0, 1.0, 10))
     g = tiny.engine(seed=1).generate([greedy])[0]
     assert tiny.engine(seed=2).generate([greedy])[0].token_ids == g.token_ids
@@ -325,16 +327,19 @@ def test_the_same_call_again_is_not_traced_again(tiny):
     assert engine.compiles == 3
 
 
-def test_backend_samples_from_a_copy_in_the_engines_layout(tiny):
+def test_backend_samples_from_a_copy_in_the_engines_layout(tiny, capsys):
     """Sync copies the learner's parameters in device memory (the learner's next step donates
     its own), cast to the compute dtype (bf16: half the bytes), with only the tensor axis of the
-    learner's layout kept (replicated over the data axes, as decoding reads every weight)."""
+    learner's layout kept (replicated over the data axes, as decoding reads every weight). The
+    backend prints the engine's compile set's size at start."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from geo3k_jax.backend import JaxBackend, engine_shardings
     from geo3k_jax.sharding import make_mesh
     learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), 1.0,
                       processor=tiny.processor, config=tiny.hf.config)
     backend = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, slots=2)
+    programs = len(backend.engine.compile_set())
+    assert f"JAX engine: {programs} programs at most" in capsys.readouterr().out
     learner.params = {k: v + 1.0 for k, v in learner.params.items()}  # as after a step
     backend.sync(learner, 1)
     for k, v in learner.params.items():
@@ -445,34 +450,18 @@ def test_a_request_prefilled_before_continues_its_slot(tiny):
 
 
 @one_arch("qwen2_5_vl")
-def test_decode_reads_only_the_bound(tiny):
-    """`extend` with attention over the first `bound` slots of a larger cache equals it over the
-    whole cache (garbage past every row's length: read, it would move the logits by far more
-    than 1e-5), logits and cache; the engine's capacity
-    does not change what it samples (its decode reads each slot's own pages, not the
-    capacity)."""
-    from geo3k_jax.decode import extend
-    from geo3k_jax.kv_budget import CacheShape, allocate
-    model = tiny.merge(tiny.params)
-    shape = CacheShape.of(tiny.hf.config)
-    rng = np.random.default_rng(0)
-    cache = tuple(a + rng.normal(size=a.shape).astype(np.float32)
-                  for a in allocate(shape, 2, 512, np.float32))
-    lengths = np.array([5, 100], np.int32)
-    batch = {"input_ids": np.array([[3, 4], [5, 0]], np.int32), "count": np.array([2, 1]),
-             "positions": np.broadcast_to((lengths[:, None] + np.arange(2))[:, None],
-                                          (2, 3, 2)).astype(np.int32)}
-    full = extend(model, cache, lengths, batch)
-    bounded = extend(model, cache, lengths, batch, bound=128)
-    np.testing.assert_allclose(bounded[0], full[0], rtol=0, atol=1e-5)
-    for a, c in zip(bounded[1], full[1]):  # a later layer's keys: rounding apart
-        np.testing.assert_allclose(a, c, rtol=0, atol=1e-5)
+def test_the_context_does_not_change_what_is_sampled(tiny):
+    """The engine's capacity changes no token nor log-prob: its prefill reads the cached
+    tokens block by block up to the longest row, its decode each slot's own pages, never the
+    capacity."""
     big = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config, seed=9,
                     slots=SLOTS, context=4096)
-    req = one_request(tiny.processor, 4, SamplingParams(1.0, 1.0, 12))
-    (a,), (b,) = big.generate([req]), tiny.engine(seed=9).generate([req])
-    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
-    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-6)
+    a = episodes(big, tiny.processor, 4, turns=2)
+    b = episodes(tiny.engine(seed=9), tiny.processor, 4, turns=2)
+    for (_, x), (_, y) in zip(a, b):
+        for p, q in zip(x, y):
+            assert p.token_ids == q.token_ids
+            np.testing.assert_allclose(p.logprobs, q.logprobs, rtol=0, atol=1e-6)
 
 
 @one_arch("qwen2_5_vl")
@@ -582,7 +571,7 @@ def test_a_bounded_prefill_samples_the_same(tiny):
         shapes, prefill = [], engine._prefill
 
         def spy(*args, **kw):
-            shapes.append((args[4]["input_ids"].shape, kw["bound"]))
+            shapes.append(args[4]["input_ids"].shape)
             return prefill(*args, **kw)
         engine._prefill = spy
         return shapes
@@ -591,7 +580,9 @@ def test_a_bounded_prefill_samples_the_same(tiny):
                      slots=8)
     bounded = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
                         seed=7, slots=8, prefill_rows=2, prefill_tokens=32)
-    assert bounded.prefill_shapes() == [(2, 32, 1024), (1, 1024, 1024)]
+    assert bounded.prefill_ladder() == [(2, 32), (1, 32), (1, 64), (1, 128), (1, 256),
+                                        (1, 512), (1, 1024)]
+    assert bounded.prefill_shapes() == [(2, 32), (1, 1024)]
     seen, seen_wide = calls(bounded), calls(wide)
     a = episodes(wide, tiny.processor, 4, turns=2, n=6)
     b = episodes(bounded, tiny.processor, 4, turns=2, n=6)
@@ -599,15 +590,47 @@ def test_a_bounded_prefill_samples_the_same(tiny):
         for p, q in zip(x, y):
             assert p.token_ids == q.token_ids and p.finish_reason == q.finish_reason
             np.testing.assert_allclose(p.logprobs, q.logprobs, rtol=0, atol=1e-5)
-    assert max(rows for (rows, _), _ in seen_wide) > 2
-    for (rows, tokens), bound in seen:
-        assert (rows <= 2 and tokens <= 32) or (rows == 1 and tokens > 32), seen
-        assert bound <= 1024
-    assert any(rows == 1 and tokens > 32 for (rows, tokens), _ in seen)  # the prompts
-    assert any(rows == 2 for (rows, _), _ in seen)  # the next turns, two a prefill
+    assert max(rows for rows, _ in seen_wide) == 8  # several rows: all 8 (padding)
+    assert set(seen) <= set(bounded.prefill_ladder()), seen
+    assert any(rows == 1 and tokens > 32 for rows, tokens in seen)  # the prompts, alone
+    assert (2, 32) in seen  # the next turns, two a prefill
     with pytest.raises(ValueError, match="prefill_rows"):
         JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
                   prefill_rows=-1)
+
+
+@one_arch("qwen3_vl")
+def test_after_warm_up_a_multi_turn_run_compiles_nothing(tiny):
+    """`warm_up` compiles the engine's whole compile set, its count known from the config
+    alone (a prefill with and one without images and an insert for each prefill shape, a
+    decode for each page-table size); then multi-turn sessions (images of several sizes,
+    feedback over kept caches, evicted sessions prefilled whole, a prompt longer than
+    `prefill_tokens` alone, greedy, sampled and nucleus requests) trace nothing and compile
+    nothing, counted by JAX's own compile events too."""
+    import jax.monitoring
+    engine = JaxEngine(tiny.merge, lambda: tiny.params, tiny.processor, tiny.hf.config,
+                       seed=3, slots=SLOTS, context=512, prefill_tokens=32)
+    assert engine.prefill_ladder() == [(2, 32), (1, 32), (1, 64), (1, 128), (1, 256),
+                                       (1, 512)]
+    programs = engine.compile_set()
+    pages = [p[1] for p in programs if p[0] == "decode"]
+    assert pages == [8, 16, 24, 32]  # 2 slots x 512 / 32 pages at most
+    assert len(programs) == 3 * 6 + 4
+    n, _ = engine.warm_up()
+    assert n == engine.compiles == len(programs)
+    compiled = []
+    listener = lambda event, *a, **k: compiled.append(event) if "backend_compile" in event \
+        else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.8)):
+            episodes(engine, tiny.processor, 6, turns=3, n=3, temperature=temperature)
+            req = one_request(tiny.processor, 7, SamplingParams(temperature, top_p, 40))
+            engine.generate([req, dataclasses.replace(req, session="other")])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert engine.compiles == len(programs) and compiled == []
+    assert engine.evictions > 0
 
 
 @one_arch("qwen3_vl")

@@ -1,5 +1,5 @@
 """Decode attention over each slot's own pages (`geo3k_jax.ragged`): the page table, the XLA
-path checked against the bounded attention the prefill uses, and JAX's Pallas paged attention
+path checked against plain attention in float64, and JAX's Pallas paged attention
 kernel for TPU (in interpret mode here) against the XLA path, over a layer of the cache in its
 one layout (Hkv, layers, S, L, D)."""
 
@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geo3k_jax.decode import cached_attention
 from geo3k_jax.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table, pages,
                               paged_attention)
 
@@ -28,10 +27,21 @@ def _case(seed=0, d=D):
 
 
 def _whole(q, keys, values, layer, at, scale):
-    """The prefill's attention over the whole of layer `layer`, each slot its causal mask."""
-    mask = (np.arange(CAP)[None, None, :] <= at[:, None, None])  # (S, 1, L)
-    return np.asarray(cached_attention(q[:, None], keys[:, layer], values[:, layer], mask,
-                                       scale))[:, 0]
+    """Plain softmax attention of each slot's query over layer `layer`'s positions <= at[s],
+    in float64: the reference."""
+    k = np.asarray(keys[:, layer], np.float64)  # (Hkv, S, L, D)
+    v = np.asarray(values[:, layer], np.float64)
+    s_, h, d = q.shape
+    group = h // k.shape[0]
+    out = np.zeros((s_, h, d))
+    for s in range(s_):
+        for i in range(h):
+            scores = k[i // group, s] @ np.asarray(q[s, i], np.float64) * scale
+            scores[np.arange(CAP) > at[s]] = -np.inf
+            if np.isfinite(scores).any():
+                w = np.exp(scores - scores.max())
+                out[s, i] = w @ v[i // group, s] / w.sum()
+    return out.reshape(s_, h * d).astype(np.float32)
 
 
 def test_page_table_lists_each_live_slots_pages():
@@ -71,7 +81,7 @@ def test_pages_are_the_cache_itself():
 
 @pytest.mark.parametrize("layer", [0, 2])
 def test_paged_attention_equals_attention_over_the_whole_cache(layer):
-    """Each live slot's output equals the bounded attention's over the whole layer with its
+    """Each live slot's output equals plain attention over the whole layer with its
     own causal mask, whatever lies past its length or in other layers; padding pages and a
     table reaching past the new token change nothing; a slot without pages gets zeros."""
     q, keys, values, at = _case()
@@ -109,3 +119,40 @@ def test_the_pallas_kernel_equals_the_xla_path(dtype):
     assert (got[~live] == 0).all()
     other = np.asarray(paged_attention(q, keys, values, 2, table[0], at, scale), np.float32)
     assert np.abs(got[live] - other[live]).max() > 0.1  # another layer's numbers are far
+
+
+def test_prefix_attention_reads_each_rows_cached_tokens_and_its_new_ones():
+    """The prefill's attention (`geo3k_jax.decode.prefix_attention`), block by block with a
+    running softmax, equals plain attention in float64 over each row's own cached tokens and
+    its new tokens causally: rows with nothing cached, a length on a block boundary and one
+    inside a block, garbage past every length and in the other slots, blocks read past the
+    longest row (they change nothing), the new tokens' queries whole or in blocks."""
+    from geo3k_jax.decode import prefix_attention
+    rng = np.random.default_rng(3)
+    r, t, block, cap = 3, 6, 4, 16
+    q = rng.normal(size=(r, t, H, D)).astype(np.float32)
+    k, v = (rng.normal(size=(r, t, HKV, D)).astype(np.float32) for _ in range(2))
+    cache_k, cache_v = (rng.normal(size=(HKV, SLOTS, cap, D)).astype(np.float32) * 3
+                        for _ in range(2))
+    source, lengths = np.array([4, 0, 2]), np.array([0, 8, 11], np.int32)
+
+    def read(j):  # block j of each row's slot: (Hkv, R, block, D)
+        return tuple(jax.lax.dynamic_slice_in_dim(jnp.asarray(c[:, source]), j * block,
+                                                  block, axis=2) for c in (cache_k, cache_v))
+
+    scale = D ** -0.5
+    for blocks, query_block in ((3, 6), (4, 6), (3, 3), (3, 2)):
+        got = np.asarray(prefix_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), read,
+                                          jnp.asarray(lengths), blocks, scale, query_block))
+        group = H // HKV
+        for b in range(r):
+            for i in range(t):
+                for h in range(H):
+                    g = h // group
+                    keys = np.r_[cache_k[g, source[b], :lengths[b]], k[b, :i + 1, g]]
+                    values = np.r_[cache_v[g, source[b], :lengths[b]], v[b, :i + 1, g]]
+                    scores = keys.astype(np.float64) @ q[b, i, h] * scale
+                    w = np.exp(scores - scores.max())
+                    want = w @ values / w.sum()
+                    np.testing.assert_allclose(got[b, i, h * D:(h + 1) * D], want, rtol=0,
+                                               atol=2e-6)
