@@ -740,7 +740,8 @@ class JaxEngine:
                     row = jax.lax.dynamic_index_in_dim(r, index[b], 2, keepdims=False)
                     heads = jnp.arange(a.shape[0])[:, None, None]
                     layers = jnp.arange(a.shape[1])[None, :, None]
-                    return a.at[heads, layers, slot, at[None, None]].set(row, mode="drop")
+                    return a.at[heads, layers, slot, at[None, None]].set(row.astype(a.dtype),
+                                                                         mode="drop")
                 return write(kv[0], rk), write(kv[1], rv)
             return jax.lax.fori_loop(0, jnp.sum(dest < self.n_slots), one, (k, v))
         # a scatter of the requests' rows into slots split over the devices, left to the
