@@ -6,7 +6,6 @@ compile for v5p-8, fit, and report the bytes the compiler gives it.
 
 import functools
 import importlib.util
-import math
 
 import pytest
 
@@ -98,6 +97,19 @@ def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
     assert "DOES NOT FIT" in out and "refused by the compiler" in out and "NO" in out
     assert "engine on 4 devices a host: 128 slots of 8192 tokens" in out
     assert "decode" in out and "refused apply" in out
+    # the engine alone: its own table, no learner compiled, exit 1 when a program does not fit
+    monkeypatch.setattr(aot, "compile_learner", None)
+    engine["compile_set"] = 49
+    with pytest.raises(SystemExit) as e:
+        aot.main(["aot", "--config=configs/tpu.py", "--topology=v5e-8", "--engine_only"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "the JAX engine's programs alone, 128 slots of 8192 tokens" in out
+    assert "49 programs in all" in out and "decode" in out
+    engine["programs"][0]["fits"] = False
+    with pytest.raises(SystemExit) as e:
+        aot.main(["aot", "--config=configs/tpu.py", "--topology=v5e-8", "--engine_only"])
+    assert e.value.code == 1
 
 
 @functools.cache
@@ -261,19 +273,6 @@ def test_a_table_cell_may_set_the_engine_slots():
     assert table.report_name("qwen3_vl_2b", "v6e-8", 0) == "qwen3_vl_2b_v6e-8.json"
     with pytest.raises(SystemExit, match="model@slice@slots"):
         table.cell("qwen3_vl_2b@v6e-8@many")
-    # the engine alone: its own table, no learner compiled, exit 1 when a program does not fit
-    monkeypatch.setattr(aot, "compile_learner", None)
-    engine["compile_set"] = 49
-    with pytest.raises(SystemExit) as e:
-        aot.main(["aot", "--config=configs/tpu.py", "--topology=v5e-8", "--engine_only"])
-    assert e.value.code == 0
-    out = capsys.readouterr().out
-    assert "the JAX engine's programs alone, 128 slots of 8192 tokens" in out
-    assert "49 programs in all" in out and "decode" in out
-    engine["programs"][0]["fits"] = False
-    with pytest.raises(SystemExit) as e:
-        aot.main(["aot", "--config=configs/tpu.py", "--topology=v5e-8", "--engine_only"])
-    assert e.value.code == 1
 
 
 @pytest.mark.slow
