@@ -57,7 +57,6 @@ def engine_programs(engine, params: dict) -> dict[str, Callable]:
     """{name: a thunk lowering the program}: "prefill" (and "prefill_long", a row of the whole
     context) at `engine.prefill_shapes()` with images (as many patches as image tokens fit);
     "insert" of the largest prefill's rows; "decode" over every page of every slot."""
-    from geo3k_jax.engine import MAX_STOPS
     from geo3k_jax.kv_budget import allocate
     from geo3k_jax.ragged import PAGE
 
@@ -85,17 +84,12 @@ def engine_programs(engine, params: dict) -> dict[str, Callable]:
     programs["insert"] = lambda: engine._insert.lower(cache, abstract(work, rep), *abstract(
         (vec(engine.n_slots, np.int32), vec(engine.n_slots, np.int32), vec(rows, np.int32)),
         rep))
-    slots = engine.n_slots
-    state = {k: vec(slots, dt) for k, dt in (
-        ("tok", np.int32), ("pos", np.int32), ("length", np.int32), ("live", bool),
-        ("count", np.int32), ("budget", np.int32), ("temperature", np.float32),
-        ("top_p", np.float32), ("seed", np.uint32))}
-    state["stops"] = np.zeros((slots, MAX_STOPS), np.int32)
     shards = engine._data_shards
     table = None if engine.kernel else abstract(  # the Pallas kernel needs none
-        np.zeros((shards, slots // shards * engine.capacity // PAGE), np.int32), rep)
+        np.zeros((shards, engine.n_slots // shards * engine.capacity // PAGE), np.int32), rep)
     programs["decode"] = lambda: engine._decode.lower(
-        params, cache, abstract(state, rep), table, abstract(vec(2, np.uint32), rep))
+        params, cache, abstract(engine._decode_arrays(), rep), table,
+        abstract(vec(2, np.uint32), rep))
     return programs
 
 
