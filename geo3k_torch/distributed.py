@@ -47,11 +47,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def mixed_precision():
+def mixed_precision(cast_forward_inputs: bool = True):
     """The one dtype policy of bf16 training: bf16 compute, fp32 master weights and reduce."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                cast_forward_inputs=cast_forward_inputs)
 
 
 def parallelize(model, bf16: bool = False):
@@ -66,6 +67,10 @@ def parallelize(model, bf16: bool = False):
         fully_shard(block, **kw)
     for layer in inner.language_model.layers:
         fully_shard(layer, **kw)
+    if bf16:  # the root's float inputs keep their dtype: the vision tower's precomputed position
+        # interpolation weights (`model.vision_inputs`) stay fp32, as when it computes them
+        # itself; it casts the pixels to its own dtype
+        kw = {"mp_policy": mixed_precision(cast_forward_inputs=False)}
     fully_shard(model, **kw)
     return model
 

@@ -45,6 +45,7 @@ from common.engine import LENGTH, STOP, Completion, FatalEngineError, Request
 from common.mrope import image_token_counts, mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_torch.decode import Decoder, Slots
+from geo3k_torch.model import upload, vision_inputs
 
 SYNC_STEPS = 8  # decode steps between the host's reads of the done flags, at most
 REFILL_SHARE = 8  # refill once 1/8 of the slots are free (or every waiting request fits)
@@ -300,7 +301,7 @@ class LocalEngine:
             inputs["pixel_values"] = torch.from_numpy(np.concatenate(
                 [imgs["pixel_values"][patches[which[i]]:patches[which[i] + 1]]
                  for i in new_images])).to(dev)
-            inputs["image_grid_thw"] = torch.from_numpy(grids[new_images]).to(dev)
+            inputs |= upload(vision_inputs(self.model.config, grids[new_images]), dev)
         if C:
             inputs["past_key_values"] = self._stack_caches(rows, C)
         out = self.model(**inputs, use_cache=True, logits_to_keep=1)

@@ -23,13 +23,14 @@ from geo3k_torch import attention
 
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attention.NAME):
-    """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode.
-    attn: "packed_sdpa" (`geo3k_torch.attention`: packed rows attend per sequence) or any
+    """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode,
+    Qwen3-VL's deepstack step without a host sync (`use_deepstack_add`). attn: "packed_sdpa" (`geo3k_torch.attention`: packed rows attend per sequence) or any
     transformers attention implementation."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     _check_kind(model.config, path)
+    use_deepstack_add(model)
     return model
 
 
@@ -55,6 +56,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                         attn_implementation=attn)
+    use_deepstack_add(model)
     checkpoint_layers(model, activation_checkpointing)
     distributed.parallelize(model, bf16)
     model.to_empty(device=device)
@@ -185,38 +187,67 @@ def host_inputs(batch: PackedBatch, processor, config) -> dict:
         out["attention_mask"] = attention.packed_mask()
     if imgs:
         out["pixel_values"] = torch.from_numpy(imgs["pixel_values"])
-        out["image_grid_thw"] = torch.from_numpy(grid)
-        out |= vision_layout(config, out["image_grid_thw"])
+        out |= vision_inputs(config, grid)
     return out
 
 
-# Inputs the vision tower reads on the host (`vision_layout`): they stay there.
-HOST_ONLY = ("cu_seqlens", "cu_window_seqlens")
+def vision_inputs(config, grid: np.ndarray) -> dict:
+    """What the vision tower would otherwise compute from the images' `grid` (N, 3) on the device,
+    computed here on the host by transformers' own functions (`transformers.vision_utils`) and
+    passed to the forward, which takes them in place of computing them: each of those reads the
+    grid back from the device or indexes by data-dependent sizes, a host sync every time, and the
+    attention split the patches by `cu_seqlens.tolist()` three times in every block. Returns
+    image_grid_thw (N, 3) and image_cu_seqlens (N+1,) as numpy arrays, which stay on the host
+    (the only reads are `.tolist()` of sizes, free there; FSDP2's root moves every tensor input
+    to the device, numpy arrays it leaves), image_position_ids (patches, 2) and for Qwen3-VL
+    image_interp_indices / image_interp_weights (patches, 4) of its learned position table, for
+    Qwen2.5-VL's windowed blocks image_window_index (patches / merge^2,) and
+    image_cu_window_seqlens (host, numpy)."""
+    from transformers import vision_utils as vu
 
-
-def vision_layout(config, grid: torch.Tensor) -> dict:
-    """The vision tower's attention layout for images of `grid` (N, 3), computed here by
-    transformers' own functions and passed to the forward, whose vision tower takes them in
-    place of computing them: cu_seqlens (N+1,) per image and, for Qwen2.5-VL's windowed blocks,
-    window_index (patches,) and cu_window_seqlens. Its attention splits the patches by
-    `cu_seqlens.tolist()` in every block: a host tensor makes that free, where a device one
-    waits for the device three times a block."""
-    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_window_index
-
-    out = {"cu_seqlens": get_vision_cu_seqlens(grid)}
-    if config.model_type == "qwen2_5_vl":
-        v = config.vision_config
-        out["window_index"], out["cu_window_seqlens"] = get_vision_window_index(
-            grid, v.spatial_merge_size, v.window_size, v.patch_size)
+    v = config.vision_config
+    thw = torch.from_numpy(np.asarray(grid, np.int64).reshape(-1, 3))
+    out = {"image_grid_thw": thw.numpy(), "image_cu_seqlens": vu.get_vision_cu_seqlens(thw).numpy(),
+           "image_position_ids": vu.get_vision_position_ids(thw, v.spatial_merge_size)}
+    if config.model_type == "qwen3_vl":
+        out["image_interp_indices"], out["image_interp_weights"] = (
+            vu.get_vision_interpolation_indices_and_weights(
+                thw, num_grid_per_side=int(v.num_position_embeddings ** 0.5), mode="bilinear",
+                align_corners=True, spatial_merge_size=v.spatial_merge_size))
+    else:
+        index, cu_window = vu.get_vision_window_index(thw, v.spatial_merge_size, v.window_size,
+                                                       v.patch_size)
+        out["image_window_index"], out["image_cu_window_seqlens"] = index, cu_window.numpy()
     return out
 
 
 def upload(inputs: dict, device: torch.device) -> dict:
-    """`host_inputs` on `device` (tensors copied without blocking from pinned memory on CUDA;
-    `HOST_ONLY` ones stay)."""
-    return {k: attention.to_device(v, device)
-            if isinstance(v, torch.Tensor) and k not in HOST_ONLY else v
+    """`host_inputs` on `device`: tensors copied without blocking from pinned memory on CUDA;
+    numpy arrays (`vision_inputs`' host-side sizes) stay."""
+    return {k: attention.to_device(v, device) if isinstance(v, torch.Tensor) else v
             for k, v in inputs.items()}
+
+
+def deepstack_add(hidden: torch.Tensor, mask: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's deepstack step without a host sync: hidden (B, T, H) with embeds (N, H) added
+    at the N positions where mask (B, T) is true, in order. transformers indexes by the boolean
+    mask (its size known only from the data: a sync in the forward, in the recomputation and in
+    the backward); here each position gathers its row of embeds by the mask's running count and
+    keeps it where the mask holds. The same values (x + 0 elsewhere)."""
+    flat = mask.to(hidden.device).reshape(-1)
+    if embeds.shape[0] == 0:
+        return hidden
+    row = (flat.cumsum(0) - 1).clamp_(min=0)
+    add = embeds.to(hidden.device, hidden.dtype).index_select(0, row)
+    return hidden + torch.where(flat[:, None], add, 0).view_as(hidden)
+
+
+def use_deepstack_add(model) -> None:
+    """A Qwen3-VL model's text model calls `deepstack_add` in place of its boolean-mask step
+    (this instance only; other architectures have no deepstack)."""
+    text = getattr(model.model, "language_model", None)
+    if text is not None and hasattr(text, "_deepstack_process"):
+        text._deepstack_process = lambda hidden, mask, embeds: deepstack_add(hidden, mask, embeds)
 
 
 def token_logprobs(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor,

@@ -79,24 +79,77 @@ def _syncs_on_cuda(op, args, kwargs) -> bool:
     return False
 
 
+def _blocking_copy(op, args, kwargs) -> bool:
+    """Whether aten `op` copies between the host and a GPU and waits for it: `.to()` / `.cpu()`
+    / `copy_` across devices unless non-blocking (a host-to-device copy also needs pinned
+    memory), and `torch.tensor(data, device=gpu)` (seen as `lift_fresh` of the GPU tensor it
+    made by a pageable copy)."""
+    import torch
+
+    aten = torch.ops.aten
+    if op in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
+        return args[0].is_cuda
+    if op is aten._to_copy.default:
+        src, dst = args[0], kwargs.get("device")
+        non_blocking = kwargs.get("non_blocking", False)
+    elif op is aten.copy_.default:
+        dst, src = args[0].device, args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    else:
+        return False
+    if not isinstance(src, torch.Tensor) or dst is None:
+        return False
+    dst = torch.device(dst)
+    if src.is_cuda == (dst.type == "cuda"):
+        return False
+    return not non_blocking or (src.device.type == "cpu" and not src.is_pinned())
+
+
+def _op_site(stack: list[traceback.FrameSummary], op) -> str:
+    return f"{sync_site(stack)} [{str(op).removeprefix('aten.')}]"
+
+
 @contextlib.contextmanager
-def host_syncs(cuda: bool):
+def host_syncs(cuda: bool, sites: bool = True):
     """Count the host syncs made inside the block, with where each was made (`Syncs.sites`).
-    cuda: torch's sync debug mode ("warn": one warning per synchronizing CUDA operation; the
-    autograd engine replays its threads' warnings when backward returns, so a sync made in
-    backward is sited at the `backward()` call). Else,
-    in the thread that entered the block, every aten op that syncs on a GPU (`_syncs_on_cuda`,
-    backward's too) and every call of `READS` (outermost calls only: a read that makes another
-    counts once); the methods are restored on exit. The CPU count finds what a GPU would wait
-    for, except copies between host and device (a CPU run has no device)."""
+
+    cuda: `n` is torch's own count (its sync debug mode "warn": a warning per synchronizing
+    CUDA operation, any thread's). The sites are found by a dispatch mode that sees every
+    aten op of the block, backward's and other threads' included, and names those that sync
+    on a GPU (`_syncs_on_cuda` with a GPU tensor, `_blocking_copy`): "path:line function
+    [op]". A sync no aten op makes (a stream or event wait) is counted but has no site, so the
+    sites may sum to less than `n`. sites=False: the count alone, no dispatch mode.
+
+    Not cuda (a CPU run, which has no device to wait for): every aten op that would sync on a
+    GPU (`_syncs_on_cuda`, backward's too) and, in the thread that entered the block, every
+    call of `READS` (outermost calls only: a read that makes another counts once); the methods
+    are restored on exit. That finds what a GPU would wait for, except copies between host and
+    device."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     syncs = Syncs()
+    found = Syncs()  # the dispatch mode's sites (cuda); `syncs` itself on a CPU
+    thread, depth = threading.get_ident(), 0
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if cuda:
+                flat = [a for a in args if isinstance(a, torch.Tensor)] + [
+                    i for a in args if isinstance(a, (list, tuple)) for i in a
+                    if isinstance(i, torch.Tensor)]
+                if ((_syncs_on_cuda(op, args, kwargs) and any(t.is_cuda for t in flat))
+                        or _blocking_copy(op, args, kwargs)):
+                    found.sites[_op_site(traceback.extract_stack()[:-1], op)] += 1
+            elif depth == 0 and _syncs_on_cuda(op, args, kwargs):
+                syncs.add(traceback.extract_stack()[:-1])
+            return op(*args, **kwargs)
+
     if cuda:
         def seen(message, *args, **kwargs):
             if "synchroniz" in str(message):
-                syncs.add(traceback.extract_stack()[:-1])
+                syncs.n += 1
 
         mode = torch.cuda.get_sync_debug_mode()
         with warnings.catch_warnings():
@@ -104,12 +157,13 @@ def host_syncs(cuda: bool):
             warnings.showwarning = seen
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                yield syncs
+                with Ops() if sites else contextlib.nullcontext():
+                    yield syncs
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
+                syncs.sites = found.sites
         return
     own = {name: torch.Tensor.__dict__.get(name) for name in READS}  # None: inherited
-    thread, depth = threading.get_ident(), 0
 
     def counted(method):
         @functools.wraps(method)
@@ -125,13 +179,6 @@ def host_syncs(cuda: bool):
             finally:
                 depth -= 1
         return read
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if depth == 0 and _syncs_on_cuda(op, args, kwargs):
-                syncs.add(traceback.extract_stack()[:-1])
-            return op(*args, **kwargs)
 
     for name in READS:
         setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))

@@ -201,6 +201,35 @@ def test_host_syncs_counts_what_a_gpu_would_wait_for(profile):
     assert _get_current_dispatch_mode() is None
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's sync debug mode is CUDA's")
+def test_host_syncs_on_cuda_counts_torchs_own_and_names_each_op(profile):
+    """On a GPU the count is torch's own. .item(), a boolean-mask index, torch.tensor(list,
+    device=cuda) and a pageable .to(cuda) each wait and each is sited at its line with its aten
+    op; a pinned non-blocking copy and plain arithmetic wait for nothing. A backward's
+    boolean-mask index_put is sited too (its warning is replayed at backward())."""
+    x = torch.arange(4.0, device="cuda")
+    here = Path(__file__).name
+    waits = {"_local_scalar_dense.default": lambda: x.sum().item(),
+             "index.Tensor": lambda: x[x > 0],
+             "lift_fresh.default": lambda: torch.tensor([1, 2, 3], device="cuda"),
+             "_to_copy.default": lambda: torch.ones(3).to("cuda")}
+    for op, work in waits.items():
+        with profile.host_syncs(cuda=True) as syncs:
+            work()
+        assert syncs.n >= 1, op
+        assert {site.rsplit("[", 1)[1].rstrip("]") for site in syncs.sites} == {op}
+        assert all(here in site for site in syncs.sites)
+    with profile.host_syncs(cuda=True) as syncs:
+        torch.ones(3).pin_memory().to("cuda", non_blocking=True)
+        (x * 2 + 1).exp()
+    assert syncs.n == 0 and not syncs.sites
+    w = torch.ones(4, device="cuda", requires_grad=True)
+    with profile.host_syncs(cuda=True) as syncs:
+        (w[x > 0] * 3).sum().backward()
+    assert syncs.n >= 2 and any("index_put" in site for site in syncs.sites), syncs
+
+
 def test_the_report_fits_the_learner_rows(check):
     """Four ok rows of one kernel get a fit line under their table (the rows of
     test_fit_step_cost_recovers_the_costs: 0.25 s a micro-batch, 1 s per thousand tokens); a
@@ -267,7 +296,7 @@ def test_tiny_check_runs_every_section(tmp_path):
             for r in rows[n] if r.get("phase") != "engine"} == {"packed_sdpa"}  # a CPU
     assert rows["engine_torch"][0]["kernel"] == rows["whole_step"][0]["engine_kernel"] == "sdpa"
     summaries = {r["phase"]: r for r in rows["profile_torch"] if "op" not in r}
-    assert summaries["learner"]["host_syncs_per_step"] > 0  # the vision tower reads its grid
+    assert summaries["learner"]["host_syncs_per_step"] > 0  # the step reads its metrics once
     assert summaries["learner"]["gpu_idle"] == summaries["engine"]["gpu_idle"] == "n/a"
     for phase in ("learner", "engine"):
         ops = [r for r in rows["profile_torch"] if r["phase"] == phase and "op" in r]

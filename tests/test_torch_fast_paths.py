@@ -21,8 +21,8 @@ import geo3k_torch.attention as attention
 from common.batching import pack
 from common.grpo import LossConfig
 from geo3k_torch.learner import Learner, prefetched
-from geo3k_torch.model import (CHECKPOINTING, checkpoint_layers, compile_fused, packed_inputs,
-                               token_logprobs)
+from geo3k_torch.model import (CHECKPOINTING, checkpoint_layers, compile_fused, deepstack_add,
+                               packed_inputs, token_logprobs, use_deepstack_add)
 from tests.jax_learner_setup import train_config
 from tests.test_jax_model import sequences
 from tests.test_shared_prefix import groups
@@ -32,34 +32,53 @@ BUILDERS = [qwen3_vl, qwen2_5_vl]
 # Tensor methods that make the host wait for the device when the tensor lives there.
 SYNCS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__",
          "__format__", "nonzero")
-# transformers' vision tower reads its image grid on the host a few times per forward (not per
-# block: `geo3k_torch.model.vision_layout` hands it the per-block layouts). Any other sync fails.
-VISION_FRAMES = {"get_vision_position_ids", "get_image_features", "get_placeholder_mask",
-                 "get_vision_interpolation_indices_and_weights"}
+# The one host read left in a forward: transformers checks that the image placeholders match the
+# image features (`torch_compilable_check`). The vision tower's layouts come precomputed
+# (`geo3k_torch.model.vision_inputs`) and the deepstack step gathers (`deepstack_add`).
+ALLOWED_FRAMES = {"get_placeholder_mask"}
 
-
-class HostSyncs:
-    """Within the block, a method of `SYNCS` called on a tensor from the main thread raises,
-    unless transformers' vision tower called it (`VISION_FRAMES`). The micro-batch thread does
-    host work on host tensors and is not watched."""
+class HostSyncs(TorchDispatchMode):
+    """Within the block, from the main thread, a method of `SYNCS` called on a tensor raises, and
+    so does any aten op whose output size or value the host must wait for (nonzero, boolean-mask
+    indexing, `.item()`, repeat_interleave by a tensor: `DATA_DEPENDENT`), the backward's too,
+    unless transformers' placeholder check made it (`ALLOWED_FRAMES`). The micro-batch thread
+    does host work on host tensors and is not watched."""
 
     def __enter__(self):
         self.saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
         for name, method in self.saved.items():
             setattr(torch.Tensor, name, self._guard(name, method))
-        return self
+        return super().__enter__()
 
     def __exit__(self, *exc):
         for name, method in self.saved.items():
             setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        data_dependent = op in (aten.nonzero.default, aten.masked_select.default,
+                                aten._local_scalar_dense.default) or (
+            op is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None) or (
+            op in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                   aten._index_put_impl_.default)
+            and any(i is not None and i.dtype == torch.bool for i in args[1]))
+        if data_dependent and threading.current_thread() is threading.main_thread():
+            self._check(str(op))
+        return op(*args, **kwargs)
 
     @staticmethod
-    def _guard(name, method):
+    def _check(what):
+        callers = {f.name for f in traceback.extract_stack()[:-1]}
+        if not callers & ALLOWED_FRAMES:
+            raise AssertionError(f"host sync: {what} in the micro-batch loop")
+
+    @classmethod
+    def _guard(cls, name, method):
         def guarded(self, *args, **kwargs):
             if threading.current_thread() is threading.main_thread():
-                callers = {f.name for f in traceback.extract_stack()[:-1]}
-                if not callers & VISION_FRAMES:
-                    raise AssertionError(f"host sync: Tensor.{name} in the micro-batch loop")
+                cls._check(f"Tensor.{name}")
             return method(self, *args, **kwargs)
         return guarded
 
@@ -67,6 +86,7 @@ class HostSyncs:
 def _learner(build, seed=0):
     model, patch = build(seed=seed)
     model.set_attn_implementation(attention.NAME)
+    use_deepstack_add(model)  # as `load_model` and `load_sharded` do
     model.train()
     processor = ImageOnlyProcessor(patch)
     return Learner(model, processor, LossConfig(kl_coef=0.0, tis_cap=2.0), train_config(), 0.8,
@@ -98,6 +118,44 @@ def test_no_host_sync_in_the_micro_batch_loop(build, monkeypatch):
                         lambda mb: (lambda out: (float(out[0]), out)[1])(loss_of(mb)))
     with pytest.raises(AssertionError, match="host sync: Tensor.__float__"), HostSyncs():
         learner.accumulate(batches, n_tokens, n_seqs)
+
+
+def test_deepstack_add_equals_transformers_boolean_mask_step():
+    """`deepstack_add` against Qwen3-VL's own `_deepstack_process`: the same hidden states and
+    the same gradients for hidden and embeds (2 rows, images at scattered positions, one row
+    without any); no images leaves hidden as it is. Then a model's logits with and without it
+    are equal, and transformers' step does index by the boolean mask (what the fast path's
+    guard refuses)."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, [1, 2, 6]] = True
+    mask[1, [0, 8]] = True
+    model, _ = qwen3_vl(seed=0)
+    own = model.model.language_model._deepstack_process
+    results = []
+    for step in (own, deepstack_add):
+        hidden = torch.randn(2, 9, 4, generator=g.manual_seed(1)).requires_grad_()
+        embeds = torch.randn(5, 4, generator=g.manual_seed(2)).requires_grad_()
+        out = step(hidden, mask, embeds)
+        (out * torch.arange(72.0).view(2, 9, 4)).sum().backward()
+        results.append((out.detach(), hidden.grad, embeds.grad))
+    for want, got in zip(*results):
+        assert torch.equal(want, got)
+    hidden = torch.randn(1, 3, 4)
+    assert deepstack_add(hidden, torch.zeros(1, 3, dtype=torch.bool), torch.zeros(0, 4)) is hidden
+
+    processor = ImageOnlyProcessor(16)
+    model.set_attn_implementation(attention.NAME)
+    row, = pack(sequences(processor, np.random.default_rng(0), 3), 10_000)
+    inputs = packed_inputs(row, processor, model.config)
+    with torch.no_grad():
+        plain = model(**inputs, use_cache=False).logits
+        with pytest.raises(AssertionError, match="host sync: aten.index"), HostSyncs():
+            model(**inputs, use_cache=False)
+        use_deepstack_add(model)
+        with HostSyncs():
+            fast = model(**inputs, use_cache=False).logits
+    assert torch.equal(plain, fast)
 
 
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
