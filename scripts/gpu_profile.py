@@ -237,6 +237,21 @@ def profile_events(prof, cuda: bool) -> tuple[list[tuple[str, float]], list[tupl
     return [(e.name, e.self_cpu_time_total / 1e3) for e in ops], []
 
 
+# The CUDA runtime calls in which the host waits for the device (a profile's CPU-side events).
+WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaStreamWaitEvent")
+
+
+def host_wait_ms(prof) -> float:
+    """Milliseconds the host spent inside `WAIT_CALLS` over a finished GPU profile: the rest of
+    the wall time it was busy issuing work. A step whose host waits little while the device
+    idles is bound by the host (its Python, dispatch and kernel launches), not by syncs."""
+    from torch.autograd import DeviceType
+
+    return sum(e.time_range.elapsed_us() for e in prof.events()
+               if e.device_type == DeviceType.CPU and e.name in WAIT_CALLS) / 1e3
+
+
 def fit_step_cost(micro_batches: Sequence[float], tokens: Sequence[float],
                   seconds: Sequence[float]) -> dict[str, float] | None:
     """Least squares of a step's seconds = a + b x micro-batches + c x tokens over rows (one

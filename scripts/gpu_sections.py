@@ -505,9 +505,10 @@ SYNC_SITES = 15  # the learner's sync sites in OUT/profile_torch.json and .md
 
 def _profile(work, steps: int, cuda: bool) -> dict:
     """torch.profiler (CPU and, on a GPU, CUDA activities; shapes recorded) over `work()`, which
-    runs `steps` steps: step_ms (wall), kernel_ms_per_step (GPU kernels' time; a CPU: ops' self
-    time), gpu_idle (`gpu_profile.idle_fraction` of the kernels; "n/a" on a CPU) and the top 25
-    kernels or ops (`gpu_profile.top_ops`)."""
+    runs `steps` steps: step_ms (wall), kernel_ms_per_step and kernels_per_step (GPU kernels'
+    time and count; a CPU: ops' self time and count), gpu_idle (`gpu_profile.idle_fraction` of
+    the kernels), host_wait_ms_per_step (`gpu_profile.host_wait_ms`; both "n/a" on a CPU) and
+    the top 25 kernels or ops (`gpu_profile.top_ops`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -521,7 +522,9 @@ def _profile(work, steps: int, cuda: bool) -> dict:
     timed, intervals = gpu_profile.profile_events(prof, cuda)
     return {"steps": steps, "step_ms": wall_ms / steps,
             "kernel_ms_per_step": sum(ms for _, ms in timed) / steps,
+            "kernels_per_step": len(timed) / steps,
             "gpu_idle": gpu_profile.idle_fraction(intervals) if cuda else "n/a",
+            "host_wait_ms_per_step": gpu_profile.host_wait_ms(prof) / steps if cuda else "n/a",
             "top": gpu_profile.top_ops(timed, wall_ms, steps)}
 
 
@@ -618,8 +621,11 @@ def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
         idle = p["gpu_idle"] if isinstance(p["gpu_idle"], str) else f"{p['gpu_idle']:.1%}"
         syncs = (f", {p['host_syncs_per_step']} host syncs a step"
                  if "host_syncs_per_step" in p else "")
+        wait = ("" if isinstance(p["host_wait_ms_per_step"], str) else
+                f", the host waiting for the device {p['host_wait_ms_per_step']:.1f} ms of it")
         lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}), GPU idle "
-                  f"{idle}{syncs}", ""] + gpu_profile.table(p["top"]) + [""]
+                  f"{idle}{syncs}, {p['kernels_per_step']:,.0f} kernels a step{wait}", ""]
+        lines += gpu_profile.table(p["top"]) + [""]
         if p.get("sync_sites"):
             lines += [f"Where the {phase}'s host syncs of one step come from (the innermost "
                       "frame outside torch, and on a GPU the aten op):", ""] + gpu_profile.table(p["sync_sites"]) + [""]

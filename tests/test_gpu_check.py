@@ -142,7 +142,9 @@ def test_top_ops_adds_up_each_name(profile):
 def test_profile_events_reads_kernels_on_a_gpu_and_ops_on_a_cpu(profile):
     """A GPU profile's time is its kernels' (20 and 5 µs, at 10-30 and 40-45: idle 10 of the 35
     from first to last), not the 50 µs of the CPU op that launched them; a CPU profile's is the
-    ops' own time. (The GPU path runs only on a lent machine: here its events are built.)"""
+    ops' own time. The host's waits are its CPU-side synchronize calls (15 µs), not its launches
+    nor anything on the device. (The GPU path runs only on a lent machine: here its events are
+    built.)"""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
@@ -157,6 +159,11 @@ def test_profile_events_reads_kernels_on_a_gpu_and_ops_on_a_cpu(profile):
     assert intervals == [(10.0, 30.0), (40.0, 45.0)]
     assert profile.idle_fraction(intervals) == pytest.approx(10 / 35)
     assert profile.profile_events(prof, cuda=False) == ([("aten::mm", pytest.approx(0.05))], [])
+    waits = events + [FunctionEvent(9, "cudaStreamSynchronize", 1, 60.0, 75.0),
+                      FunctionEvent(10, "cudaLaunchKernel", 1, 5.0, 9.0),
+                      FunctionEvent(11, "cudaStreamSynchronize", 7, 0.0, 40.0,
+                                    device_type=DeviceType.CUDA, use_device="cuda")]
+    assert profile.host_wait_ms(SimpleNamespace(events=lambda: waits)) == pytest.approx(0.015)
 
 
 def test_fit_step_cost_recovers_the_costs(profile):
@@ -298,6 +305,8 @@ def test_tiny_check_runs_every_section(tmp_path):
     summaries = {r["phase"]: r for r in rows["profile_torch"] if "op" not in r}
     assert summaries["learner"]["host_syncs_per_step"] > 0  # the step reads its metrics once
     assert summaries["learner"]["gpu_idle"] == summaries["engine"]["gpu_idle"] == "n/a"
+    assert summaries["learner"]["host_wait_ms_per_step"] == "n/a"
+    assert summaries["learner"]["kernels_per_step"] > 0 and summaries["engine"]["kernels_per_step"] > 0
     for phase in ("learner", "engine"):
         ops = [r for r in rows["profile_torch"] if r["phase"] == phase and "op" in r]
         assert 0 < len(ops) <= 10 and sum(r["share"] for r in ops) <= 1
@@ -305,7 +314,8 @@ def test_tiny_check_runs_every_section(tmp_path):
     assert [len(profiled["phases"][p]["top"]) for p in ("learner", "engine")] == [25, 25]
     sites = profiled["phases"]["learner"]["sync_sites"]
     assert 0 < sum(x["count"] for x in sites) <= summaries["learner"]["host_syncs_per_step"]
-    assert any("get_image_features" in x["site"] for x in sites)
+    assert any("train_step" in x["site"] for x in sites)  # the step's one read of its metrics
+    assert not any("vision" in x["site"] or "get_image_features" in x["site"] for x in sites)
     md = (tmp_path / "profile_torch.md").read_text()
     assert "## learner:" in md and "Where the learner's host syncs" in md
     (step,) = rows["whole_step"]
