@@ -211,6 +211,10 @@ def get_config() -> ml_collections.ConfigDict:
     # On CUDA: recompute each layer in the backward pass (full), only its elementwise work
     # (selective: matmul and attention outputs kept), or nothing (none).
     c.train.activation_checkpointing = "full"
+    # Whether that covers the vision tower's blocks too: they hold a micro-batch's patches, far
+    # fewer than its tokens, so False trades little memory for no recomputation of launch-bound
+    # work (the GPU check's learner rows measure it).
+    c.train.checkpoint_vision = True
     # torch.compile each text layer's RMSNorms, RoPE and SwiGLU MLP into fused kernels (the
     # torch learner; off until the GPU check shows it pays: scripts/gpu_check.py's learner rows).
     c.train.compile = False

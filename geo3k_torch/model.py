@@ -36,14 +36,15 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
 
 def load_sharded(path: str, device: torch.device | str, bf16: bool,
                  dtype: torch.dtype = torch.float32, attn: str = attention.NAME,
-                 activation_checkpointing: str = "none"):
+                 activation_checkpointing: str = "none", checkpoint_vision: bool = True):
     """The checkpoint at `path` as an FSDP2 model (`geo3k_torch.distributed.parallelize`; every
     rank of the process group calls this), without a full copy on any device: the model is
     built on the meta device, sharded, given storage on `device` for its own shards only, then
     rank 0 reads the safetensors (on CPU, in the checkpoint's dtype) and each tensor is
     broadcast and scattered to its shards. dtype: the stored parameters' (fp32 master weights
     for training, bf16 for the KL reference); bf16: compute under the bf16 policy;
-    activation_checkpointing: `checkpoint_layers`' mode (set before sharding)."""
+    activation_checkpointing, checkpoint_vision: `checkpoint_layers`' mode and whether it
+    covers the vision blocks (set before sharding)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -57,7 +58,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                         attn_implementation=attn)
     use_deepstack_add(model)
-    checkpoint_layers(model, activation_checkpointing)
+    checkpoint_layers(model, activation_checkpointing, checkpoint_vision)
     distributed.parallelize(model, bf16)
     model.to_empty(device=device)
     for module in model.modules():  # the rotary tables: buffers outside the checkpoint
@@ -88,12 +89,15 @@ _KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     if hasattr(torch.ops.aten, name))
 
 
-def checkpoint_layers(model, mode: str) -> None:
+def checkpoint_layers(model, mode: str, vision: bool = True) -> None:
     """Activation checkpointing of every decoder and vision block (transformers'
     GradientCheckpointingLayer): "full" keeps only each block's inputs and recomputes the whole
     block in the backward pass; "selective" also keeps its matmul and attention outputs
-    (`_KEPT_OPS`) and recomputes the rest; "none" keeps everything. A model already sharded
-    may switch (the flags are read at every call)."""
+    (`_KEPT_OPS`) and recomputes the rest; "none" keeps everything. vision=False
+    (`train.checkpoint_vision`): the vision tower's blocks keep everything whatever the mode.
+    They see a micro-batch's patches (hundreds a diagram), not its tokens (thousands), so their
+    activations are small and their recomputation is dispatch and launch time more than
+    arithmetic. A model already sharded may switch (the flags are read at every call)."""
     if mode not in CHECKPOINTING:
         raise ValueError(f"train.activation_checkpointing must be one of {CHECKPOINTING}, "
                          f"got {mode!r}")
@@ -105,6 +109,8 @@ def checkpoint_layers(model, mode: str) -> None:
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    for block in model.model.visual.blocks:
+        block.gradient_checkpointing = vision
 
 
 def _selective_context():

@@ -145,7 +145,7 @@ def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference
     if device.type == "cuda" or world > 1:
         model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=(
             cfg.train.activation_checkpointing if device.type == "cuda" and not reference
-            else "none"))
+            else "none"), checkpoint_vision=cfg.train.checkpoint_vision)
     else:
         model = load_model(model_dir, dtype)
     if cfg.train.compile:

@@ -403,26 +403,31 @@ def learner_torch(s: Settings):
     reset, peak = _torch_memory(device)
     mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
     kernel = learner_kernel(device)
-    # the recipe's kernel and checkpointing at every size, then with its norms and MLPs
-    # compiled at the largest (most telling first: a section stopped at its cap keeps the rows
-    # before); with `s.all_modes` first the other checkpointing modes and the other kernel
-    largest = max(s.micro_batch_tokens)
-    plan = [(kernel, mode, False, b) for b in s.micro_batch_tokens]
+    # the recipe's kernel and checkpointing at every size, without checkpointing the vision
+    # blocks at the smallest, then with its norms and MLPs compiled at the largest (most telling
+    # first: a section stopped at its cap keeps the rows before); with `s.all_modes` first the
+    # other checkpointing modes and the other kernel
+    # (kernel, checkpointing, vision blocks checkpointed, compiled, tokens a micro-batch)
+    largest, smallest = max(s.micro_batch_tokens), min(s.micro_batch_tokens)
+    plan = [(kernel, mode, True, False, b) for b in s.micro_batch_tokens]
+    if mode != "none":  # the vision blocks left out of it (train.checkpoint_vision=False)
+        plan.append((kernel, mode, False, False, smallest))
     if s.all_modes:
-        plan += [(kernel, m, False, largest) for m in CHECKPOINTING if m != mode]
-        plan += [(k, mode, False, largest) for k in TORCH_KERNELS if k != kernel]
-    plan.append((kernel, mode, True, largest))  # last: compiling cannot be undone
+        plan += [(kernel, m, True, False, largest) for m in CHECKPOINTING if m != mode]
+        plan += [(k, mode, True, False, largest) for k in TORCH_KERNELS if k != kernel]
+    plan.append((kernel, mode, True, True, largest))  # last: compiling cannot be undone
     try:
-        for kernel, checkpointing, compiled, budget in plan:
+        for kernel, checkpointing, vision, compiled, budget in plan:
             why = use_kernel(kernel, device)
             if why:
                 yield {"framework": "torch", "kernel": kernel, "status": "skipped", "note": why}
                 continue
-            checkpoint_layers(learner.model, checkpointing)
+            checkpoint_layers(learner.model, checkpointing, vision)
             if compiled:
                 compile_fused(learner.model)
             row = {"framework": "torch", "kernel": kernel, "checkpointing": checkpointing,
-                   "compiled": compiled, "micro_batch_tokens": budget}
+                   "checkpoint_vision": vision, "compiled": compiled,
+                   "micro_batch_tokens": budget}
             yield from _learner_rows(learner, config, processor, s, budget, row, reset, peak)
     finally:
         _close(run)

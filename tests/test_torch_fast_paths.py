@@ -234,11 +234,11 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops_and_grads(build, mode):
+def _backward_ops_and_grads(build, mode, vision=True):
     """The ops of one packed forward's backward pass, and its gradients."""
     model, patch = build(seed=0)
     model.set_attn_implementation(attention.NAME)
-    checkpoint_layers(model, mode)
+    checkpoint_layers(model, mode, vision)
     model.train()
     processor = ImageOnlyProcessor(patch)
     seqs = groups(processor, np.random.default_rng(1))  # samples sharing their prompt
@@ -255,15 +255,17 @@ def _backward_ops_and_grads(build, mode):
 def test_activation_checkpointing_modes_give_the_same_gradients(build):
     """The modes differ in what the backward pass recomputes: full recomputes the blocks'
     matmuls and activations, selective only the activations (SwiGLU's silu, the vision MLP's
-    gelu), none nothing. The gradients are the same."""
+    gelu), none nothing; full without the vision blocks (train.checkpoint_vision=False)
+    recomputes the decoder layers alone. The gradients are the same."""
     results = {mode: _backward_ops_and_grads(build, mode) for mode in CHECKPOINTING}
+    results["full, text only"] = _backward_ops_and_grads(build, "full", vision=False)
     ops = {mode: r[0] for mode, r in results.items()}
     act = {mode: c["silu"] + c["gelu"] for mode, c in ops.items()}
-    assert act["none"] == 0 and act["selective"] == act["full"] > 0, act
+    assert act["none"] == 0 and act["selective"] == act["full"] > act["full, text only"] > 0, act
     mm = {mode: c["mm"] + c["addmm"] for mode, c in ops.items()}
-    assert mm["none"] == mm["selective"] < mm["full"], mm
+    assert mm["none"] == mm["selective"] < mm["full, text only"] < mm["full"], mm
     ref = results["none"][1]
-    for mode in ("full", "selective"):
+    for mode in ("full", "selective", "full, text only"):
         for k, g in results[mode][1].items():
             assert torch.linalg.norm(g - ref[k]) <= 1e-6 * max(torch.linalg.norm(ref[k]), 1e-8), \
                 (mode, k)
