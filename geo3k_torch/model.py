@@ -24,8 +24,9 @@ from geo3k_torch import attention
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attention.NAME):
     """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode,
-    Qwen3-VL's deepstack step without a host sync (`use_deepstack_add`). attn: "packed_sdpa" (`geo3k_torch.attention`: packed rows attend per sequence) or any
-    transformers attention implementation."""
+    Qwen3-VL's deepstack step without a host sync (`use_deepstack_add`). attn: "packed_sdpa"
+    (`geo3k_torch.attention`: packed rows attend per sequence) or any transformers attention
+    implementation."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
@@ -215,7 +216,7 @@ def vision_inputs(config, grid: np.ndarray) -> dict:
     thw = torch.from_numpy(np.asarray(grid, np.int64).reshape(-1, 3))
     out = {"image_grid_thw": thw.numpy(), "image_cu_seqlens": vu.get_vision_cu_seqlens(thw).numpy(),
            "image_position_ids": vu.get_vision_position_ids(thw, v.spatial_merge_size)}
-    if config.model_type == "qwen3_vl":
+    if config.model_type == "qwen3_vl":  # bilinear, corners aligned: the tower's own settings
         out["image_interp_indices"], out["image_interp_weights"] = (
             vu.get_vision_interpolation_indices_and_weights(
                 thw, num_grid_per_side=int(v.num_position_embeddings ** 0.5), mode="bilinear",
@@ -240,9 +241,9 @@ def deepstack_add(hidden: torch.Tensor, mask: torch.Tensor, embeds: torch.Tensor
     mask (its size known only from the data: a sync in the forward, in the recomputation and in
     the backward); here each position gathers its row of embeds by the mask's running count and
     keeps it where the mask holds. The same values (x + 0 elsewhere)."""
-    flat = mask.to(hidden.device).reshape(-1)
     if embeds.shape[0] == 0:
         return hidden
+    flat = mask.to(hidden.device).reshape(-1)
     row = (flat.cumsum(0) - 1).clamp_(min=0)
     add = embeds.to(hidden.device, hidden.dtype).index_select(0, row)
     return hidden + torch.where(flat[:, None], add, 0).view_as(hidden)
@@ -253,7 +254,7 @@ def use_deepstack_add(model) -> None:
     (this instance only; other architectures have no deepstack)."""
     text = getattr(model.model, "language_model", None)
     if text is not None and hasattr(text, "_deepstack_process"):
-        text._deepstack_process = lambda hidden, mask, embeds: deepstack_add(hidden, mask, embeds)
+        text._deepstack_process = deepstack_add  # an instance attribute: called unbound
 
 
 def token_logprobs(model, inputs: dict[str, torch.Tensor], targets: torch.Tensor,

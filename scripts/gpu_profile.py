@@ -239,7 +239,7 @@ def profile_events(prof, cuda: bool) -> tuple[list[tuple[str, float]], list[tupl
 
 # The CUDA runtime calls in which the host waits for the device (a profile's CPU-side events).
 WAIT_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cudaStreamWaitEvent")
+              "cudaMemcpy")
 
 
 def host_wait_ms(prof) -> float:
