@@ -45,14 +45,17 @@ class HostSyncs(TorchDispatchMode):
     does host work on host tensors and is not watched."""
 
     def __enter__(self):
-        self.saved = {name: getattr(torch.Tensor, name) for name in SYNCS}
-        for name, method in self.saved.items():
-            setattr(torch.Tensor, name, self._guard(name, method))
+        self.saved = {name: torch.Tensor.__dict__.get(name) for name in SYNCS}  # None: inherited
+        for name in SYNCS:
+            setattr(torch.Tensor, name, self._guard(name, getattr(torch.Tensor, name)))
         return super().__enter__()
 
     def __exit__(self, *exc):
         for name, method in self.saved.items():
-            setattr(torch.Tensor, name, method)
+            if method is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
