@@ -317,7 +317,8 @@ def compile_run(cfg, learner, config, chip: Chip, topology: str = "",
     r = compile_learner(learner, cfg, config, chip, topology)
     engine = None
     if cfg.engine.backend == "local":
-        engine = r["engine"] = compile_engine(cfg, learner, config, chip, engine_programs)
+        engine = r["engine"] = compile_engine(cfg, learner, config, chip, engine_programs,
+                                                topology)
     r["budget"] = budget(r, engine, chip.hbm, cfg.train.max_staleness >= 1)
     r["fits"] = r["budget"]["fits"]
     return r
@@ -346,7 +347,7 @@ def main(argv) -> None:
     fv, cfg, chip, learner, config = setup(argv, "the engine's programs to compile")
     if fv.engine_only:
         from geo3k_jax.engine_aot import compile_engine
-        r = dict(compile_engine(cfg, learner, config, chip, fv.programs or None),
+        r = dict(compile_engine(cfg, learner, config, chip, fv.programs or None, fv.topology),
                  shapes=fv.shapes, topology=fv.topology)
         print(f"{fv.topology}: the JAX engine's programs alone, {r['slots']} slots of "
               f"{r['context']} tokens, largest prefills (rows, new tokens) "

@@ -58,15 +58,17 @@ def on_host(tree: dict, mesh: Mesh) -> dict:
     return jax.tree.map(local, tree)
 
 
-def engine_mesh(merge, params: dict, mesh: Mesh | None, several: bool):
+def engine_mesh(merge, params: dict, mesh: Mesh | None, several: bool,
+                host: Mesh | None = None):
     """(merge, mesh) of the JAX engine beside a learner of `merge`, `params` on `mesh`: with
-    `several` processes this process's own devices (`host_mesh`), the splash kernel's shard_map
-    over them rather than over the learner's mesh of every process; else the learner's."""
+    `several` processes this process's own devices (`host_mesh`, or `host` in its place: the AOT
+    tool's stand-in, `geo3k_jax.engine_aot.one_host`), the splash kernel's shard_map over them
+    rather than over the learner's mesh of every process; else the learner's."""
     if not several:
         return merge, mesh
     if mesh is None:
         raise ValueError("a JAX engine on several processes needs the learner's mesh")
-    host = host_mesh(mesh)
+    host = host_mesh(mesh) if host is None else host
     return with_attention(merge, params, lambda a: dataclasses.replace(
         a, mesh=host) if a.mesh is not None else a), host
 

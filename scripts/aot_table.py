@@ -6,6 +6,7 @@ the compiler reported, per chip.
     python scripts/aot_table.py --out=docs/aot --table_only  # the table of the reports kept
     python scripts/aot_table.py --cells=qwen3_vl_8b@v5p-16   # other cells
     python scripts/aot_table.py --cells=qwen3_vl_2b@v6e-8@48 # with 48 engine slots a host
+    python scripts/aot_table.py --cells=qwen3_vl_8b@v6e-16@32@jax.mesh.tensor=4  # and settings
 
 Each compile runs in its own process (`--json` into --out); a report already there is kept, so an
 interrupted table resumes where it stopped. docs/aot holds the reports the docs' table shows.
@@ -25,23 +26,33 @@ FLAGS = flags.FLAGS
 GiB = 2 ** 30
 
 
-def cell(text: str) -> tuple[str, str, int]:
-    """"model@slice" or "model@slice@slots" -> (model, slice, engine slots or 0: the config's)."""
+def cell(text: str) -> tuple[str, str, int, tuple[str, ...]]:
+    """"model@slice[@slots][@key=value...]" -> (model, slice, engine slots or 0: the config's,
+    the config's other settings as "key=value" overrides)."""
     parts = text.split("@")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
-        raise SystemExit(f"--cells: {text!r} is not model@slice or model@slice@slots")
-    return parts[0], parts[1], int(parts[2]) if len(parts) == 3 else 0
+    slots = parts[2] if len(parts) > 2 and "=" not in parts[2] else None
+    settings = tuple(parts[3 if slots is not None else 2:])
+    if (len(parts) < 2 or not all(parts[:2]) or (slots is not None and not slots.isdigit())
+            or not all(k and v for k, _, v in (s.partition("=") for s in settings))):
+        raise SystemExit(f"--cells: {text!r} is not model@slice[@slots][@key=value...]")
+    return parts[0], parts[1], int(slots or 0), settings
 
 
-def report_name(shapes: str, topology: str, slots: int) -> str:
+def report_name(shapes: str, topology: str, slots: int, settings: tuple[str, ...] = ()) -> str:
     """The report's file name in --out."""
-    return f"{shapes}_{topology}" + (f"_slots{slots}" if slots else "") + ".json"
+    return (f"{shapes}_{topology}" + (f"_slots{slots}" if slots else "")
+            + "".join(f"_{s}" for s in settings) + ".json")
 
 
 def temporaries(message: str) -> str:
     """The compiler's refusal in a few words: the temporaries it asked for, if it says."""
     m = re.search(r"HLO temporaries \(([\d.]+)G\)", message)
     return f"{m.group(1)} GB of temporaries" if m else message[:80]
+
+
+def where(r: dict) -> str:
+    """The slice, with the settings its cell overrode."""
+    return r["topology"] + "".join(f", {s}" for s in r.get("settings", ()))
 
 
 def row(r: dict) -> str:
@@ -56,7 +67,7 @@ def row(r: dict) -> str:
     if refused:
         done = [p for p in learner if "refused" not in p]
         lp = top(done) if len(done) == len(learner) else None
-        return (f"| {r['shapes']} | {r['topology']} | "
+        return (f"| {r['shapes']} | {where(r)} | "
                 + (f"{lp['program']} {gib(lp['peak'])}" if lp else "") + " | refused: "
                 + ", ".join(f"{p['program']} ({temporaries(p['refused'])})" for p in refused)
                 + f" | | | **no** | {engine['slots'] if engine else ''} / ? | {seconds:.0f} |")
@@ -70,7 +81,7 @@ def row(r: dict) -> str:
     phases = ", ".join(f"{k} {gib(v)}" for k, v in b["phases"].items())
     fits = "yes" if r["fits"] else "**no**"
     slots = f"{engine['slots']} / {b['slots_fit']}" if engine else ""
-    return (f"| {r['shapes']} | {r['topology']} | {lp['program']} {gib(lp['peak'])} | {eng} | "
+    return (f"| {r['shapes']} | {where(r)} | {lp['program']} {gib(lp['peak'])} | {eng} | "
             f"{phases} | {gib(b['peak'])} / {b['hbm'] / GiB:.2f} | {fits} | {slots} | "
             f"{seconds:.0f} |")
 
@@ -79,19 +90,23 @@ def main(_):
     out = Path(FLAGS.out)
     out.mkdir(parents=True, exist_ok=True)
     cells = [cell(c) for c in FLAGS.cells]
-    for shapes, topology, slots in cells:
-        path = out / report_name(shapes, topology, slots)
+    for shapes, topology, slots, settings in cells:
+        path = out / report_name(shapes, topology, slots, settings)
         if not (FLAGS.table_only or path.exists()):
             print(f"compiling {shapes} for {topology}", flush=True)
             subprocess.run([sys.executable, "-m", "geo3k_jax.aot", f"--config={FLAGS.config}",
                             f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"]
-                           + ([f"--config.engine.slots={slots}"] if slots else []), check=False)
+                           + ([f"--config.engine.slots={slots}"] if slots else [])
+                           + [f"--config.{s}" for s in settings], check=False)
+            if path.exists() and settings:
+                path.write_text(json.dumps(dict(json.loads(path.read_text()),
+                                                settings=list(settings)), indent=1))
     print("| model | slice | learner's costliest program GiB | engine's costliest program GiB "
           "| phases GiB (rollout, weight copy, train) | peak / HBM GiB | fits | engine slots "
           "(asked / fit) | compile s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for shapes, topology, slots in sorted(cells):
-        path = out / report_name(shapes, topology, slots)
+    for c in sorted(cells):
+        path = out / report_name(*c)
         if path.exists():
             print(row(json.loads(path.read_text())))
 
@@ -102,7 +117,8 @@ def define_flags() -> None:
     flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8", "qwen3_vl_8b@v6e-8",
                                "qwen3_vl_8b@v5p-8", "qwen3_vl_8b@v6e-16", "qwen3_vl_2b@v6e-16"],
                       "model@slice pairs (configs/models names, TPU slices), compiled in this "
-                      "order; model@slice@slots sets engine.slots")
+                      "order; model@slice@slots sets engine.slots, a further @key=value any "
+                      "setting of the config")
     flags.DEFINE_string("config", "configs/tpu.py", "the run's config")
     flags.DEFINE_bool("table_only", False,
                       "print the table of the reports in --out, compile nothing")

@@ -263,24 +263,68 @@ def test_the_table_row_reads_a_report():
         compile_s=80.0)])
     assert table.row(r) == ("| qwen3_vl_2b | v5p-8 | grad 30.0 | refused: decode (32.06 GB of "
                             "temporaries) | | | **no** | 128 / ? | 500 |")
+    r["settings"] = ["jax.mesh.tensor=4"]  # a cell's own settings, beside its slice
+    assert table.row(r).startswith("| qwen3_vl_2b | v5p-8, jax.mesh.tensor=4 | grad 30.0 |")
 
 
 def test_a_table_cell_may_set_the_engine_slots():
     table = aot_table()
-    assert table.cell("qwen3_vl_2b@v6e-8") == ("qwen3_vl_2b", "v6e-8", 0)
-    assert table.cell("qwen3_vl_2b@v6e-8@40") == ("qwen3_vl_2b", "v6e-8", 40)
+    assert table.cell("qwen3_vl_2b@v6e-8") == ("qwen3_vl_2b", "v6e-8", 0, ())
+    assert table.cell("qwen3_vl_2b@v6e-8@40") == ("qwen3_vl_2b", "v6e-8", 40, ())
     assert table.report_name("qwen3_vl_2b", "v6e-8", 40) == "qwen3_vl_2b_v6e-8_slots40.json"
     assert table.report_name("qwen3_vl_2b", "v6e-8", 0) == "qwen3_vl_2b_v6e-8.json"
-    with pytest.raises(SystemExit, match="model@slice@slots"):
-        table.cell("qwen3_vl_2b@v6e-8@many")
+    # and any other setting of the config, with or without the slots
+    cell = table.cell("qwen3_vl_8b@v6e-16@32@jax.mesh.tensor=4@train.micro_batch_tokens=8192")
+    assert cell == ("qwen3_vl_8b", "v6e-16", 32, ("jax.mesh.tensor=4",
+                                                 "train.micro_batch_tokens=8192"))
+    assert table.report_name(*cell) == ("qwen3_vl_8b_v6e-16_slots32_jax.mesh.tensor=4"
+                                        "_train.micro_batch_tokens=8192.json")
+    assert table.cell("qwen3_vl_8b@v6e-16@jax.mesh.tensor=4") == (
+        "qwen3_vl_8b", "v6e-16", 0, ("jax.mesh.tensor=4",))
+    for bad in ("qwen3_vl_2b@v6e-8@many", "qwen3_vl_2b", "qwen3_vl_2b@v6e-8@40@tensor",
+                "qwen3_vl_2b@v6e-8@=4", "@v6e-8"):
+        with pytest.raises(SystemExit, match="model@slice"):
+            table.cell(bad)
+
+
+def test_a_hosts_engine_is_laid_on_a_topology_of_that_host():
+    """libtpu's compile-only client refuses collectives over devices that are not its
+    topology's first, and a v6e-16 host holds devices 0, 1, 4 and 5: the AOT tool lays a host's
+    engine on a topology of one host, chip for chip by their coordinates in the host."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from geo3k_jax import aot
+    from geo3k_jax.backend import host_mesh
+    from geo3k_jax.engine_aot import one_host
+
+    devices = aot.topology_devices("v6e-16")
+    for tensor in (1, 2, 4):
+        mesh = Mesh(np.array(devices).reshape(1, 16 // tensor, tensor), ("data", "fsdp", "tensor"))
+        host = host_mesh(mesh)
+        assert [d.id for d in host.devices.flat] == [0, 1, 4, 5]
+        alone = one_host(host, "v6e-16")
+        assert (alone.devices.shape, alone.axis_names) == (host.devices.shape, host.axis_names)
+        assert [d.id for d in alone.devices.flat] == [0, 1, 2, 3]
+        assert {d.process_index for d in alone.devices.flat} == {0}
+        assert alone.devices.flat[0].device_kind == host.devices.flat[0].device_kind
+    # the second host (chips x 2-3, y 0-1) in its own order: coordinates relative to its corner
+    second = [d for d in devices if d.process_index == 1][::-1]
+    assert [tuple(d.coords) for d in second] == [(3, 1, 0), (2, 1, 0), (3, 0, 0), (2, 0, 0)]
+    alone = one_host(Mesh(np.array(second).reshape(1, 2, 2), ("data", "fsdp", "tensor")),
+                     "v6e-16")
+    assert [tuple(d.coords) for d in alone.devices.flat] == [(1, 1, 0), (0, 1, 0), (1, 0, 0),
+                                                             (0, 0, 0)]
+    assert [d.id for d in alone.devices.flat] == [3, 2, 1, 0]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("topology", ["v5p-8", "v6e-8"])
+@pytest.mark.parametrize("topology", ["v5p-8", "v6e-8", "v6e-16"])
 def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     """On a TPU slice the engine's decode (one host's chips, the splash attention of a run)
-    attends through the Pallas paged attention kernel, compiled by libtpu for v5p and v6e,
+    attends through the Pallas paged attention kernel, compiled by libtpu for v5p and v6e
+    (v6e-16's hosts on a topology of one host, `one_host`),
     reading the cache in place: no copy of it, temporaries far below its size (a cache of 256
     MiB a chip: one small enough would be staged whole in on-chip memory). The insert writes
     each chip's slots in place (it had gathered the whole cache on every chip: 309 MiB), and the
@@ -308,7 +352,7 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     try:
         with jax.default_matmul_precision(None):
             engine, params = abstract_engine(cfg, aot.abstract_learner(cfg, hf, devices), hf,
-                                             memory=2 ** 40)
+                                             memory=2 ** 40, topology=topology)
             programs = engine_programs(engine, params)
             compiled = programs["decode"]().compile()
             temps = {name: programs[name]().compile().memory_analysis().temp_size_in_bytes
