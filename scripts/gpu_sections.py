@@ -83,6 +83,10 @@ class Settings:
     response_tokens: tuple[int, int] = (256, 1536)  # uniform range of a sample's response
     image_px: int = 448
     episodes: int = 64  # the engine's episodes; whole_step: episodes / samples_per_group prompts
+    # engine_torch also at as many episodes as its slots hold (engine.local_max_batch 256 and
+    # the 24 GiB KV budget: about 210 rows of 2B at 512 new tokens): its rate where memory,
+    # not the batch, is the limit
+    more_episodes: int = 256
     new_tokens: int = 512  # each episode's (whole_step: each turn's most) new tokens
     profile_new_tokens: int = 32  # each episode's new tokens in a profiled engine call
     step_micro_batch_tokens: int = 16384  # whole_step's micro-batches (room for its prompts)
@@ -92,7 +96,8 @@ class Settings:
         return cls(out, tiny=True, device="cpu", peak_tflops=peak_tflops, e2e_steps=2,
                    all_modes=True,
                    micro_batch_tokens=(256,), timed_steps=1, samples_per_group=4,
-                   response_tokens=(32, 96), image_px=64, episodes=8, new_tokens=8,
+                   response_tokens=(32, 96), image_px=64, episodes=8, more_episodes=16,
+                   new_tokens=8,
                    profile_new_tokens=4, step_micro_batch_tokens=2048)
 
 
@@ -492,8 +497,11 @@ def engine_torch(s: Settings):
     reset, peak = _torch_memory(run.learner.device)
     reset()
     try:
-        yield _engine_row({"framework": "torch", "kernel": ENGINE_KERNEL}, run.backend.engine,
-                          run.learner.model.config, run.processor, s, peak)
+        for episodes in (s.episodes, s.more_episodes):
+            reset()
+            yield _engine_row({"framework": "torch", "kernel": ENGINE_KERNEL},
+                              run.backend.engine, run.learner.model.config, run.processor,
+                              dataclasses.replace(s, episodes=episodes), peak)
     finally:
         _close(run)
 

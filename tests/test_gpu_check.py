@@ -118,7 +118,7 @@ def test_a_failing_section_is_reported_with_what_came_before(check, monkeypatch,
 def test_the_default_sections_fit_the_budget(check):
     """The default check is one call of a lent machine: its caps sum to the budget, and the
     JAX sections that compile for minutes are left to be named."""
-    assert sum(check.CAPS_S[n] for n in check.DEFAULT_SECTIONS) <= check.BUDGET_S == 510
+    assert sum(check.CAPS_S[n] for n in check.DEFAULT_SECTIONS) <= check.BUDGET_S == 530
     assert set(check.CAPS_S) == set(check.gpu_sections.SECTIONS)
     assert not {"e2e_jax", "engine_jax"} & set(check.DEFAULT_SECTIONS)
 
@@ -322,9 +322,10 @@ def test_tiny_check_runs_every_section(tmp_path):
     assert step["episodes"] == 8 and step["steps"] == 1 and step["turns_mean"] >= 1
     assert step["tokens"] > step["generated_tokens"] > 0  # prompts count too
     assert step["step_s"] >= step["rollout_s"] + step["train_s"] + step["sync_s"]
-    for name in ("engine_torch", "engine_jax"):
-        (row,) = rows[name]
-        assert row["tokens"] == row["episodes"] * row["new_tokens"] == 64
+    # the torch engine at its episodes, then at more: the slots it holds
+    assert [r["tokens"] for r in rows["engine_torch"] + rows["engine_jax"]] == [64, 128, 64]
+    for row in rows["engine_torch"] + rows["engine_jax"]:
+        assert row["tokens"] == row["episodes"] * row["new_tokens"]
     for name, rs in rows.items():
         numbers = [(k, v) for r in rs for k, v in r.items() if k in MEASURED]
         assert numbers, name
