@@ -22,6 +22,7 @@ import re
 from typing import Mapping, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from geo3k_jax.batch import REPLICATED_KEYS
@@ -33,7 +34,11 @@ BATCH_AXES = ("data", "fsdp")
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.sharding.Mesh:
     """A mesh over `devices` (default: all) with axes `AXES` sized by `shape`; one size may be
-    -1 (the rest of the devices). Errors if the sizes do not multiply to the device count."""
+    -1 (the rest of the devices). Errors if the sizes do not multiply to the device count.
+    Over several processes with a tensor axis, each tensor group is devices of one process, in
+    process then id order (each host's JAX engine samples on its own devices,
+    `geo3k_jax.backend.host_mesh`); `jax.make_mesh` lays the axes along the slice's physical
+    links instead, and on a v6e-16 gave a 4-chip tensor group two hosts."""
     devices = list(jax.devices() if devices is None else devices)
     unknown = set(shape) - set(AXES)
     if unknown:
@@ -49,8 +54,16 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.
     if math.prod(sizes) != len(devices):
         raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
                          f"{len(devices)} are available")
-    return jax.make_mesh(tuple(sizes), AXES, axis_types=(AxisType.Auto,) * len(AXES),
-                         devices=devices)
+    auto = (AxisType.Auto,) * len(AXES)
+    per_process = len(devices) // len({d.process_index for d in devices})
+    if sizes[-1] > 1 and per_process < len(devices):
+        if per_process % sizes[-1]:
+            raise ValueError(f"jax.mesh.tensor={sizes[-1]} does not divide a process's "
+                             f"{per_process} devices: keep a tensor group within a host")
+        ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+        return jax.sharding.Mesh(np.array(ordered, dtype=object).reshape(sizes), AXES,
+                                 axis_types=auto)
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=auto, devices=devices)
 
 
 def spec_for(name: str, shape: tuple[int, ...], mesh, rules: Sequence) -> P:

@@ -318,6 +318,27 @@ def test_a_hosts_engine_is_laid_on_a_topology_of_that_host():
     assert [d.id for d in alone.devices.flat] == [3, 2, 1, 0]
 
 
+def test_a_tensor_group_of_a_multi_host_mesh_lies_within_one_host():
+    """jax.make_mesh lays a v6e-16's axes along its 4 x 4 links, and a 4-chip tensor axis then
+    spans two hosts, whose JAX engines each sample on their own chips (host_mesh refused it)."""
+    from geo3k_jax import aot
+    from geo3k_jax.backend import host_mesh
+    from geo3k_jax.sharding import make_mesh
+
+    devices = aot.topology_devices("v6e-16")
+    for tensor in (2, 4):
+        mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": tensor}, devices)
+        assert mesh.shape == {"data": 1, "fsdp": 16 // tensor, "tensor": tensor}
+        groups = mesh.devices.reshape(-1, tensor)
+        assert all(len({d.process_index for d in g}) == 1 for g in groups)
+        assert sorted(d.id for d in mesh.devices.flat) == list(range(16))
+        assert sorted(d.id for d in host_mesh(mesh).devices.flat) == [0, 1, 4, 5]
+    with pytest.raises(ValueError, match="keep a tensor group within a host"):
+        make_mesh({"data": 1, "fsdp": 2, "tensor": 8}, devices)
+    # without a tensor axis the mesh is jax.make_mesh's, along the links
+    assert make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices).shape["fsdp"] == 16
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("topology", ["v5p-8", "v6e-8", "v6e-16"])
