@@ -45,33 +45,7 @@ from common.flops import row_flops  # noqa: E402
 from geo3k_jax.compiled import CHIPS, GiB, Chip, report  # noqa: E402,F401 (re-exported)
 from geo3k_jax.layers import remat_of  # noqa: E402
 from geo3k_jax.splash import resolve_attention  # noqa: E402
-
-# Cloud TPU slice names -> libtpu topologies. v5p names count TensorCores (2 a chip), v6e and
-# v5e chips. Any libtpu name ("v5p:2x2x1") is accepted as well.
-TOPOLOGIES = {
-    "v5p-8": "v5p:2x2x1", "v5p-16": "v5p:2x2x2", "v5p-32": "v5p:2x2x4", "v5p-64": "v5p:2x4x4",
-    "v5p-128": "v5p:4x4x4",
-    "v6e-4": "v6e:2x2", "v6e-8": "v6e:2x4", "v6e-16": "v6e:4x4", "v6e-32": "v6e:4x8",
-    "v6e-64": "v6e:8x8", "v6e-256": "v6e:16x16",
-    "v5e-4": "v5e:2x2", "v5e-8": "v5e:2x4", "v5e-16": "v5e:4x4", "v5e-32": "v5e:4x8",
-    "v5e-64": "v5e:8x8", "v5e-256": "v5e:16x16",
-}
-
-
-def topology_devices(topology: str) -> list:
-    """The devices of a TPU slice (`TOPOLOGIES` name or a libtpu topology), compile-only."""
-    from jax.experimental import topologies
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks /tmp otherwise
-    name = TOPOLOGIES.get(topology, topology)
-    if ":" not in name:
-        raise SystemExit(f"--topology={topology!r}: use one of {', '.join(TOPOLOGIES)} or a "
-                         "libtpu topology such as v5p:2x2x1")
-    try:
-        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
-    except (ImportError, RuntimeError) as e:
-        raise SystemExit(f"no TPU compiler for --topology={topology!r} ({e}); install it with "
-                         "`pip install libtpu==0.0.42` (requirements-test.txt)") from None
-
+from geo3k_jax.topology import TOPOLOGIES, topology_devices  # noqa: E402,F401 (re-exported)
 
 def model_config(shapes: str):
     """The transformers config of `shapes`: a name in configs/models or a directory with a

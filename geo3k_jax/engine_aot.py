@@ -24,7 +24,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 
 def abstract(tree, sharding):
@@ -33,32 +33,14 @@ def abstract(tree, sharding):
                         tree)
 
 
-def one_host(mesh: Mesh, topology: str) -> Mesh:
-    """`mesh`, one host's chips of a slice of several hosts (`geo3k_jax.backend.host_mesh`), laid
-    chip for chip (by their coordinates within the host) on a topology of that host alone: the
-    v6e-16 host (4 x 4 chips) of devices 0, 1, 4 and 5 becomes v6e:2x2's 0-3, the same shape of
-    the same chips. On a slice each host's engine runs on its own chips; libtpu's compile-only
-    client refuses a program whose collectives run over devices that are not its topology's
-    first ("Unexpected device_id 5 in replica group (0,1,2,3)")."""
-    from geo3k_jax.aot import TOPOLOGIES, topology_devices
-
-    family, dims = TOPOLOGIES.get(topology, topology).split(":")
-    key = lambda d, low: (*(np.asarray(d.coords) - low), d.core_on_chip)  # noqa: E731
-    coords = np.array([d.coords for d in mesh.devices.flat])
-    low = coords.min(0)
-    shape = (coords.max(0) - low + 1)[:len(dims.split("x"))]
-    chips = {key(d, 0): d for d in topology_devices(f"{family}:{'x'.join(map(str, shape))}")}
-    devices = [chips[key(d, low)] for d in mesh.devices.flat]
-    return Mesh(np.array(devices, dtype=object).reshape(mesh.devices.shape), mesh.axis_names)
-
-
 def abstract_engine(cfg, learner, config, memory: int, topology: str = ""):
     """(the `geo3k_jax.engine.JaxEngine` a run of `cfg` builds beside `learner` — an abstract
     `geo3k_jax.aot.abstract_learner` — on one host's chips, its abstract bf16 parameters).
-    topology: the slice's (`geo3k_jax.aot.TOPOLOGIES`); on a slice of several hosts the engine
+    topology: the slice's (`geo3k_jax.topology.TOPOLOGIES`); on a slice of several hosts the engine
     is laid on a topology of one host (`one_host`)."""
     from geo3k_jax.backend import engine_mesh, engine_shardings, host_mesh
     from geo3k_jax.engine import JaxEngine
+    from geo3k_jax.topology import one_host
 
     several = len({d.process_index for d in learner.mesh.devices.flat}) > 1
     host = one_host(host_mesh(learner.mesh), topology) if several and topology else None

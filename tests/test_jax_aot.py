@@ -296,7 +296,7 @@ def test_a_hosts_engine_is_laid_on_a_topology_of_that_host():
 
     from geo3k_jax import aot
     from geo3k_jax.backend import host_mesh
-    from geo3k_jax.engine_aot import one_host
+    from geo3k_jax.topology import one_host
 
     devices = aot.topology_devices("v6e-16")
     for tensor in (1, 2, 4):
