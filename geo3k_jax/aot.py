@@ -47,6 +47,7 @@ from geo3k_jax.layers import remat_of  # noqa: E402
 from geo3k_jax.splash import resolve_attention  # noqa: E402
 from geo3k_jax.topology import TOPOLOGIES, topology_devices  # noqa: E402,F401 (re-exported)
 
+
 def model_config(shapes: str):
     """The transformers config of `shapes`: a name in configs/models or a directory with a
     config.json."""

@@ -62,7 +62,7 @@ def engine_mesh(merge, params: dict, mesh: Mesh | None, several: bool,
                 host: Mesh | None = None):
     """(merge, mesh) of the JAX engine beside a learner of `merge`, `params` on `mesh`: with
     `several` processes this process's own devices (`host_mesh`, or `host` in its place: the AOT
-    tool's stand-in, `geo3k_jax.engine_aot.one_host`), the splash kernel's shard_map over them
+    tool's stand-in, `geo3k_jax.topology.one_host`), the splash kernel's shard_map over them
     rather than over the learner's mesh of every process; else the learner's."""
     if not several:
         return merge, mesh

@@ -36,8 +36,8 @@ def abstract(tree, sharding):
 def abstract_engine(cfg, learner, config, memory: int, topology: str = ""):
     """(the `geo3k_jax.engine.JaxEngine` a run of `cfg` builds beside `learner` — an abstract
     `geo3k_jax.aot.abstract_learner` — on one host's chips, its abstract bf16 parameters).
-    topology: the slice's (`geo3k_jax.topology.TOPOLOGIES`); on a slice of several hosts the engine
-    is laid on a topology of one host (`one_host`)."""
+    topology: the slice's (`geo3k_jax.topology.TOPOLOGIES`); on a slice of several hosts the
+    engine is laid on a topology of one host (`geo3k_jax.topology.one_host`)."""
     from geo3k_jax.backend import engine_mesh, engine_shardings, host_mesh
     from geo3k_jax.engine import JaxEngine
     from geo3k_jax.topology import one_host

@@ -114,8 +114,12 @@ def main(_):
 def define_flags() -> None:
     """The command's flags (defined when it runs, not when a test imports its functions)."""
     flags.DEFINE_string("out", "docs/aot", "where the per-compile JSON reports go")
-    flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8", "qwen3_vl_8b@v6e-8",
-                               "qwen3_vl_8b@v5p-8", "qwen3_vl_8b@v6e-16", "qwen3_vl_2b@v6e-16"],
+    # docs/tpu.md's six cells, each at the engine slots and settings that fit, if any
+    flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8@40",
+                               "qwen3_vl_2b@v6e-16@40", "qwen3_vl_8b@v5p-8@64",
+                               "qwen3_vl_8b@v6e-8@jax.mesh.tensor=4",
+                               "qwen3_vl_8b@v6e-16@32@jax.mesh.tensor=4@train.micro_batch_tokens="
+                               "8448@jax.slice.targets=8448"],
                       "model@slice pairs (configs/models names, TPU slices), compiled in this "
                       "order; model@slice@slots sets engine.slots, a further @key=value any "
                       "setting of the config")

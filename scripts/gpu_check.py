@@ -16,7 +16,8 @@ own, in this order:
                    the vision blocks, then with train.compile:
                    tokens/s, MFU, peak memory (the other kernel and checkpointing modes only
                    in the --tiny rehearsal)
-    engine_torch   the local engine sampling 64, then 256, episodes x 512 tokens (bf16): tokens/s, memory
+    engine_torch   the local engine sampling 64, then 256, episodes x 512 tokens (bf16):
+                   tokens/s, memory
     profile_torch  torch.profiler over learner steps and engine calls: top kernels, kernels a
                    step, GPU idle share, the host's time waiting for the GPU, host syncs per
                    learner step by site (also OUT/profile_torch.json and .md)
