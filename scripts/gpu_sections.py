@@ -9,7 +9,7 @@ of its own (a CUDA error or an out-of-memory cannot take the other sections down
                               16k and 32k tokens (GRPO groups sharing their prompt and image):
                               tokens/s, MFU, peak memory; torch once per attention kernel
     engine_torch / engine_jax  the in-process engines sampling 64 episodes x 512 tokens from the
-                              same model: tokens/s and peak memory
+                              same model (torch again at 256): tokens/s and peak memory
     profile_torch             torch.profiler over learner steps and engine calls of that model:
                               top kernels (ops on a CPU), GPU idle share, host syncs per learner
                               step (`gpu_profile`); also OUT/profile_torch.json and .md
@@ -495,7 +495,6 @@ def _engine_row(row: dict, engine, config, processor, s: Settings, peak) -> dict
 def engine_torch(s: Settings):
     run = _build("torch", s, "engine_torch", _config(s, max(s.micro_batch_tokens)))
     reset, peak = _torch_memory(run.learner.device)
-    reset()
     try:
         for episodes in (s.episodes, s.more_episodes):
             reset()
