@@ -63,13 +63,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _workers(out: Path, world: int, devices: int) -> None:
-    """tests/jax_loop_worker.py's `tpu` run in `world` processes of `devices` CPU devices."""
+def _workers(out: Path, world: int, devices: int, dtype: str = "bfloat16") -> None:
+    """tests/jax_loop_worker.py's `tpu` run in `world` processes of `devices` CPU devices, in
+    `dtype` compute."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     procs = [subprocess.Popen([sys.executable, "-m", "tests.jax_loop_worker", str(i), str(port),
-                               str(out), "tpu", str(world)], cwd=ROOT, env=env,
+                               str(out), "tpu", str(world), dtype], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(world)]
     logs = [p.communicate(timeout=900)[0] for p in procs]
@@ -84,12 +85,10 @@ def _rollouts(run: Path, step: int) -> list[dict]:
 
 
 @pytest.mark.heavy
-def test_two_processes_run_the_recipe_structure_as_one_does(tmp_path):
+def test_two_processes_run_the_recipe_structure(tmp_path):
     """configs/tpu.py:cpu on 2 CPU processes (gloo), one device each: both processes roll out
     with their own JAX engine and the learner trains on parameters split over both, in bf16
-    compute; the checkpoint's export is two bf16 shards, one per process, with their index.
-    The same run in one process on 2 devices draws the same prompts, samples the same episodes
-    and takes the same steps: the run does not depend on how many processes run it."""
+    compute; the checkpoint's export is two bf16 shards, one per process, with their index."""
     from safetensors.numpy import load_file
 
     _workers(tmp_path, world=2, devices=1)
@@ -111,23 +110,33 @@ def test_two_processes_run_the_recipe_structure_as_one_does(tmp_path):
     assert all(str(v.dtype) == "bfloat16" for s in shards for v in s.values())
     assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
 
-    _workers(tmp_path, world=1, devices=2)  # the shared tiny checkpoint and data are built
-    one = tmp_path / "run1"
+
+@pytest.mark.heavy
+def test_two_processes_run_the_recipe_as_one_does(tmp_path):
+    """The recipe's structure on 2 processes of one device and on 1 process of 2 devices draws
+    the same prompts, samples the same episodes and takes the same steps: the run does not
+    depend on how many processes run it. In fp32 compute: in bf16 the two layouts' different
+    reduction orders move log-probs by ~1e-2, enough to flip a near tie between two sampled
+    tokens, and from there the episodes, and the steps, differ (seen in about 1 run of 3)."""
+    _workers(tmp_path, world=2, devices=1, dtype="float32")
+    _workers(tmp_path, world=1, devices=2, dtype="float32")  # the shared model and data are built
+    run, one = tmp_path / "run-float32", tmp_path / "run1-float32"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     ones = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in ones] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [r["step"] for r in ones] == [0, 1, 2, 3]
     for step in (1, 2, 3):
         a, b = _rollouts(run, step), _rollouts(one, step)
+        assert len(a) == 6
         assert [(r["uid"], r["group_id"], r["sample_idx"]) for r in a] == [
             (r["uid"], r["group_id"], r["sample_idx"]) for r in b], step
         for x, y in zip(a, b):
             assert x["token_ids"] == y["token_ids"], (step, x["group_id"], x["sample_idx"])
-            np.testing.assert_allclose(x["rollout_logprobs"], y["rollout_logprobs"], atol=2e-2)
+            np.testing.assert_allclose(x["rollout_logprobs"], y["rollout_logprobs"], atol=1e-4)
     for two_row, one_row in zip(rows, ones):
         for key in ("train/reward_mean", "eval/greedy_accuracy", "train/response_len_mean"):
             if key in one_row:
                 assert two_row[key] == one_row[key], (one_row["step"], key)
         for key in ("train/loss", "train/grad_norm", "train/entropy"):
             if key in one_row:
-                # bf16 compute, other packings: grad norms 1.5e-4 apart in relative terms
-                assert two_row[key] == pytest.approx(one_row[key], rel=1e-3, abs=1e-4), (
+                assert two_row[key] == pytest.approx(one_row[key], rel=1e-4, abs=1e-6), (
                     one_row["step"], key)
