@@ -67,7 +67,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_prime_answer = "letter"  # its random calls answer a choice's letter | value
     # A later turn's primed call: any choice | new (one no earlier call of the episode gave, the
     # earlier calls distinct) | new_after_repeats (as new, the earlier calls possibly repeating)
-    # | ordered (as new_after_repeats, the first listed choice not yet given)
     c.model.tiny_prime_retry = "any"
     # How the tool reaches the model: auto (the template's own tool support where it has it,
     # else the schema in the system prompt, as for Qwen2.5-VL) | template | system_prompt.

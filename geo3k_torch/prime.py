@@ -36,7 +36,7 @@ from geo3k_torch.learner import SFTLearner, sft_step
 
 
 PRIME_ANSWERS = ("letter", "value")
-PRIME_RETRIES = ("any", "new", "new_after_repeats", "ordered")
+PRIME_RETRIES = ("any", "new", "new_after_repeats")
 
 
 def format_target(answer: str) -> str:
@@ -81,11 +81,6 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
     call as for "new", the earlier calls wrong ones drawn independently, so that the context may
     repeat one and carry the environment's "repeated" feedback, as a policy's rollouts do (primed
     with "new", the tiny model never saw that feedback and broke the format of the turn after it).
-    "ordered": the earlier calls as for "new_after_repeats", a trained later call the first
-    choice in the listed order that no earlier call gave (a blind elimination in a fixed order:
-    the trained value follows from the earlier calls alone, a signal the tiny model learns to
-    read them by, where the uniform one of "new_after_repeats" leaves it deaf to them:
-    docs/results.md); a trained first call as for the others, uniform.
     "any": the earlier calls as for "new_after_repeats", the trained call over every choice."""
     check_settings(answer, retry)
     env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
@@ -105,8 +100,6 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
             earlier.append(k)
         elif retry == "new_after_repeats":
             k = int(rng.choice([k for k in range(len(prompt.choices)) if k not in earlier]))
-        elif retry == "ordered" and earlier:
-            k = min(k for k in range(len(prompt.choices)) if k not in earlier)
         else:
             k = int(rng.integers(len(prompt.choices)))
         reply = format_target(chr(ord("A") + k) if answer == "letter" else prompt.choices[k])

@@ -123,28 +123,6 @@ def test_primer_retries_a_new_choice_after_repeated_ones():
         assert abs(share - 1 / left) < 0.07, (left, counts)
 
 
-def test_primer_retries_the_first_choice_not_yet_given_in_order():
-    """"ordered": a first call is uniform over the choices; a later one, after wrong earlier
-    calls that may repeat, is the first listed choice none of them gave."""
-    prompt = _prompt()
-    rng = np.random.default_rng(0)
-    firsts, later = collections.Counter(), collections.Counter()
-    for _ in range(1200):
-        messages = primer_messages(prompt, rng, EnvConfig(max_turns=3), retry="ordered")
-        replies = [m["content"] for m in messages[len(prompt.messages)::2]]
-        if len(replies) == 1:
-            firsts[replies[0]] += 1
-            continue
-        given = {r for r in replies[:-1]}
-        expected = next(format_target("ABCD"[k]) for k in range(4)
-                        if format_target("ABCD"[k]) not in given)
-        assert replies[-1] == expected, replies
-        later[len(given)] += 1
-    assert set(firsts) == {format_target(x) for x in "ABCD"}
-    assert min(firsts.values()) > 0.2 * sum(firsts.values())  # about a quarter each
-    assert set(later) == {1, 2}  # contexts with one or two distinct earlier calls
-
-
 class ScriptEngine:
     """Answers each session from a script of texts, tokenized by the real tokenizer."""
 
