@@ -1,0 +1,105 @@
+"""Can (more) priming teach the tiny model to avoid the value it gave? Prime checkpoint SRC (a
+primed one, or one before priming) into OUT for each chunk of CHUNKS in turn, measuring after
+each the probability of the rejected value at a retry (60 test problems of replicate K, after a
+first call giving a random wrong choice; 0.25: no avoidance) and how often it is the most likely.
+A chunk "rN" primes N steps on later turns only; RETRY is model.tiny_prime_retry, or first or
+cyclic (the fixed orders of docs/results.md, on the recipe's contexts); WD=x in the
+environment sets the priming's weight decay. From the repository's root:
+
+    python docs/replicates/probes/attention/avoid.py SRC OUT K CHUNKS RETRY LR [BATCH]
+    e.g. ... data/tiny-qwen2_5_vl-captioned-nar /tmp/more 0 300,700,1000,2000 new_after_repeats 3e-3
+"""
+import shutil, sys, time
+sys.path.insert(0, ".")
+import numpy as np, torch
+from configs import cpu_perception
+from geo3k_torch.prepare import prepare_data, prompt_style, to_dataclass
+from common.env import EnvConfig, Geo3kEnv
+from common.chat import ChatRenderer
+from common.processor import load_processor
+from common.sft import sft_example
+from common.batching import pack
+from geo3k_torch.model import load_model, packed_inputs
+from geo3k_torch.prime import wrong_choices, format_target
+import geo3k_torch.prime as P2
+
+src, out, k, chunks, retry, lr = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], float(sys.argv[6])
+batch = int(sys.argv[7]) if len(sys.argv) > 7 else 8
+cfg = cpu_perception.get_config(); cfg.seed = k; cfg.model.tiny_seed = k; cfg.data.synthetic_seed = k
+if k:
+    cfg.data.synthetic_dir = f"data/rep{k}/synthetic"
+train, test = prepare_data(cfg)
+env_cfg = to_dataclass(EnvConfig, cfg.env)
+tools = prompt_style(cfg.data.prompt_style)[1]
+
+
+def diag(ck, n=60):
+    proc = load_processor(ck); r = ChatRenderer(proc, tools=tools)
+    model = load_model(ck).eval()
+    rng = np.random.default_rng(0)
+    rej, top, first_ok = [], [], []
+    for p in test.prompts[:n]:
+        wrong = wrong_choices(p, env_cfg)
+        w = int(rng.choice(wrong))
+        env = Geo3kEnv(p.answer, env_cfg, choices=p.choices)
+        call = format_target(p.choices[w]); obs, _, _ = env.step(call)
+        for ctx, out_list in ((list(p.messages), None),
+                              (list(p.messages) + [{"role": "assistant", "content": call}, Geo3kEnv.format_observation(obs)], rej)):
+            scores = []
+            for c in p.choices:
+                ex = sft_example(r, ctx + [{"role": "assistant", "content": format_target(c)}], p.images, 0)
+                b = pack([ex], len(ex.token_ids))[0]
+                with torch.no_grad():
+                    lp = model(**packed_inputs(b, proc, model.config)).logits[0].float().log_softmax(-1)
+                ids = torch.as_tensor(ex.token_ids)
+                m = torch.as_tensor(ex.loss_mask).bool()
+                tok = lp[:-1].gather(1, ids[1:, None])[:, 0][m[1:]]
+                scores.append(float(tok.sum()))
+            s = np.array(scores); pr = np.exp(s - s.max()); pr /= pr.sum()
+            if out_list is None:
+                first_ok.append(int(np.argmax(s)) == p.choices.index(p.answer) if p.answer in p.choices else False)
+            else:
+                rej.append(pr[w]); top.append(int(np.argmax(s)) == w)
+    return dict(p_rejected=round(float(np.mean(rej)), 3), greedy_repeat=round(float(np.mean(top)), 3))
+
+
+import os, types
+import geo3k_torch.prime as P
+_pc = P.prime_config
+WD = float(os.environ.get("WD", "0"))
+P.prime_config = lambda lr, steps, fv=False: types.SimpleNamespace(**{**vars(_pc(lr, steps, fv)), "weight_decay": WD})
+_pm = P.primer_messages
+
+
+def ordered(prompt, rng, env_config, answer, wrong, retry):
+    """RETRY first | cyclic: the recipe's contexts (new_after_repeats), a trained later call
+    replaced by the first listed choice no earlier call gave | the one after the last call's,
+    cyclically, skipping those given."""
+    m = _pm(prompt, rng, env_config, answer, wrong,
+            "new_after_repeats" if retry in ("first", "cyclic") else retry)
+    calls = [i for i, x in enumerate(m) if x["role"] == "assistant"]
+    if retry in ("first", "cyclic") and len(calls) > 1:
+        targets = [P.format_target(c) for c in prompt.choices]
+        given = [targets.index(m[i]["content"]) for i in calls[:-1]]
+        n = len(targets)
+        order = range(n) if retry == "first" else [(given[-1] + j) % n for j in range(1, n)]
+        m[calls[-1]] = {"role": "assistant", "content": targets[next(k for k in order if k not in given)]}
+    return m
+
+
+def retries_only(prompt, rng, *a, **k):
+    while True:
+        m = ordered(prompt, rng, *a, **k)
+        if sum(x["role"] == "assistant" for x in m) >= 2:
+            return m
+shutil.rmtree(out, ignore_errors=True); shutil.copytree(src, out)
+print("start", diag(out), flush=True)
+done = 0
+for c in chunks.split(","):
+    t = time.time()
+    P.primer_messages = retries_only if c.startswith("r") else ordered
+    c = int(c.lstrip("r"))
+    losses = P2.prime_format(out, train.prompts, c, seed=100 + done, lr=lr, batch=batch, train_vision=False,
+                          tools=tools, env_config=env_cfg, answer="value", retry=retry)
+    done += c
+    print(done, "loss", round(float(np.mean(losses[-20:])), 4), diag(out), f"{time.time()-t:.0f}s", flush=True)
