@@ -63,10 +63,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_see_steps = 0  # vision tower classification steps
     c.model.tiny_caption_steps = 0  # caption steps, tower frozen
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
+    c.model.tiny_prime_later_steps = 0  # steps before those on later turns only (the reading)
     c.model.tiny_prime_vision = True  # False: the priming leaves the vision tower as it is
     c.model.tiny_prime_answer = "letter"  # its random calls answer a choice's letter | value
     # A later turn's primed call: any choice | new (one no earlier call of the episode gave, the
     # earlier calls distinct) | new_after_repeats (as new, the earlier calls possibly repeating)
+    # | cyclic (as new_after_repeats, the next listed choice after the last one given)
     c.model.tiny_prime_retry = "any"
     # How the tool reaches the model: auto (the template's own tool support where it has it,
     # else the schema in the system prompt, as for Qwen2.5-VL) | template | system_prompt.

@@ -40,12 +40,14 @@ def tiny_build_spec(cfg) -> dict:
         spec.update(see_steps=m.tiny_see_steps, caption_steps=m.tiny_caption_steps,
                     image_size=list(parse_image_size(cfg.data.synthetic_image_size)),
                     distinct_from=data_spec(cfg))
-    if m.tiny_prime_steps:
+    if m.tiny_prime_steps or m.tiny_prime_later_steps:
         data = data_spec(cfg, cfg.data.train_split)
         spec.update(prime_steps=m.tiny_prime_steps, prime_vision=m.tiny_prime_vision,
                     prime_answer=m.tiny_prime_answer, prime_retry=m.tiny_prime_retry,
                     prompt_style=cfg.data.prompt_style, data=data,
                     env=dataclasses.asdict(to_dataclass(EnvConfig, cfg.env)))
+        if m.tiny_prime_later_steps:  # absent at 0: records of earlier builds still match
+            spec.update(prime_later_steps=m.tiny_prime_later_steps)
     return json.loads(json.dumps(spec))  # as it reads back from the record
 
 
@@ -105,13 +107,14 @@ def _build(out: Path, cfg) -> None:
                                exclude=data_keys(cfg))
         print("vision pretraining, held-out accuracy (chance 0.25): tower "
               f"{seen['tower_accuracy']:.2f}, captions {seen['caption_accuracy']:.2f}")
-    if cfg.model.tiny_prime_steps:
+    if cfg.model.tiny_prime_steps or cfg.model.tiny_prime_later_steps:
         train_set, _ = prepare_data(cfg)
         prime_format(str(tmp), train_set.prompts, cfg.model.tiny_prime_steps, seed,
                      train_vision=cfg.model.tiny_prime_vision,
                      tools=prompt_style(cfg.data.prompt_style)[1],
                      env_config=to_dataclass(EnvConfig, cfg.env),
-                     answer=cfg.model.tiny_prime_answer, retry=cfg.model.tiny_prime_retry)
+                     answer=cfg.model.tiny_prime_answer, retry=cfg.model.tiny_prime_retry,
+                     later_steps=cfg.model.tiny_prime_later_steps)
     (tmp / BUILD_RECORD).write_text(json.dumps(tiny_build_spec(cfg), indent=1, sort_keys=True)
                                     + "\n")
     shutil.rmtree(out, ignore_errors=True)  # an empty folder at most

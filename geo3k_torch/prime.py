@@ -36,7 +36,7 @@ from geo3k_torch.learner import SFTLearner, sft_step
 
 
 PRIME_ANSWERS = ("letter", "value")
-PRIME_RETRIES = ("any", "new", "new_after_repeats")
+PRIME_RETRIES = ("any", "new", "new_after_repeats", "cyclic")
 
 
 def format_target(answer: str) -> str:
@@ -65,8 +65,9 @@ def check_settings(answer: str, retry: str) -> None:
 
 def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
                     answer: str = "letter", wrong: Sequence[int] | None = None,
-                    retry: str = "any") -> list[dict]:
-    """`prompt`'s messages, then 1 to `env_config.max_turns` assistant turns (uniformly many), each
+                    retry: str = "any", later: bool = False) -> list[dict]:
+    """`prompt`'s messages, then 1 (2 when `later`, if a wrong choice exists) to
+    `env_config.max_turns` assistant turns (uniformly many), each
     a call answering a choice by its letter or its value (`answer`), with the environment's
     feedback between them. The last turn, the one trained, answers a uniformly random choice;
     the earlier ones, context only, a random wrong one (`wrong`: their indices in
@@ -81,6 +82,11 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
     call as for "new", the earlier calls wrong ones drawn independently, so that the context may
     repeat one and carry the environment's "repeated" feedback, as a policy's rollouts do (primed
     with "new", the tiny model never saw that feedback and broke the format of the turn after it).
+    "cyclic": the earlier calls as for "new_after_repeats"; a trained later call is the choice
+    after the last earlier call's in the listed order, cyclically, skipping those given (a blind
+    elimination in a fixed order; a trained first call stays uniform). Each such call follows
+    from the earlier ones: a signal the tiny model learns to read them by, where the uniform
+    draw of "new_after_repeats" leaves it deaf to them (docs/results.md).
     "any": the earlier calls as for "new_after_repeats", the trained call over every choice."""
     check_settings(answer, retry)
     env = Geo3kEnv(prompt.answer, env_config, choices=prompt.choices)
@@ -88,7 +94,7 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
         wrong = wrong_choices(prompt, env_config)
     messages = list(prompt.messages)
     most = env_config.max_turns if retry != "new" else min(env_config.max_turns, len(wrong) + 1)
-    turns = int(rng.integers(1, most + 1)) if wrong else 1
+    turns = int(rng.integers(2 if later and most > 1 else 1, most + 1)) if wrong else 1
     earlier = ([int(k) for k in rng.choice(wrong, turns - 1, replace=False)]
                if retry == "new" else [])
     for turn in range(1, turns + 1):
@@ -100,6 +106,9 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
             earlier.append(k)
         elif retry == "new_after_repeats":
             k = int(rng.choice([k for k in range(len(prompt.choices)) if k not in earlier]))
+        elif retry == "cyclic" and earlier:
+            n = len(prompt.choices)
+            k = next(j % n for j in range(earlier[-1] + 1, earlier[-1] + n) if j % n not in earlier)
         else:
             k = int(rng.integers(len(prompt.choices)))
         reply = format_target(chr(ord("A") + k) if answer == "letter" else prompt.choices[k])
@@ -123,8 +132,12 @@ def wrong_choices(prompt, env_config: EnvConfig) -> list[int]:
 def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float = 3e-3,
                  batch: int = 8, train_vision: bool = True, tools=TOOLS,
                  env_config: EnvConfig = EnvConfig(), answer: str = "letter",
-                 retry: str = "any") -> list[float]:
-    """`steps` SFT steps on random tool calls; saves the weights back into `model_dir`.
+                 retry: str = "any", later_steps: int = 0) -> list[float]:
+    """`later_steps` then `steps` SFT steps on random tool calls; saves the weights back into
+    `model_dir`. The first `later_steps` train later turns only (`primer_messages`' `later`):
+    with retry="cyclic", they form the reading of the earlier calls before the format's tokens,
+    most of the loss, sharpen the attention past the point where that signal reaches it
+    (docs/results.md).
     prompts: `common.data.Prompt`s with choices, rendered with `tools` (the run's prompt style's
     schemas, or None), played under the run's `env_config`, answering by `answer`, later calls
     choosing by `retry` (`primer_messages`);
@@ -132,10 +145,14 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
     about the figure, yet at this lr they move every vision weight by about its own norm:
     docs/results.md).
     Returns the losses (mean per target token)."""
+    if steps < 0 or later_steps < 0:
+        raise ValueError(f"model.tiny_prime_steps={steps} and model.tiny_prime_later_steps="
+                         f"{later_steps}: step counts cannot be negative")
     processor = load_processor(model_dir)
     renderer = ChatRenderer(processor, tools=tools)
     model = load_model(model_dir)
-    learner = SFTLearner(model, processor, prime_config(lr, steps, not train_vision),
+    total = later_steps + steps
+    learner = SFTLearner(model, processor, prime_config(lr, total, not train_vision),
                          model_dir=model_dir)
     rng = np.random.default_rng(seed)
     usable = [p for p in prompts if p.choices]
@@ -145,13 +162,14 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
     losses = []
     progress = Progress(TextColumn("[bold]prime tiny model"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), TextColumn("{task.fields[info]}"))
-    task = progress.add_task("prime", total=steps, info="")
+    task = progress.add_task("prime", total=total, info="")
     with progress:
-        for _ in range(steps):
+        for step in range(total):
             seqs = []
             for i in rng.choice(len(usable), min(batch, len(usable)), replace=False):
                 p = usable[i]
-                messages = primer_messages(p, rng, env_config, answer, wrong[i], retry)
+                messages = primer_messages(p, rng, env_config, answer, wrong[i], retry,
+                                           later=step < later_steps)
                 seqs.append(sft_example(renderer, messages, p.images, int(i)))
             budget = max(len(s) for s in seqs) * len(seqs)  # one micro-batch
             losses.append(sft_step(learner, seqs, budget)["loss"])

@@ -123,6 +123,54 @@ def test_primer_retries_a_new_choice_after_repeated_ones():
         assert abs(share - 1 / left) < 0.07, (left, counts)
 
 
+def test_primer_retries_the_next_choice_not_yet_given_cyclically():
+    """"cyclic": a first call is uniform over the choices; a later one, after wrong earlier
+    calls that may repeat, is the choice after the last call's in the listed order, cyclically,
+    skipping those given: every such call follows from the earlier ones."""
+    prompt = _prompt()
+    targets = [format_target(x) for x in "ABCD"]
+    rng = np.random.default_rng(0)
+    firsts, later, trained = collections.Counter(), collections.Counter(), set()
+    for _ in range(1200):
+        messages = primer_messages(prompt, rng, EnvConfig(max_turns=3), retry="cyclic")
+        replies = [m["content"] for m in messages[len(prompt.messages)::2]]
+        if len(replies) == 1:
+            firsts[replies[0]] += 1
+            continue
+        given = {targets.index(r) for r in replies[:-1]}
+        last = targets.index(replies[-2])
+        expected = next((last + j) % 4 for j in range(1, 4) if (last + j) % 4 not in given)
+        assert replies[-1] == targets[expected], replies
+        later[len(given)] += 1
+        trained.add(expected)
+    assert set(firsts) == set(targets)
+    assert min(firsts.values()) > 0.2 * sum(firsts.values())  # about a quarter each
+    assert set(later) == {1, 2}  # contexts with one or two distinct earlier calls
+    # every choice but the one after the right one (reached only from the right one, never given)
+    assert len(trained) == 3
+
+
+def test_primer_trains_later_turns_only_when_asked():
+    prompt = _prompt()
+    rng = np.random.default_rng(0)
+    turns = collections.Counter()
+    for _ in range(300):
+        messages = primer_messages(prompt, rng, EnvConfig(max_turns=3), "letter", retry="cyclic",
+                                   later=True)
+        turns[sum(m["role"] == "assistant" for m in messages)] += 1
+    assert set(turns) == {2, 3}
+    one_turn = EnvConfig(max_turns=1)  # no later turn to train: the first
+    assert sum(m["role"] == "assistant" for m in primer_messages(
+        prompt, rng, one_turn, later=True)) == 1
+
+
+def test_priming_refuses_negative_step_counts():
+    from geo3k_torch.prime import prime_format
+
+    with pytest.raises(ValueError, match="tiny_prime_later_steps=-1"):
+        prime_format("never/read", [_prompt()], 10, later_steps=-1)
+
+
 class ScriptEngine:
     """Answers each session from a script of texts, tokenized by the real tokenizer."""
 

@@ -488,7 +488,9 @@ def test_the_tiny_checkpoint_is_the_same_for_every_run_seed_and_other_builds_are
                              ("tiny_vocab", "qwen", "vocab='small' where this config asks for "
                                                     "'qwen'"),
                              ("tiny_prime_steps", 2, "prime_steps=None where this config asks "
-                                                     "for 2")):
+                                                     "for 2"),
+                             ("tiny_prime_later_steps", 2, "prime_later_steps=None where this "
+                                                           "config asks for 2")):
         with pytest.raises(ValueError, match=said) as e:
             prepare_model_dir(config(**{key: value}))
         assert f"model.path={str(out)!r}" in str(e.value)

@@ -2,8 +2,9 @@
 primed one, or one before priming) into OUT for each chunk of CHUNKS in turn, measuring after
 each the probability of the rejected value at a retry (60 test problems of replicate K, after a
 first call giving a random wrong choice; 0.25: no avoidance) and how often it is the most likely.
-A chunk "rN" primes N steps on later turns only; RETRY is model.tiny_prime_retry, or first or
-cyclic (the fixed orders of docs/results.md, on the recipe's contexts); WD=x in the
+A chunk "rN" primes N steps on later turns only (model.tiny_prime_later_steps); RETRY is
+model.tiny_prime_retry (the `first` rows of docs/results.md ran an option of 149f698, since
+reverted); WD=x in the
 environment sets the priming's weight decay. From the repository's root:
 
     python docs/replicates/probes/attention/avoid.py SRC OUT K CHUNKS RETRY LR [BATCH]
@@ -68,38 +69,14 @@ import geo3k_torch.prime as P
 _pc = P.prime_config
 WD = float(os.environ.get("WD", "0"))
 P.prime_config = lambda lr, steps, fv=False: types.SimpleNamespace(**{**vars(_pc(lr, steps, fv)), "weight_decay": WD})
-_pm = P.primer_messages
-
-
-def ordered(prompt, rng, env_config, answer, wrong, retry):
-    """RETRY first | cyclic: the recipe's contexts (new_after_repeats), a trained later call
-    replaced by the first listed choice no earlier call gave | the one after the last call's,
-    cyclically, skipping those given."""
-    m = _pm(prompt, rng, env_config, answer, wrong,
-            "new_after_repeats" if retry in ("first", "cyclic") else retry)
-    calls = [i for i, x in enumerate(m) if x["role"] == "assistant"]
-    if retry in ("first", "cyclic") and len(calls) > 1:
-        targets = [P.format_target(c) for c in prompt.choices]
-        given = [targets.index(m[i]["content"]) for i in calls[:-1]]
-        n = len(targets)
-        order = range(n) if retry == "first" else [(given[-1] + j) % n for j in range(1, n)]
-        m[calls[-1]] = {"role": "assistant", "content": targets[next(k for k in order if k not in given)]}
-    return m
-
-
-def retries_only(prompt, rng, *a, **k):
-    while True:
-        m = ordered(prompt, rng, *a, **k)
-        if sum(x["role"] == "assistant" for x in m) >= 2:
-            return m
 shutil.rmtree(out, ignore_errors=True); shutil.copytree(src, out)
 print("start", diag(out), flush=True)
 done = 0
 for c in chunks.split(","):
     t = time.time()
-    P.primer_messages = retries_only if c.startswith("r") else ordered
+    later = c.startswith("r")
     c = int(c.lstrip("r"))
-    losses = P2.prime_format(out, train.prompts, c, seed=100 + done, lr=lr, batch=batch, train_vision=False,
+    losses = P2.prime_format(out, train.prompts, 0 if later else c, later_steps=c if later else 0, seed=100 + done, lr=lr, batch=batch, train_vision=False,
                           tools=tools, env_config=env_cfg, answer="value", retry=retry)
     done += c
     print(done, "loss", round(float(np.mean(losses[-20:])), 4), diag(out), f"{time.time()-t:.0f}s", flush=True)
