@@ -63,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.tiny_see_steps = 0  # vision tower classification steps
     c.model.tiny_caption_steps = 0  # caption steps, tower frozen
     c.model.tiny_prime_steps = 0  # supervised tool-call format steps for a new tiny checkpoint
-    c.model.tiny_prime_later_steps = 0  # steps before those on later turns only (the reading)
+    c.model.tiny_prime_later_steps = 0  # steps before those, on second turns only (the reading)
     c.model.tiny_prime_vision = True  # False: the priming leaves the vision tower as it is
     c.model.tiny_prime_answer = "letter"  # its random calls answer a choice's letter | value
     # A later turn's primed call: any choice | new (one no earlier call of the episode gave, the

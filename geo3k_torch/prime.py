@@ -66,8 +66,8 @@ def check_settings(answer: str, retry: str) -> None:
 def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
                     answer: str = "letter", wrong: Sequence[int] | None = None,
                     retry: str = "any", later: bool = False) -> list[dict]:
-    """`prompt`'s messages, then 1 (2 when `later`, if a wrong choice exists) to
-    `env_config.max_turns` assistant turns (uniformly many), each
+    """`prompt`'s messages, then 1 to `env_config.max_turns` assistant turns (uniformly many;
+    exactly 2 when `later`, if a wrong choice and a second turn exist), each
     a call answering a choice by its letter or its value (`answer`), with the environment's
     feedback between them. The last turn, the one trained, answers a uniformly random choice;
     the earlier ones, context only, a random wrong one (`wrong`: their indices in
@@ -94,7 +94,7 @@ def primer_messages(prompt, rng: np.random.Generator, env_config: EnvConfig,
         wrong = wrong_choices(prompt, env_config)
     messages = list(prompt.messages)
     most = env_config.max_turns if retry != "new" else min(env_config.max_turns, len(wrong) + 1)
-    turns = int(rng.integers(2 if later and most > 1 else 1, most + 1)) if wrong else 1
+    turns = (2 if later and most > 1 else int(rng.integers(1, most + 1))) if wrong else 1
     earlier = ([int(k) for k in rng.choice(wrong, turns - 1, replace=False)]
                if retry == "new" else [])
     for turn in range(1, turns + 1):
@@ -134,8 +134,8 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
                  env_config: EnvConfig = EnvConfig(), answer: str = "letter",
                  retry: str = "any", later_steps: int = 0) -> list[float]:
     """`later_steps` then `steps` SFT steps on random tool calls; saves the weights back into
-    `model_dir`. The first `later_steps` train later turns only (`primer_messages`' `later`):
-    with retry="cyclic", they form the reading of the earlier calls before the format's tokens,
+    `model_dir`. The first `later_steps` train second turns only (`primer_messages`' `later`):
+    with retry="cyclic", they form the reading of the earlier call before the format's tokens,
     most of the loss, sharpen the attention past the point where that signal reaches it
     (docs/results.md).
     prompts: `common.data.Prompt`s with choices, rendered with `tools` (the run's prompt style's

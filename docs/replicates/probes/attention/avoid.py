@@ -2,7 +2,7 @@
 primed one, or one before priming) into OUT for each chunk of CHUNKS in turn, measuring after
 each the probability of the rejected value at a retry (60 test problems of replicate K, after a
 first call giving a random wrong choice; 0.25: no avoidance) and how often it is the most likely.
-A chunk "rN" primes N steps on later turns only (model.tiny_prime_later_steps); RETRY is
+A chunk "rN" primes N steps on second turns only (model.tiny_prime_later_steps); RETRY is
 model.tiny_prime_retry (the `first` rows of docs/results.md ran an option of 149f698, since
 reverted); WD=x in the
 environment sets the priming's weight decay. From the repository's root:
