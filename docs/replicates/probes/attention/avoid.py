@@ -38,29 +38,24 @@ def diag(ck, n=60):
     proc = load_processor(ck); r = ChatRenderer(proc, tools=tools)
     model = load_model(ck).eval()
     rng = np.random.default_rng(0)
-    rej, top, first_ok = [], [], []
+    rej, top = [], []
     for p in test.prompts[:n]:
         wrong = wrong_choices(p, env_cfg)
         w = int(rng.choice(wrong))
         env = Geo3kEnv(p.answer, env_cfg, choices=p.choices)
         call = format_target(p.choices[w]); obs, _, _ = env.step(call)
-        for ctx, out_list in ((list(p.messages), None),
-                              (list(p.messages) + [{"role": "assistant", "content": call}, Geo3kEnv.format_observation(obs)], rej)):
-            scores = []
-            for c in p.choices:
-                ex = sft_example(r, ctx + [{"role": "assistant", "content": format_target(c)}], p.images, 0)
-                b = pack([ex], len(ex.token_ids))[0]
-                with torch.no_grad():
-                    lp = model(**packed_inputs(b, proc, model.config)).logits[0].float().log_softmax(-1)
-                ids = torch.as_tensor(ex.token_ids)
-                m = torch.as_tensor(ex.loss_mask).bool()
-                tok = lp[:-1].gather(1, ids[1:, None])[:, 0][m[1:]]
-                scores.append(float(tok.sum()))
-            s = np.array(scores); pr = np.exp(s - s.max()); pr /= pr.sum()
-            if out_list is None:
-                first_ok.append(int(np.argmax(s)) == p.choices.index(p.answer) if p.answer in p.choices else False)
-            else:
-                rej.append(pr[w]); top.append(int(np.argmax(s)) == w)
+        ctx = list(p.messages) + [{"role": "assistant", "content": call}, Geo3kEnv.format_observation(obs)]
+        scores = []  # each choice's reply, summed log-probability
+        for c in p.choices:
+            ex = sft_example(r, ctx + [{"role": "assistant", "content": format_target(c)}], p.images, 0)
+            b = pack([ex], len(ex.token_ids))[0]
+            with torch.no_grad():
+                lp = model(**packed_inputs(b, proc, model.config)).logits[0].float().log_softmax(-1)
+            ids = torch.as_tensor(ex.token_ids)
+            m = torch.as_tensor(ex.loss_mask).bool()
+            scores.append(float(lp[:-1].gather(1, ids[1:, None])[:, 0][m[1:]].sum()))
+        s = np.array(scores); pr = np.exp(s - s.max()); pr /= pr.sum()
+        rej.append(pr[w]); top.append(int(np.argmax(s)) == w)
     return dict(p_rejected=round(float(np.mean(rej)), 3), greedy_repeat=round(float(np.mean(top)), 3))
 
 
