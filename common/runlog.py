@@ -5,8 +5,8 @@ package's own event writer, the curve with matplotlib (Agg).
 
 Workdir layout written here:
     metrics.jsonl              one JSON object per step: {"step": N, "train/...": ..., ...}
-    config.json                the resolved config, the command line and the package versions
-                               (`write_config`; a resumed run names what it changed)
+    config.json                the resolved config, the command line, the package versions and
+                               the machine (`write_config`; a resumed run names what it changed)
     events.out.tfevents.*      the same scalars for TensorBoard (and wandb, when a project is set)
     curve.png                  reward and accuracy per step (train), accuracy per eval, with
                                the no-skill baselines (chance, elimination) drawn across
@@ -20,6 +20,7 @@ import importlib.metadata
 import json
 import math
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,8 @@ VERSIONED = ("numpy", "torch", "transformers", "jax", "flax", "optax", "sglang")
 
 def write_config(workdir: str | os.PathLike, config: dict, resume: bool) -> list[str]:
     """Write <workdir>/config.json: the resolved `config` (ConfigDict.to_dict()), the command
-    line and the versions of the packages that decide the numbers. A resumed run first reads
+    line, the versions of the packages that decide the numbers and the machine (`machine()`:
+    the same build on another CPU can round differently and give another checkpoint). A resumed run first reads
     the config.json already there: returns what differs ("train.lr: 0.001 -> 0.0005", sorted),
     empty for a fresh run or an unchanged one. The file always holds the latest run's."""
     path = Path(workdir) / "config.json"
@@ -53,9 +55,24 @@ def write_config(workdir: str | os.PathLike, config: dict, resume: bool) -> list
             pass
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"config": config, "argv": sys.argv, "python": sys.version.split()[0],
-              "versions": versions}
+              "versions": versions, "machine": machine()}
     path.write_text(json.dumps(record, indent=1, default=str))
     return changed
+
+
+def machine() -> dict[str, object]:
+    """The CPU's model name (/proc/cpuinfo where there is one, else `platform.processor()`),
+    the platform, the cores there are and the cores this process may use."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": cpu, "platform": platform.platform(), "cores": os.cpu_count(),
+            "usable_cores": usable}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

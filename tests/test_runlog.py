@@ -1,6 +1,7 @@
 """Run outputs: metrics lines, TensorBoard scalars, the curve, rollout dumps."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -61,7 +62,8 @@ def test_dump_rollouts(tmp_path):
 
 
 def test_the_config_is_recorded_and_a_resume_names_what_changed(tmp_path):
-    """config.json holds the resolved config, the command line and the versions; a resumed run
+    """config.json holds the resolved config, the command line, the versions and the machine
+    (this one's CPU model and usable cores, which a build's rounding depends on); a resumed run
     with another learning rate and a new key is told exactly those (train.resume itself is not
     a change), and the file then holds the resumed run's config."""
     from common.runlog import write_config
@@ -70,6 +72,12 @@ def test_the_config_is_recorded_and_a_resume_names_what_changed(tmp_path):
     record = json.loads((tmp_path / "config.json").read_text())
     assert record["config"] == cfg and isinstance(record["argv"], list)
     assert "numpy" in record["versions"] and record["python"]
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert record["machine"]["usable_cores"] == usable and record["machine"]["cores"] >= usable
+    if os.path.exists("/proc/cpuinfo"):
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                 if line.startswith("model name")]
+        assert names and record["machine"]["cpu"] == names[0]
     again = {"train": {"lr": 5e-4, "resume": True, "steps": 10}, "seed": 0, "extra": 1}
     assert write_config(tmp_path, again, resume=True) == [
         "extra: '(absent)' -> 1", "train.lr: 0.001 -> 0.0005"]
