@@ -8,6 +8,8 @@ data/rep<k>/ (replicate 0 is `make train` itself, in the config's default folder
     python scripts/replicates.py run --learner=torch --replicates 0 1 2 3 4 [--cpu=0]
     python scripts/replicates.py run --learner=jax --replicates 0 1 2 3 4
     python scripts/replicates.py table runs/rep          # the markdown table, from the workdirs
+    python scripts/replicates.py figures docs/replicates/torch-0 \
+        --curve docs/cpu_perception_curve.png --chart docs/eval_cpu_perception.png
 
 `run` trains one replicate after the other into runs/rep/<learner>-<k> (`--cpu` pins them to
 one core with taskset, so two learners can run side by side on a 2-core machine); a replicate's
@@ -24,6 +26,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,6 +133,27 @@ def table(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def figures(workdir: Path, curve: Path, chart: Path) -> str:
+    """One run's pictures from its rows alone (the README's, from a committed workdir): `curve`,
+    the training curve `common.runlog` draws from metrics.jsonl, and `chart`, the bar chart of
+    its last evaluation. Returns that evaluation's table as the run printed it. Raises
+    FileNotFoundError when the workdir has no evaluation."""
+    from common.evaluation.report import bar_chart, markdown
+    from common.runlog import RunLog
+    evals = evaluations(workdir / "metrics.jsonl")
+    if not evals:
+        raise FileNotFoundError(f"no evaluation in {workdir / 'metrics.jsonl'}")
+    turns = json.loads((workdir / "config.json").read_text())["config"]["env"]["max_turns"]
+    final = {k[len("eval/"):]: v for k, v in evals[max(evals)].items() if k.startswith("eval/")}
+    with tempfile.TemporaryDirectory() as tmp:  # RunLog draws into its own folder
+        shutil.copy(workdir / "metrics.jsonl", tmp)
+        curve.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(RunLog(tmp, tensorboard=False).plot(), curve)
+    title = "final evaluation (test split)"
+    bar_chart(final, chart, turns, title)
+    return markdown(final, turns, title)
+
+
 def _index(name: str) -> int:
     tail = name.rsplit("-", 1)[1]
     return int(tail) if tail.isdigit() else -1
@@ -145,6 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--cpu", help="taskset's cpu list, e.g. 0")
     t = sub.add_parser("table", help="the markdown table of the replicates under a folder")
     t.add_argument("root", type=Path, nargs="?", default=Path("runs/rep"))
+    f = sub.add_parser("figures", help="one run's curve and final-evaluation chart, from its rows")
+    f.add_argument("workdir", type=Path)
+    f.add_argument("--curve", type=Path, required=True)
+    f.add_argument("--chart", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.what == "run":
         if any(k < 0 for k in args.replicates):
@@ -152,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         run(args.learner, args.replicates, args.workdir, args.cpu)
     else:
         try:
-            print(table(args.root), end="")
+            print(table(args.root) if args.what == "table"
+                  else figures(args.workdir, args.curve, args.chart), end="")
         except FileNotFoundError as e:
             sys.exit(str(e))
 

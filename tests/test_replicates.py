@@ -88,3 +88,24 @@ def test_run_stops_at_the_first_failure(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
         rep.run("torch", [1, 2], tmp_path, None)
     assert e.value.code == 3 and len(calls) == 1 and calls[0][0] == sys.executable
+
+
+def test_figures_draws_the_curve_and_the_last_evaluation_from_the_rows_alone(tmp_path):
+    """The README's pictures from a committed workdir: the curve of every row, the chart and the
+    table of the last evaluation (not step 0's), with the run's own turn budget."""
+    from PIL import Image
+    _workdir(tmp_path, "torch-0", [_row(0, 0.332, 0.41, 0.777, 0.117),
+                                   _row(200, 0.613, 0.938, 0.871, 0.838, blank=(0.203, 0.285))])
+    (tmp_path / "torch-0" / "config.json").write_text(json.dumps(
+        {"config": {"env": {"max_turns": 4}, "train": {"steps": 200}}}))
+    curve, chart = tmp_path / "docs" / "curve.png", tmp_path / "docs" / "eval.png"
+    text = rep.figures(tmp_path / "torch-0", curve, chart)
+    assert Image.open(curve).size[0] > 100 and Image.open(chart).size[0] > 100
+    assert "| first try (turn 1) | 0.613 | 0.203 |" in text and "0.332" not in text
+    assert "| with feedback (≤4 turns) | 0.938 | 0.285 |" in text
+    assert "| recovery after a first-try miss | 0.838 |" in text
+    assert not (tmp_path / "torch-0" / "curve.png").exists()  # the committed rows stay as they are
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(FileNotFoundError, match="no evaluation"):
+        rep.figures(tmp_path / "empty", curve, chart)
