@@ -1,17 +1,30 @@
 """The CPU default (`make train`, `make train-jax`, and the flag's default): GRPO takes a tiny
-Qwen2.5-VL whose pretraining already taught it the task's labels (its tower classifies each
-figure into the value asked for, its captions end in it) but whose format priming answers one
-value per kind, and makes it answer the perception questions from the figures in the tool call,
-above chance on the first try and above elimination with feedback (docs/results.md).
-22-32 minutes a run on one core, plus 3 minutes to build the tiny checkpoint the first time.
+Qwen3-VL whose pretraining already taught it the task's labels (its tower classifies each
+figure into the value asked for, its captions end in it) and whose format priming answers one
+value per kind on the first call and a blind fixed-order elimination on later calls, and makes it
+answer the perception questions from the figures: above chance on the first try, and after a
+miss above blind elimination (docs/results.md). 32-45 minutes a run on one core (torch), plus
+9 minutes to build the tiny checkpoint the first time.
 
     python -m geo3k_torch.main --config=configs/cpu_perception.py --config.seed=S
 
+What each stage of the tiny checkpoint teaches (geo3k_torch.tiny, geo3k_torch.prime):
+  * pretraining, on freshly drawn figures (its own seeds, never a split's): the vision tower
+    classifies each figure into the value the task asks for and the language model captions it
+    ("sides: 5", never a choice or a letter): a warm start, as a real VLM can describe figures;
+  * the reading stage (600 steps on second turns only): after a rejected call, the choice listed
+    next after it, cyclically; nothing about which answer is right, but the retry learns to
+    attend to the earlier call's value, which GRPO then builds on;
+  * the format priming (300 steps, figures not shown): the tool call, one value per kind on the
+    first call, later calls chosen the same cyclic way;
+  * GRPO (200 steps): answering from the figure, and using the feedback better than the fixed
+    order.
+
 What it changes from `configs/cpu.py`, and why (each measured in docs/results.md):
-  * the tiny checkpoint is a Qwen2.5-VL whose vision tower is pretrained on freshly drawn figures
-    (its own seeds, never a split's) and whose language model learns to caption them
-    ("sides: 5", never a choice or a letter), before the format priming: a random tower and
-    language model do not learn the figures from GRPO's signal in any budget tried;
+  * Qwen3-VL, not Qwen2.5-VL: primed, the tiny Qwen2.5-VL's first-layer heads put 0.65-1.0 of
+    their weight on one token and its retry ignored the rejected value (it repeated it after 0.35-
+    0.63 of misses, final); Qwen3-VL's q/k norms keep the attention unsaturated;
+  * the reading stage and the cyclic priming: Qwen3-VL without them recovered 0.333 after a miss;
   * answers by a choice's value ("5"), not its letter: the captions' words, which labels and
     GRPO both learn faster than letters (the same run answering by letters stays at chance);
   * perception problems only: the geometry families, which the tiny model cannot learn, held a
@@ -26,18 +39,18 @@ from configs import cpu
 
 def get_config():
     c = cpu.get_config()
-    c.model.tiny_arch = "qwen2_5_vl"
-    c.model.tiny_dir = "data/tiny-qwen2_5_vl-captioned-nar"
+    c.model.tiny_arch = "qwen3_vl"
+    c.model.tiny_dir = "data/tiny-qwen3_vl-captioned-cyclic"
     c.model.tiny_see_steps = 600
     c.model.tiny_caption_steps = 300
     c.model.tiny_prime_steps = 300
     c.model.tiny_prime_vision = False  # the random answers carry nothing about the figure
     c.model.tiny_prime_answer = "value"
-    # The primed later calls give a choice not yet given, after earlier calls that may repeat:
-    # primed with "new" (earlier calls distinct) the model never saw the "repeated" feedback,
-    # and every turn 3 after a repeat was malformed, at step 200 of all seven runs
-    # (docs/results.md, the eighth attempt).
-    c.model.tiny_prime_retry = "new_after_repeats"
+    # The primed later calls give the choice listed after the last one given (skipping those
+    # given), first for 600 steps on second turns only: primed with random new choices, the
+    # retry ignored the rejected value (docs/results.md, "Why: the priming saturates").
+    c.model.tiny_prime_later_steps = 600
+    c.model.tiny_prime_retry = "cyclic"
     c.data.prompt_style = "brief"
     c.data.synthetic_dir = "data/synthetic-perception-4k"
     c.data.synthetic_families = ",".join(PERCEPTION)

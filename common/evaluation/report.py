@@ -168,7 +168,7 @@ def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "")
     # all problems, then perception and geometry apart (each family is in the table only)
     panels = [("", m)] + [(k, part(m, k)) for k in kinds(m) if k in ("perception", "geometry")]
     colors = {"greedy": "tab:blue", "sampled": "tab:orange"}
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.4 * len(panels)), dpi=90,
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 3.4 * len(panels)), dpi=90,
                              squeeze=False)
     for ax, (kind, sub) in zip(axes[:, 0], panels):
         bars = [(label, vals) for label, vals in rows(sub, max_turns)
@@ -197,7 +197,7 @@ def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "")
         ax.set_ylim(0, 1.1)
         ax.set_ylabel("share of test problems")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # off the bars' values
         head = title or "first-try vs with-feedback accuracy"
         ax.set_title(f"{head}: {kind} problems" if kind else head, fontsize=10)
     fig.tight_layout()
