@@ -3,7 +3,7 @@ Qwen3-VL whose pretraining already taught it the task's labels (its tower classi
 figure into the value asked for, its captions end in it) and whose format priming answers one
 value per kind on the first call and a blind fixed-order elimination on later calls, and makes it
 answer the perception questions from the figures: above chance on the first try, and after a
-miss above blind elimination (docs/results.md). 32-45 minutes a run on one core (torch), plus
+miss above blind elimination in 4 of the 5 replicates run so far (docs/results.md). 32-45 minutes a run on one core (torch), plus
 9 minutes to build the tiny checkpoint the first time.
 
     python -m geo3k_torch.main --config=configs/cpu_perception.py --config.seed=S
@@ -22,8 +22,9 @@ What each stage of the tiny checkpoint teaches (geo3k_torch.tiny, geo3k_torch.pr
 
 What it changes from `configs/cpu.py`, and why (each measured in docs/results.md):
   * Qwen3-VL, not Qwen2.5-VL: primed, the tiny Qwen2.5-VL's first-layer heads put 0.65-1.0 of
-    their weight on one token and its retry ignored the rejected value (it repeated it after 0.35-
-    0.63 of misses, final); Qwen3-VL's q/k norms keep the attention unsaturated;
+    their weight on one token and its retry ignored the rejected value (its greedy retries
+    repeated a rejected answer 0.96 of the time primed, 0.64-0.73 after GRPO in the runs that
+    missed); Qwen3-VL's q/k norms keep the attention unsaturated;
   * the reading stage and the cyclic priming: Qwen3-VL without them recovered 0.333 after a miss;
   * answers by a choice's value ("5"), not its letter: the captions' words, which labels and
     GRPO both learn faster than letters (the same run answering by letters stays at chance);
