@@ -55,9 +55,9 @@ test-fast: $(TEST_STAMP) $(SGLANG_SRC)
 test-all: $(TEST_STAMP) $(SGLANG_SRC)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
-# The CPU default: GRPO makes a tiny Qwen2.5-VL, pretrained on the task's labels, answer from the figures; its held-out
-# accuracy rises past chance and elimination (docs/results.md): 22-32 min a run on one core,
-# plus 3 min to build the tiny checkpoint the first time.
+# The CPU default: GRPO makes a tiny Qwen3-VL, pretrained on the task's labels, answer from the figures and use the
+# feedback; its held-out accuracy rises past chance and elimination (docs/results.md): 40-55 min on one core with the
+# torch learner, the first time including the 9-minute build of the tiny checkpoint.
 train: install
 	$(PY) -m geo3k_torch.main --config=configs/cpu_perception.py
 
