@@ -3,7 +3,7 @@ Qwen3-VL whose pretraining already taught it the task's labels (its tower classi
 figure into the value asked for, its captions end in it) and whose format priming answers one
 value per kind on the first call and a blind fixed-order elimination on later calls, and makes it
 answer the perception questions from the figures: above chance on the first try, and after a
-miss above blind elimination in 8 of the 9 replicates run so far (docs/results.md). 40-46 minutes a
+miss above blind elimination in 4 of 5 replicates per learner (docs/results.md). 40-46 minutes a
 run on one core with torch (about an hour with JAX), plus 9 minutes to build the tiny checkpoint the
 first time.
 
