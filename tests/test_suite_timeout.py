@@ -19,7 +19,7 @@ def test_outlives_the_limit():
 
 def test_a_test_past_the_limit_fails_by_name_and_the_run_ends(tmp_path):
     """A test that sleeps past a 2 s limit after starting a thread that never ends: pytest
-    returns (within 120 s), the test fails, and the report names it and shows the stuck
+    returns (within 60 s), the test fails, and the report names it and shows the stuck
     thread's stack. (With pytest-timeout's signal method the test fails but the process then
     waits for the thread forever.)"""
     (tmp_path / "test_hangs.py").write_text(HANGS)
