@@ -196,6 +196,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Trained tokens whose (tokens x vocabulary) logits exist at once in the learner's LM head
     # (per micro-batch in torch, per row in JAX); 0 = all of them.
     c.train.logprob_chunk = 1024
+    # The torch learner's LM head forms the loss's gradient in the forward pass, a chunk at a
+    # time (geo3k_torch.head): no head recomputed in the backward pass, no logits kept.
+    c.train.fused_head = False
     c.train.lr = 1e-6  # AdamW learning rate (peak, after warmup)
     c.train.lr_schedule = "constant"  # constant | linear | cosine
     c.train.warmup_steps = 0  # linear warmup from 0 to lr
@@ -217,9 +220,11 @@ def get_config() -> ml_collections.ConfigDict:
     # fewer than its tokens, so False trades little memory for no recomputation of launch-bound
     # work (the GPU check's learner rows measure it).
     c.train.checkpoint_vision = True
-    # torch.compile each text layer's RMSNorms, RoPE and SwiGLU MLP into fused kernels (the
-    # torch learner; off until the GPU check shows it pays: scripts/gpu_check.py's learner rows).
+    # torch.compile each text decoder layer and each vision block as one region, checkpointing
+    # inside (the torch learner and its KL reference; geo3k_torch.model.compile_layers). Off until
+    # a GPU check shows it pays: scripts/gpu_check.py's learner rows measure both.
     c.train.compile = False
+    c.train.compile_backend = "inductor"  # torch.compile's backend (aot_eager: no code generation)
     c.train.resume = False  # continue from the workdir's newest complete checkpoint
     # How long a torch collective waits for the other ranks; above the SGLang start-up wait
     # (engine.sglang_startup_timeout_s), which rank 0 may spend while the others wait.

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -75,40 +75,68 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class Layout(NamedTuple):
+    """A packed row's attention layout as the layers take it: device tensors and ints, no Python
+    list a compiled layer would guard on by value (`train.compile`). cu_q (S+1,) int32 query
+    bounds (the segments themselves); kv_index (T_k,) int64 the row positions of each sequence's
+    keys (its parent's tokens, then its own), empty when the keys are the row; cu_k (S+1,) int32
+    bounds in the keys; max_q / max_k the longest query and key sequences."""
+
+    cu_q: torch.Tensor
+    kv_index: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
 @dataclasses.dataclass(eq=False)
 class Segments:
     """A packed row's segments in order: lengths (S,) summing to T, parents (S,) the earlier
     segment whose keys segment s also sees (-1 for none). Built on the host with the rest of a
-    micro-batch's inputs; `device_layout` copies the varlen layout to the device once."""
+    micro-batch's inputs; `layout` copies its varlen layout to the device once."""
 
     lengths: list[int]
     parents: list[int]
-    _device: tuple | None = None
+    _layout: Layout | None = None
 
     @classmethod
     def of(cls, segments) -> Segments:
         """A `Segments`, or one from a (lengths, parents) pair."""
         return segments if isinstance(segments, Segments) else cls(*map(list, segments))
 
-    def device_layout(self, device: torch.device) -> tuple:
-        """`varlen_layout` as device tensors (cu_q, kv_index or None, cu_k, max_q, max_k),
-        copied once from pinned memory without waiting for the device."""
-        if self._device is None or self._device[0].device != device:
+    def layout(self, device: torch.device | str) -> Layout:
+        """`varlen_layout` on `device`, copied once from pinned memory without waiting for it."""
+        device = torch.device(device)
+        if self._layout is None or self._layout.cu_q.device != device:
             cu_q, kv_index, cu_k, max_q, max_k = varlen_layout(self.lengths, self.parents)
             up = lambda a: to_device(torch.from_numpy(a), device)  # noqa: E731
-            self._device = (up(cu_q), None if kv_index is None else up(kv_index), up(cu_k),
-                            max_q, max_k)
-        return self._device
+            self._layout = Layout(up(cu_q), up(np.zeros(0, np.int64) if kv_index is None
+                                                else kv_index), up(cu_k), max_q, max_k)
+        return self._layout
+
+
+def image_layout(cu_seqlens: np.ndarray) -> Layout:
+    """The vision tower's layout on the host: images (or Qwen2.5-VL's windows) with bounds
+    `cu_seqlens` (N+1,), each attending to all of itself (the attention is not causal)."""
+    cu = torch.from_numpy(np.asarray(cu_seqlens, np.int32))
+    longest = int(np.diff(cu_seqlens).max()) if len(cu_seqlens) > 1 else 0
+    return Layout(cu, torch.zeros(0, dtype=torch.int64), cu, longest, longest)
+
+
+def as_layout(segments, device: torch.device) -> Layout:
+    """A `Layout` on `device` from a `Layout`, a `Segments` or a (lengths, parents) pair."""
+    if isinstance(segments, Layout):
+        return segments
+    return Segments.of(segments).layout(device)
 
 
 def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, dropout: float = 0.0,
-                scaling: float | None = None,
-                packed_segments: Segments | tuple[Sequence[int], Sequence[int]] | None = None,
-                **kwargs) -> tuple[torch.Tensor, None]:
-    """query (1, H, T, D), key / value (1, H_kv, T, D), packed_segments: the row's `Segments`
-    (or a (lengths, parents) pair) -> (1, T, H, D). Calls without segments (or not causal, or
-    with a KV cache) go to transformers' sdpa unchanged."""
+                scaling: float | None = None, packed_segments=None, **kwargs
+                ) -> tuple[torch.Tensor, None]:
+    """query (1, H, T, D), key / value (1, H_kv, T, D), packed_segments: the row's `Layout`
+    (or a `Segments`, or a (lengths, parents) pair) -> (1, T, H, D). Calls without segments (or
+    not causal, or with a KV cache) go to transformers' sdpa unchanged."""
     length = query.shape[2]
     if (packed_segments is None or not getattr(module, "is_causal", True)
             or query.shape[0] != 1 or key.shape[2] != length):
@@ -119,11 +147,26 @@ def packed_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                          f"{query.dtype}, {key.dtype}, {value.dtype}: under autocast Qwen3-VL's "
                          "q/k RMSNorm keeps fp32 weights' q and k beside a bf16 v; compute in "
                          "the model's own dtype (FSDP2's bf16 policy) instead")
-    segments = Segments.of(packed_segments)
-    if uses_varlen(query) and dropout == 0:
-        return segments_varlen(query, key, value, segments, scaling), None
-    return segments_sdpa(query, key, value, segments.lengths, segments.parents, scaling,
-                         dropout), None
+    if dropout:
+        segments = Segments.of(packed_segments)  # the reference; no Qwen-VL trains with dropout
+        return segments_sdpa(query, key, value, segments.lengths, segments.parents, scaling,
+                             dropout), None
+    return packed_attention(query, key, value, as_layout(packed_segments, query.device),
+                            scaling), None
+
+
+def packed_attention(query, key, value, layout: Layout, scaling: float | None = None,
+                     causal: bool = True) -> torch.Tensor:
+    """query (1, H, T, D), key / value (1, H_kv, T, D) attended sequence by sequence as `layout`
+    says -> (1, T, H, D); causal aligned at the end (a sequence's prefix keys are all before its
+    queries), or each sequence attending to all of itself. CUDA bf16: torch's varlen kernel;
+    elsewhere `segments_attention`. Both are single ops to torch.compile (no graph break) and
+    to selective checkpointing (their outputs are kept, `geo3k_torch.model._KEPT_OPS`)."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if uses_varlen(query):
+        return segments_varlen(query, key, value, layout, scale, causal)
+    return segments_attention(query, key, value, layout.cu_q, layout.kv_index, layout.cu_k,
+                              scale, causal)
 
 
 def uses_varlen(query: torch.Tensor) -> bool:
@@ -174,23 +217,118 @@ def varlen_layout(lengths: Sequence[int], parents: Sequence[int]):
     return cu_q, np.concatenate(pieces), cu_k, int(lengths.max()), int(k_len.max())
 
 
-def segments_varlen(query, key, value, segments: Segments,
-                    scaling: float | None = None) -> torch.Tensor:
+def segments_varlen(query, key, value, layout: Layout, scaling: float | None = None,
+                    causal: bool = True) -> torch.Tensor:
     """One varlen flash call over the row (CUDA). Shapes as `packed_sdpa`'s; returns
     (1, T, H, D)."""
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, H, D)
-    cu_q, kv_index, cu_k, max_q, max_k = segments.device_layout(q.device)
-    if kv_index is not None:
-        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)  # (T_k, H_kv, D)
+    if layout.kv_index.numel():
+        k, v = k.index_select(0, layout.kv_index), v.index_select(0, layout.kv_index)
     gqa = {}
     if q.shape[1] != k.shape[1]:
         if varlen_has_gqa:
             gqa = {"enable_gqa": True}
         else:  # torch 2.10-2.11: each query head reads its group's key / value head
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
-                      window_size=(-1, 0), **gqa)  # causal, bottom-right
-    return out[None]
+    out = varlen_attn(q, k, v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+                      scale=scaling, window_size=(-1, 0) if causal else (-1, -1), **gqa)
+    return out[None]  # causal: bottom-right
+
+
+# The per-sequence path as one operator: torch.compile sees a single call (its layout is read on
+# the host inside, which on CPU costs nothing; on CUDA only fp32 runs here, a host sync per call),
+# and selective checkpointing can keep its output. Its backward is written out (the softmax
+# recomputed per sequence from q and k, as a flash kernel's backward does).
+@torch.library.custom_op("geo3k::segments_attention", mutates_args=())
+def segments_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       cu_q: torch.Tensor, kv_index: torch.Tensor, cu_k: torch.Tensor,
+                       scale: float, causal: bool) -> torch.Tensor:
+    """query (1, H, T, D), key / value (1, H_kv, T, D), the layout of `Layout` -> (1, T, H, D):
+    one sdpa call per sequence."""
+    parts = []
+    for q, k, v in _sequences(query, key, value, cu_q, kv_index, cu_k):
+        mask = _mask(q.shape[2], k.shape[2], causal, q.device)
+        parts.append(F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1]))
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+@segments_attention.register_fake
+def _(query, key, value, cu_q, kv_index, cu_k, scale, causal):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("geo3k::segments_attention_backward", mutates_args=())
+def segments_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, cu_q: torch.Tensor, kv_index: torch.Tensor,
+                                cu_k: torch.Tensor, scale: float, causal: bool
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `segments_attention`'s query, key and value given grad (1, T, H, D) of
+    its output, in fp32 (or the inputs' dtype if wider) per sequence: P = softmax(q k^T scale), dv = P^T do,
+    ds = P (do v^T - rowsum(do o)), dq = ds k scale, dk = ds^T q scale."""
+    group, wide = query.shape[1] // key.shape[1], torch.promote_types(query.dtype, torch.float32)
+    grads = grad.transpose(1, 2).split(cu_q.diff().tolist(), dim=2)
+    dq, dks, dvs = [], [], []
+    for (q, k, v), g in zip(_sequences(query, key, value, cu_q, kv_index, cu_k), grads):
+        q, g = q.to(wide), g.to(wide)
+        k, v = (x.to(wide).repeat_interleave(group, dim=1) for x in (k, v))  # (1, H, L_k, D)
+        scores = q @ k.transpose(-1, -2) * scale  # (1, H, L_q, L_k)
+        mask = _mask(q.shape[2], k.shape[2], causal, q.device)
+        if causal and mask is None:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        p = scores.softmax(-1)
+        out = p @ v
+        ds = p * (g @ v.transpose(-1, -2) - (g * out).sum(-1, keepdim=True))
+        dq.append(ds @ k * scale)
+        dks.append((ds.transpose(-1, -2) @ q * scale).unflatten(1, (-1, group)).sum(2))
+        dvs.append((p.transpose(-1, -2) @ g).unflatten(1, (-1, group)).sum(2))
+    dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)  # (1, H_kv, T_k, D)
+    if kv_index.numel():  # a prefix's keys serve several sequences: their gradients add up
+        dk = dk.new_zeros(key.shape).index_add_(2, kv_index, dk)
+        dv = dv.new_zeros(value.shape).index_add_(2, kv_index, dv)
+    # contiguous, as the fake says (the inputs may be transposed views)
+    return tuple(x.to(like.dtype).contiguous() for x, like in (
+        (torch.cat(dq, dim=2), query), (dk, key), (dv, value)))
+
+
+@segments_attention_backward.register_fake
+def _(grad, query, key, value, cu_q, kv_index, cu_k, scale, causal):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6])
+    ctx.scale, ctx.causal = inputs[6:]
+
+
+def _backward(ctx, grad):
+    dq, dk, dv = segments_attention_backward(grad, *ctx.saved_tensors, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None, None, None
+
+
+segments_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _sequences(query, key, value, cu_q, kv_index, cu_k):
+    """(q, k, v) per sequence, (1, H, L_q, D) and (1, H_kv, L_k, D), the keys gathered by
+    kv_index (when not empty)."""
+    if kv_index.numel():
+        key, value = key.index_select(2, kv_index), value.index_select(2, kv_index)
+    qs = query.split(cu_q.diff().tolist(), dim=2)
+    ks, vs = (x.split(cu_k.diff().tolist(), dim=2) for x in (key, value))
+    return zip(qs, ks, vs)
+
+
+def _mask(q_len: int, k_len: int, causal: bool, device) -> torch.Tensor | None:
+    """A causal sequence whose keys start with its prefix's: its queries see every prefix key
+    (bottom-right alignment), as a plain boolean mask (torch's causal_lower_right is a tensor
+    subclass, which selective checkpointing's dispatch mode cannot create); None otherwise."""
+    if not causal or q_len == k_len:
+        return None
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
 
 
 AttentionInterface.register(NAME, packed_sdpa)

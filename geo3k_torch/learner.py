@@ -37,6 +37,7 @@ from common.learner import Collectives, SingleProcess, is_vision
 from common.schedule import horizon, lr_factor
 from geo3k_torch import checkpoint
 from geo3k_torch.attention import to_device
+from geo3k_torch.head import fused_loss
 from geo3k_torch.model import host_inputs, token_logprobs, upload
 
 
@@ -100,9 +101,10 @@ class Learner:
     def __init__(self, model, processor, loss_cfg: LossConfig, train_cfg, temperature: float,
                  device: torch.device | str = "cpu", ref_model=None,
                  comm: Collectives = SingleProcess(), model_dir: str | None = None,
-                 chunk: int = 0):
+                 chunk: int = 0, fused_head: bool = False):
         self.model, self.processor, self.loss_cfg = model, processor, loss_cfg
         self.chunk = chunk  # trained tokens whose logits exist at once (0: all)
+        self.fused_head = fused_head  # the loss's gradient formed by the LM head (`train.fused_head`)
         self.cfg, self.temperature, self.model_dir = train_cfg, temperature, model_dir
         self.device, self.ref_model, self.comm = torch.device(device), ref_model, comm
         self.world_size = comm.world
@@ -140,17 +142,19 @@ class Learner:
 
     def micro_batch_loss(self, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch (already scaled for accumulation) and its metric sums, all
-        device tensors (nothing read back)."""
-        logp, entropy = self._forward(self.model, mb, True)
+        device tensors (nothing read back). With `fused_head` the LM head forms the loss's
+        gradient in the forward pass (`geo3k_torch.head`), else autograd through the log-probs."""
         ref = None
         if self.loss_cfg.kl_coef:
             with torch.no_grad():
                 ref = self._forward(self.ref_model, mb, False)
-        old = logp.detach() if mb.old is None else mb.old
-        terms = per_token_terms(logp, old, mb.advantages, self.loss_cfg, ref_logp=ref,
-                                rollout_logp=mb.rollout, xp=torch,
-                                diag_logp=mb.rollout if mb.old is None else None)
-        loss = (terms["loss"] * mb.weights).sum() * self.world_size
+        if self.fused_head:
+            loss, terms = fused_loss(self.model, mb.inputs, mb.targets, self.temperature,
+                                     self.chunk, lambda logp, a, b: self._terms(mb, logp, ref, a, b))
+            logp, entropy = terms["logp"], terms["entropy"]
+        else:
+            logp, entropy = self._forward(self.model, mb, True)
+            loss, terms = self._terms(mb, logp, ref)
         with torch.no_grad():
             diff = (logp - mb.rollout).abs()
             sums = {"entropy": entropy.sum(), "clip_frac": terms["clipped"].sum(),
@@ -160,6 +164,18 @@ class Learner:
             if "tis" in sums:
                 sums["tis_mean"] = sums.pop("tis")
         return loss, sums
+
+    def _terms(self, mb: MicroBatch, logp: torch.Tensor, ref: torch.Tensor | None,
+               a: int = 0, b: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss (scaled for accumulation) of trained tokens [a, b) of `mb` given their
+        (b - a,) log-probs, and their per-token terms (`common.grpo.per_token_terms`)."""
+        cut = lambda t: None if t is None else t[a:b]  # noqa: E731
+        old = logp.detach() if mb.old is None else mb.old[a:b]
+        terms = per_token_terms(logp, old, mb.advantages[a:b], self.loss_cfg, ref_logp=cut(ref),
+                                rollout_logp=mb.rollout[a:b], xp=torch,
+                                diag_logp=mb.rollout[a:b] if mb.old is None else None)
+        loss = (terms.pop("loss") * mb.weights[a:b]).sum() * self.world_size
+        return loss, terms
 
     def train_step(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
                    ) -> dict[str, float]:

@@ -55,7 +55,7 @@ def build(cfg, workdir: str) -> loop.Run:
         if loss_cfg.kl_coef else None
     learner = Learner(model, processor, loss_cfg, cfg.train, cfg.rollout.temperature, device,
                       ref_model=ref_model, comm=comm, model_dir=model_dir,
-                      chunk=cfg.train.logprob_chunk)
+                      chunk=cfg.train.logprob_chunk, fused_head=cfg.train.fused_head)
     backend = make_backend(
         cfg, own_kind="torch", model_dir=model_dir, processor=processor, workdir=workdir,
         comm=comm, free_memory=torch.cuda.empty_cache if on_gpu else lambda: None,

@@ -10,7 +10,9 @@ only where they are needed (the masked tokens), in fp32 from `logits / temperatu
 
 from __future__ import annotations
 
+import functools
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
 
 def load_sharded(path: str, device: torch.device | str, bf16: bool,
                  dtype: torch.dtype = torch.float32, attn: str = attention.NAME,
-                 activation_checkpointing: str = "none", checkpoint_vision: bool = True):
+                 activation_checkpointing: str = "none", checkpoint_vision: bool = True,
+                 compile_backend: str | None = None):
     """The checkpoint at `path` as an FSDP2 model (`geo3k_torch.distributed.parallelize`; every
     rank of the process group calls this), without a full copy on any device: the model is
     built on the meta device, sharded, given storage on `device` for its own shards only, then
@@ -45,7 +48,8 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     broadcast and scattered to its shards. dtype: the stored parameters' (fp32 master weights
     for training, bf16 for the KL reference); bf16: compute under the bf16 policy;
     activation_checkpointing, checkpoint_vision: `checkpoint_layers`' mode and whether it
-    covers the vision blocks (set before sharding)."""
+    covers the vision blocks (set before sharding); compile_backend: its blocks compiled by this
+    torch.compile backend (`compile_layers`, the checkpointing inside), None: eager."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -59,7 +63,10 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                         attn_implementation=attn)
     use_deepstack_add(model)
-    checkpoint_layers(model, activation_checkpointing, checkpoint_vision)
+    if compile_backend:
+        compile_layers(model, activation_checkpointing, checkpoint_vision, compile_backend)
+    else:
+        checkpoint_layers(model, activation_checkpointing, checkpoint_vision)
     distributed.parallelize(model, bf16)
     model.to_empty(device=device)
     for module in model.modules():  # the rotary tables: buffers outside the checkpoint
@@ -80,14 +87,17 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
 
 CHECKPOINTING = ("full", "selective", "none")
 # What "selective" keeps from a layer's forward: the outputs of its matmuls (the projections,
-# the MLP, the LM head) and of the attention kernels. Norms, RoPE, SwiGLU's activation and
-# the residual adds are recomputed in the backward pass: cheap elementwise work in place of
-# most of the layer's activation memory.
+# the MLP, the LM head) and of the attention kernels (the packed attention's two, CUDA's and
+# CPU's sdpa kernels). Norms, RoPE, SwiGLU's activation and the residual adds are recomputed in
+# the backward pass: cheap elementwise work in place of most of the layer's activation memory.
 _KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-    "_flash_attention_forward", "_efficient_attention_forward")
-    if hasattr(torch.ops.aten, name))
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+    "_efficient_attention_forward")
+    if hasattr(torch.ops.aten, name)) + (torch.ops.geo3k.segments_attention.default,) + (
+    (torch.ops.torch_attn._varlen_attn.default,) if hasattr(torch.ops, "torch_attn")
+    and hasattr(torch.ops.torch_attn, "_varlen_attn") else ())
 
 
 def checkpoint_layers(model, mode: str, vision: bool = True) -> None:
@@ -98,7 +108,8 @@ def checkpoint_layers(model, mode: str, vision: bool = True) -> None:
     (`train.checkpoint_vision`): the vision tower's blocks keep everything whatever the mode.
     They see a micro-batch's patches (hundreds a diagram), not its tokens (thousands), so their
     activations are small and their recomputation is dispatch and launch time more than
-    arithmetic. A model already sharded may switch (the flags are read at every call)."""
+    arithmetic. A model already sharded may switch (the flags are read at every call); a
+    compiled model (`compile_layers`) switches by compiling again."""
     if mode not in CHECKPOINTING:
         raise ValueError(f"train.activation_checkpointing must be one of {CHECKPOINTING}, "
                          f"got {mode!r}")
@@ -106,12 +117,16 @@ def checkpoint_layers(model, mode: str, vision: bool = True) -> None:
         if model.is_gradient_checkpointing:
             model.activation_checkpointing_disable()
         return
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=_checkpoint_kwargs(mode))
+    for block in model.model.visual.blocks:
+        block.gradient_checkpointing = vision
+
+
+def _checkpoint_kwargs(mode: str) -> dict:
     kwargs = {"use_reentrant": False}
     if mode == "selective":
         kwargs["context_fn"] = _selective_context
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    for block in model.model.visual.blocks:
-        block.gradient_checkpointing = vision
+    return kwargs
 
 
 def _selective_context():
@@ -124,28 +139,86 @@ def _selective_context():
     return create_selective_checkpoint_contexts(policy)
 
 
-def compile_fused(model) -> None:
-    """torch.compile the elementwise-heavy work of every text decoder layer into a few fused
-    kernels each (`train.compile`; the matmuls stay cuBLAS calls): its RMSNorms (Qwen3-VL's
-    q/k norms too) and SwiGLU MLP, compiled in place (parameter names and the state dict are
-    unchanged), and RoPE: transformers' layers call their modeling module's
-    `apply_rotary_pos_emb`, which is replaced by its compiled self (for every model of that
-    architecture in the process, as Liger's kernels are applied). Shapes are dynamic (a
-    micro-batch's length varies): one compile per kind, not per length. The attention stays
-    eager (its per-segment layout would make every micro-batch a new graph)."""
-    text = model.model.language_model
-    for layer in text.layers:
-        parts = [layer.input_layernorm, layer.post_attention_layernorm, layer.mlp]
-        parts += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm")
-                  if hasattr(layer.self_attn, n)]
-        for part in parts:
-            part.compile(dynamic=True)
-    text.norm.compile(dynamic=True)
-    modeling = sys.modules[type(text.layers[0].self_attn).__module__]
-    if not hasattr(modeling.apply_rotary_pos_emb, "eager"):
-        rope = torch.compile(modeling.apply_rotary_pos_emb, dynamic=True)
-        rope.eager = modeling.apply_rotary_pos_emb
-        modeling.apply_rotary_pos_emb = rope
+def compile_layers(model, mode: str = "none", vision: bool = True,
+                   backend: str = "inductor") -> None:
+    """torch.compile each text decoder layer and each vision block as one region (`train.compile`,
+    per block as torchtitan compiles): the norms, RoPE, SwiGLU, casts and residual adds of a
+    block fused around its matmuls, one graph for all the blocks of a kind, token counts dynamic
+    (no recompile per micro-batch length). Activation checkpointing (`checkpoint_layers`' `mode`,
+    `vision` as there) runs inside each compiled region, and the packed attention is one op in
+    it (`geo3k_torch.attention.packed_attention`; the vision blocks' attention goes through it
+    too, over the images' layout that `host_inputs` passes as `packed_vision`). Only packed
+    forwards (the learner's) take the compiled path; any other call (generation) runs the eager
+    block. In place: parameter names and the state dict are unchanged; callable again to switch
+    the mode, before or after FSDP2 wraps the blocks. backend: torch.compile's
+    (`train.compile_backend`)."""
+    checkpoint_layers(model, "none")  # the compiled regions checkpoint themselves
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"train.activation_checkpointing must be one of {CHECKPOINTING}, "
+                         f"got {mode!r}")
+    visual = model.model.visual
+    full = set(getattr(visual, "fullatt_block_indexes", None) or range(len(visual.blocks)))
+    for i, block in enumerate(visual.blocks):
+        attn = block.attn
+        if not isinstance(attn, _PackedVisionAttention):
+            attn.__class__ = _packed_class(type(attn))
+        attn.layout_index = 0 if i in full else 1
+        _compile_block(block, mode if vision else "none", backend, "packed_vision")
+    for layer in model.model.language_model.layers:
+        _compile_block(layer, mode, backend, "packed_segments")
+
+
+def _compile_block(block, mode: str, backend: str, packed: str) -> None:
+    """block.forward := its compiled, checkpointed self for calls given the packed layout
+    `packed`; its class's forward for any other call."""
+    eager = types.MethodType(type(block).forward, block)
+    region = eager
+    if mode != "none":
+        from torch.utils.checkpoint import checkpoint
+        region = functools.partial(checkpoint, eager, **_checkpoint_kwargs(mode))
+    compiled = torch.compile(region, dynamic=True, backend=backend)
+
+    def forward(*args, **kwargs):
+        if kwargs.get(packed) is None:
+            return eager(*args, **kwargs)
+        # no "duck sizing": sizes that happen to be equal in one micro-batch (a layout's length
+        # and a hidden size) must not become a guard that the next one fails
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    block.forward = forward
+
+
+@functools.cache
+def _packed_class(cls: type) -> type:
+    """`cls` (a vision attention class) with `_PackedVisionAttention`'s forward: one class for
+    every block of a tower."""
+    return type(f"Packed{cls.__name__}", (_PackedVisionAttention, cls), {})
+
+
+class _PackedVisionAttention(torch.nn.Module):
+    """Mixed into a Qwen-VL vision attention's class (`compile_layers`): its forward over the
+    images' packed layout (`packed_vision[self.layout_index]`: 0 every image, 1 Qwen2.5-VL's
+    windows), transformers' computation (qkv, the vision RoPE, attention per image, proj) with
+    the attention one op. (P, C) -> (P, C). Without the layout, transformers' own forward. A
+    class, not a per-block function, so that every block of a tower is one compiled graph."""
+
+    layout_index: int = 0
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens=None, position_embeddings=None,
+                packed_vision=None, **kwargs):
+        if packed_vision is None:
+            return super().forward(hidden_states, cu_seqlens,
+                                   position_embeddings=position_embeddings, **kwargs)
+        rope = sys.modules[type(self).__mro__[2].__module__].apply_rotary_pos_emb_vision
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1) \
+            .permute(1, 0, 2, 3).unbind(0)  # (P, H, D) each
+        q, k = rope(q, k, *position_embeddings)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H, P, D)
+        out = attention.packed_attention(q, k, v, packed_vision[self.layout_index],
+                                         self.scaling, causal=False)
+        return self.proj(out.reshape(n, -1))
 
 
 def _tied(model) -> set[str]:
@@ -174,8 +247,9 @@ def host_inputs(batch: PackedBatch, processor, config) -> dict:
     """The forward's inputs of a packed micro-batch, on the host: input_ids (1, T), position_ids
     (4, 1, T) (row 0 the text position, rows 1-3 M-RoPE), packed_segments (a
     `geo3k_torch.attention.Segments`), under packed_sdpa the placeholder attention mask
-    (`attention.packed_mask`), and pixel_values (P, C) / image_grid_thw (N, 3) when the row has
-    images. All the host work of a micro-batch (the image processor, the positions)
+    (`attention.packed_mask`), and when the row has images pixel_values (P, C), image_grid_thw
+    (N, 3), `vision_inputs` and packed_vision (the images' and the windows' `attention.Layout`,
+    which the compiled vision blocks attend by, `compile_layers`). All the host work of a micro-batch (the image processor, the positions)
     happens here, so it can run while the device computes the previous one."""
     parents = batch.parent_of()
     if (parents >= 0).any() and config._attn_implementation != attention.NAME:
@@ -195,6 +269,9 @@ def host_inputs(batch: PackedBatch, processor, config) -> dict:
     if imgs:
         out["pixel_values"] = torch.from_numpy(imgs["pixel_values"])
         out |= vision_inputs(config, grid)
+        out["packed_vision"] = (attention.image_layout(out["image_cu_seqlens"]),
+                                attention.image_layout(out.get("image_cu_window_seqlens",
+                                                               out["image_cu_seqlens"])))
     return out
 
 
@@ -229,10 +306,20 @@ def vision_inputs(config, grid: np.ndarray) -> dict:
 
 
 def upload(inputs: dict, device: torch.device) -> dict:
-    """`host_inputs` on `device`: tensors copied without blocking from pinned memory on CUDA;
-    numpy arrays (`vision_inputs`' host-side sizes) stay."""
-    return {k: attention.to_device(v, device) if isinstance(v, torch.Tensor) else v
-            for k, v in inputs.items()}
+    """`host_inputs` on `device`: tensors and the attention layouts (`packed_segments` becomes an
+    `attention.Layout`) copied without blocking from pinned memory on CUDA; numpy arrays
+    (`vision_inputs`' host-side sizes) stay."""
+    def up(v):
+        if isinstance(v, torch.Tensor):
+            return attention.to_device(v, device)
+        if isinstance(v, attention.Segments):
+            return v.layout(device)
+        if isinstance(v, attention.Layout):
+            return attention.Layout(*map(up, v))
+        if isinstance(v, tuple):  # packed_vision: two layouts
+            return tuple(map(up, v))
+        return v
+    return {k: up(v) for k, v in inputs.items()}
 
 
 def deepstack_add(hidden: torch.Tensor, mask: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

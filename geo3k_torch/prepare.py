@@ -24,7 +24,7 @@ from common.prepare import build_lock, data_keys, data_spec, prepare_data, read_
 from common.prompts import prompt_style
 from common.synthetic import parse_image_size
 from configs import to_dataclass
-from geo3k_torch.model import compile_fused, load_model, load_sharded
+from geo3k_torch.model import compile_layers, load_model, load_sharded
 
 PRETRAIN_SEED = 20_000  # + tiny_seed: the vision pretraining's figures (the splits: 0 and 10,000)
 BUILD_RECORD = "tiny_build.json"
@@ -141,16 +141,19 @@ def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference
     dtype policy. On CUDA, and on CPU with several processes, it is FSDP2-sharded
     (`geo3k_torch.model.load_sharded`: no rank holds a full copy), with `train.bf16` computing in
     bf16 over fp32 master weights on CUDA (the reference is stored in bf16: it is never
-    trained). One CPU process trains plainly in fp32 (the CPU demo). `train.compile`: its norms
-    and MLPs compiled (`geo3k_torch.model.compile_fused`)."""
+    trained). One CPU process trains plainly in fp32 (the CPU demo). `train.compile`: each of its
+    blocks compiled (`geo3k_torch.model.compile_layers`, by `train.compile_backend`)."""
     bf16 = device.type == "cuda" and cfg.train.bf16
     dtype = torch.bfloat16 if reference and bf16 else torch.float32
+    checkpointing = (cfg.train.activation_checkpointing if device.type == "cuda" and not reference
+                     else "none")
+    backend = cfg.train.compile_backend if cfg.train.compile else None
     if device.type == "cuda" or world > 1:
-        model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=(
-            cfg.train.activation_checkpointing if device.type == "cuda" and not reference
-            else "none"), checkpoint_vision=cfg.train.checkpoint_vision)
+        model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=checkpointing,
+                             checkpoint_vision=cfg.train.checkpoint_vision,
+                             compile_backend=backend)
     else:
         model = load_model(model_dir, dtype)
-    if cfg.train.compile:
-        compile_fused(model)
+        if backend:
+            compile_layers(model, checkpointing, cfg.train.checkpoint_vision, backend)
     return model.eval().requires_grad_(False) if reference else model

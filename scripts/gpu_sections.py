@@ -399,7 +399,7 @@ def _torch_memory(device):
 
 
 def learner_torch(s: Settings):
-    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, compile_fused
+    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, compile_layers
 
     cfg = _config(s, max(s.micro_batch_tokens))
     run = _build("torch", s, "learner_torch", cfg)
@@ -409,7 +409,7 @@ def learner_torch(s: Settings):
     mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
     kernel = learner_kernel(device)
     # the recipe's kernel and checkpointing at every size, without checkpointing the vision
-    # blocks at the smallest, then with its norms and MLPs compiled at the largest (most telling
+    # blocks at the smallest, then with its blocks compiled at the largest (most telling
     # first: a section stopped at its cap keeps the rows before); with `s.all_modes` first the
     # other checkpointing modes and the other kernel
     # (kernel, checkpointing, vision blocks checkpointed, compiled, tokens a micro-batch)
@@ -427,9 +427,10 @@ def learner_torch(s: Settings):
             if why:
                 yield {"framework": "torch", "kernel": kernel, "status": "skipped", "note": why}
                 continue
-            checkpoint_layers(learner.model, checkpointing, vision)
             if compiled:
-                compile_fused(learner.model)
+                compile_layers(learner.model, checkpointing, vision)
+            else:
+                checkpoint_layers(learner.model, checkpointing, vision)
             row = {"framework": "torch", "kernel": kernel, "checkpointing": checkpointing,
                    "checkpoint_vision": vision, "compiled": compiled,
                    "micro_batch_tokens": budget}

@@ -195,7 +195,7 @@ def test_varlen_equals_segments_sdpa_on_cuda(gqa):
     results = []
     for fn in (attention.segments_varlen, attention.segments_sdpa):
         q, k, v = (x.clone().requires_grad_() for x in leaves)
-        out = (fn(q, k, v, attention.Segments(lengths, parents), 0.125)
+        out = (fn(q, k, v, attention.Segments(lengths, parents).layout("cuda"), 0.125)
                if fn is attention.segments_varlen else fn(q, k, v, lengths, parents, 0.125))
         out.backward(grad_out)
         results.append([out.float(), q.grad.float(), k.grad.float(), v.grad.float()])

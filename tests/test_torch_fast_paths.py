@@ -21,7 +21,7 @@ import geo3k_torch.attention as attention
 from common.batching import pack
 from common.grpo import LossConfig
 from geo3k_torch.learner import Learner, prefetched
-from geo3k_torch.model import (CHECKPOINTING, checkpoint_layers, compile_fused, deepstack_add,
+from geo3k_torch.model import (CHECKPOINTING, checkpoint_layers, compile_layers, deepstack_add,
                                packed_inputs, token_logprobs, use_deepstack_add)
 from tests.jax_learner_setup import train_config
 from tests.test_jax_model import sequences
@@ -34,8 +34,10 @@ SYNCS = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "
          "__format__", "nonzero")
 # The one host read left in a forward: transformers checks that the image placeholders match the
 # image features (`torch_compilable_check`). The vision tower's layouts come precomputed
-# (`geo3k_torch.model.vision_inputs`) and the deepstack step gathers (`deepstack_add`).
-ALLOWED_FRAMES = {"get_placeholder_mask"}
+# (`geo3k_torch.model.vision_inputs`) and the deepstack step gathers (`deepstack_add`). The packed
+# attention's CPU operator reads its layout's bounds (`_sequences`), host tensors there; on CUDA
+# in bf16 the varlen kernel takes them as device tensors and reads nothing.
+ALLOWED_FRAMES = {"get_placeholder_mask", "_sequences", "segments_attention_backward"}
 
 class HostSyncs(TorchDispatchMode):
     """Within the block, from the main thread, a method of `SYNCS` called on a tensor raises, and
@@ -219,7 +221,8 @@ def test_varlen_repeats_kv_where_torch_has_no_enable_gqa(has_gqa, monkeypatch):
     T, H, D = sum(lengths), 4, 8
     q = torch.randn(1, H, T, D, generator=g)
     k, v = (torch.randn(1, H // 2, T, D, generator=g) for _ in range(2))
-    out = attention.segments_varlen(q, k, v, attention.Segments(lengths, parents), 0.3)
+    out = attention.segments_varlen(q, k, v, attention.Segments(lengths, parents).layout("cpu"),
+                                    0.3)
     ref = attention.segments_sdpa(q, k, v, lengths, parents, scaling=0.3)
     assert torch.allclose(out, ref, rtol=0, atol=1e-6)
     assert seen == [(H, H // 2 if has_gqa else H)]
@@ -251,7 +254,7 @@ def _backward_ops_and_grads(build, mode, vision=True):
     logp = token_logprobs(model, packed_inputs(row, processor, model.config), targets)
     with _Ops() as ops:
         (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
-    return ops.counts, {k: p.grad.clone() for k, p in model.named_parameters()}
+    return ops.counts, {k: p.grad.clone() for k, p in model.named_parameters()}, model.config
 
 
 @pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
@@ -267,6 +270,15 @@ def test_activation_checkpointing_modes_give_the_same_gradients(build):
     assert act["none"] == 0 and act["selective"] == act["full"] > act["full, text only"] > 0, act
     mm = {mode: c["mm"] + c["addmm"] for mode, c in ops.items()}
     assert mm["none"] == mm["selective"] < mm["full, text only"] < mm["full"], mm
+    # attention is never recomputed under selective: the text layers' packed attention (one op
+    # a layer) and the vision blocks' sdpa are kept; full recomputes them, each once
+    layers = results["none"][2].text_config.num_hidden_layers
+    text = {mode: c["segments_attention"] for mode, c in ops.items()}
+    assert text == {"none": 0, "selective": 0, "full": layers, "full, text only": layers}, text
+    vision = {mode: c["_scaled_dot_product_flash_attention_for_cpu"] for mode, c in ops.items()}
+    assert vision["none"] == vision["selective"] == vision["full, text only"] == 0 \
+        < vision["full"], vision
+    assert all(c["segments_attention_backward"] == layers for c in ops.values()), ops
     ref = results["none"][1]
     for mode in ("full", "selective", "full, text only"):
         for k, g in results[mode][1].items():
@@ -274,47 +286,84 @@ def test_activation_checkpointing_modes_give_the_same_gradients(build):
                 (mode, k)
 
 
-@pytest.mark.slow  # compiles (about 30 s on two cores, once per process)
-@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
-def test_compiled_norms_mlps_and_rope_equal_eager(build, monkeypatch):
-    """train.compile: the fused modules and RoPE give the eager log-probs and gradients on rows
-    of two lengths (dynamic shapes: no recompile per length), under selective checkpointing, and
-    the state dict keeps its names."""
-    modeling = sys.modules[build(seed=0)[0].model.language_model.layers[0].self_attn
-                           .__module__]
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", modeling.apply_rotary_pos_emb)
+def _compiled_against_eager(build, mode, backend):
+    """Log-probs and gradients of two packed rows of different lengths (images, shared prompts:
+    M-RoPE, deepstack for Qwen3-VL, windows for Qwen2.5-VL), eager then compiled; the compiled
+    graphs counted after each row."""
     torch._dynamo.reset()
     dynamo_counters.clear()
     results = []
     for compiled in (False, True):
         model, patch = build(seed=0)
         model.set_attn_implementation(attention.NAME)
-        checkpoint_layers(model, "selective")
+        use_deepstack_add(model)
         names = list(model.state_dict())
         if compiled:
-            compile_fused(model)
-            assert modeling.apply_rotary_pos_emb.eager is not modeling.apply_rotary_pos_emb
+            compile_layers(model, mode, backend=backend)
+        else:
+            checkpoint_layers(model, mode)
         assert list(model.state_dict()) == names
         model.train()
         processor = ImageOnlyProcessor(patch)
         seqs = groups(processor, np.random.default_rng(1))
         logps, graphs = [], []
-        for budget in (max(map(len, seqs)) + 10, max(map(len, seqs)) + 60):
+        for budget in (2 * max(map(len, seqs)), sum(map(len, seqs))):
             row = pack(seqs, budget, image_token_id=IMG)[0]
+            assert (row.parent_of() >= 0).any()  # the same layout kind in both rows
             targets = torch.from_numpy(np.flatnonzero(row.loss_mask))
             logp = token_logprobs(model, packed_inputs(row, processor, model.config), targets)
             (logp * torch.linspace(-1, 1, len(logp))).sum().backward()
             logps.append(logp.detach())
             graphs.append(dynamo_counters["stats"]["unique_graphs"])
-        if compiled:  # it did compile, and the second length reused the first's graphs
-            assert graphs[0] > 0 and graphs[1] == graphs[0], graphs
-        results.append((logps, {k: p.grad.clone() for k, p in model.named_parameters()}))
-    (a, ga), (b, gb) = results
+        results.append((logps, {k: p.grad.clone() for k, p in model.named_parameters()},
+                        graphs))
+    return results
+
+
+@pytest.mark.slow  # compiles (about 20 s on two cores)
+@pytest.mark.parametrize("build", BUILDERS, ids=lambda b: b.__name__)
+def test_compiled_layers_equal_eager(build):
+    """train.compile: every text decoder layer and vision block compiled as one region each
+    (Dynamo and AOTAutograd; the aot_eager backend generates no code), selective checkpointing
+    inside, gives the eager log-probs and gradients; the blocks of a kind share one graph, and a
+    row of another length compiles nothing new: three graphs, the text layers', and Qwen2.5-VL's
+    windowed and full vision blocks, or Qwen3-VL's first vision block (its input is a view, the
+    patch embedding reshaped) and the others. A per-block function or a Python list in the
+    attention's layout would compile once per block or per row."""
+    (a, ga, _), (b, gb, graphs) = _compiled_against_eager(build, "selective", "aot_eager")
+    model = build(seed=0)[0]
+    blocks = len(model.model.visual.blocks) + model.config.text_config.num_hidden_layers
+    assert graphs == [3, 3] and blocks > 3, (graphs, blocks)
     assert [len(x) for x in a] == [len(x) for x in b] and len(set(map(len, a))) == 2
+    for x, y in zip(a, b):
+        assert torch.allclose(x, y, rtol=0, atol=1e-6)
+    for k, g in ga.items():
+        assert torch.linalg.norm(gb[k] - g) <= 1e-6 * max(torch.linalg.norm(g), 1e-8), k
+
+
+@pytest.mark.slow  # generates and compiles C++ kernels (about 60 s on two cores)
+def test_compiled_layers_with_inductor_equal_eager():
+    """The default backend (inductor: fused kernels), full checkpointing: the eager log-probs
+    and gradients within fp32 reassociation (measured 5e-7 / 1e-6)."""
+    (a, ga, _), (b, gb, graphs) = _compiled_against_eager(qwen3_vl, "full", "inductor")
+    assert graphs[0] == graphs[1] > 0, graphs
     for x, y in zip(a, b):
         assert torch.allclose(x, y, rtol=0, atol=1e-5)
     for k, g in ga.items():
         assert torch.linalg.norm(gb[k] - g) <= 1e-5 * max(torch.linalg.norm(g), 1e-8), k
+
+
+def test_compiled_blocks_run_eager_without_a_packed_layout():
+    """Generation (no packed layout) calls the blocks' eager forward: nothing compiles, and the
+    logits equal an uncompiled model's."""
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    plain, compiled = (qwen3_vl(seed=0)[0].eval() for _ in range(2))
+    compile_layers(compiled, "none", backend="aot_eager")
+    ids = torch.tensor([[1, 5, 9, 30, 2]])
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, compiled(input_ids=ids).logits)
+    assert dynamo_counters["stats"]["unique_graphs"] == 0
 
 
 def test_an_unknown_checkpointing_mode_is_refused():
