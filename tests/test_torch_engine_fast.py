@@ -93,8 +93,10 @@ def check_against_forward(model, processor, requests, completions, temperature=0
 
 def test_decode_step_logits_equal_the_full_forward(tiny):
     """Three rows of different prompts (images, lengths) in 4 slots of one cache: each of five
-    decode steps gives every row the logits of transformers' forward over its whole sequence;
-    one M-RoPE position off (the text position, as a plain decoder would use) does not."""
+    decode steps gives every row the logits of transformers' forward over its whole sequence,
+    attending over the whole capacity or only up to the longest position (the span: the empty
+    end of the cache adds nothing); one M-RoPE position off (the text position, as a plain
+    decoder would use) does not."""
     model, processor = tiny
     engine = LocalEngine(model, processor, 0)
     reqs = make_requests(processor, 1, n=3)
@@ -102,12 +104,14 @@ def test_decode_step_logits_equal_the_full_forward(tiny):
                            torch.device("cpu"))
     with torch.no_grad():
         engine._admit(slots, reqs, [2, 0, 3], nucleus=False)
-        decoder = Decoder(model, slots, cuda_graphs=True)  # eager on the CPU
+        decoder = Decoder(model, slots, engine.generator, engine.banned)  # eager on the CPU
         seqs = [list(r.input_ids) for r in reqs]
         for step in range(5):
             for s, seq in zip([2, 0, 3], seqs):
                 seq.append(int(slots.last[s]))
-            logits = decoder.step(4)
+            logits = decoder.logits(4, 200)
+            span = int(slots.pos.max()) + 1  # the shortest span that holds every row
+            torch.testing.assert_close(decoder.logits(4, span), logits, rtol=0, atol=1e-6)
             for s, seq, r in zip([2, 0, 3], seqs, reqs):
                 want = full_logits(model, processor, seq, r.images)[-1]
                 assert (logits[s] - want).abs().max() <= 1e-4, (step, s)
@@ -116,7 +120,7 @@ def test_decode_step_logits_equal_the_full_forward(tiny):
             slots.record(torch.arange(4), logits, engine.generator, engine.banned, False)
         slots.mpos[:] = slots.pos  # one-off: the text position instead of M-RoPE's
         seqs[0].append(int(slots.last[2]))
-        wrong = decoder.step(4)[2]
+        wrong = decoder.logits(4, 200)[2]
     right = full_logits(model, processor, seqs[0], reqs[0].images)[-1]
     assert (wrong - right).abs().max() > 1e-3
 
