@@ -30,7 +30,7 @@ replayed: the model's step, and with `graph_sampling` the advance and the sampli
 draws come from the engine's seeded generator registered with the graph (every replay moves its
 Philox offset on, as the eager draws would). The same code runs eagerly elsewhere. With
 `compile_backend` the model's step is `torch.compile`d first (static shapes per row count, the
-span dynamic); the sampling stays eager code inside the graph, so it draws from the same generator
+span's length dynamic); the sampling stays eager code inside the graph, so it draws from the same generator
 as the plain step (inductor's own random numbers would not).
 """
 
@@ -45,7 +45,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-# One compilation per row count (9 at 256 slots, `engine.row_counts`): past dynamo's default
+# Two compilations per row count (`engine.row_counts`: 18 at 256 slots): past dynamo's default
 # limit of 8 recompilations per function it would run the rest eagerly.
 _COMPILE_LIMITS = {k: 4096 for k in ("recompile_limit", "accumulated_recompile_limit")
                    if hasattr(torch._dynamo.config, k)}
@@ -177,7 +177,8 @@ class Decoder:
     graph_sampling: the graph takes the sampling too (`register_generator_state`); off, or where
     this torch lacks that call, the graph ends at the logits and `Slots.record` runs after it.
     compile_backend: `torch.compile` the logits with this backend ("inductor"; "" runs them as
-    written): static shapes per row count, the span's length dynamic.
+    written): static shapes per row count, the span's length dynamic (two compilations per row
+    count: spans short of the capacity, and the whole capacity, a contiguous slice).
     """
 
     def __init__(self, model, slots: Slots, generator: torch.Generator, banned: torch.Tensor, *,
@@ -228,7 +229,7 @@ class Decoder:
         index = self.index[:span]
         if not self.compiled:
             return self.forward(self.every[:n], index)
-        torch._dynamo.maybe_mark_dynamic(index, 0)  # one compilation per row count
+        torch._dynamo.maybe_mark_dynamic(index, 0)  # not one compilation per span
         with torch._dynamo.config.patch(**_COMPILE_LIMITS):
             return self._logits(self.every[:n], index)
 

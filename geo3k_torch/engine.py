@@ -235,7 +235,7 @@ class LocalEngine:
         n_stops = max(1, *(len(r.sampling.stop_token_ids) for r in requests))
         kept = self._kept
         if kept is not None and kept.slots.fits(rows, capacity, max_new, n_stops):
-            kept.slots.done[:] = True
+            kept.slots.done[:] = True  # free (a call that raised may have left rows live)
             return kept
         self._kept = None  # the old slots and steps go before new ones are allocated
         if self.keep_slots:
