@@ -182,7 +182,7 @@ class Decoder:
     """
 
     def __init__(self, model, slots: Slots, generator: torch.Generator, banned: torch.Tensor, *,
-                 cuda_graphs: bool = True, graph_sampling: bool = True,
+                 cuda_graphs: bool = True, graph_sampling: bool = False,
                  compile_backend: str = ""):
         text = model.model.language_model
         self.embed, self.layers, self.norm = text.embed_tokens, text.layers, text.norm

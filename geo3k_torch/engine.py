@@ -87,7 +87,7 @@ class LocalEngine:
     def __init__(self, model, processor, pad_id: int, seed: int = 0,
                  device: torch.device | str = "cpu", keep_cache: bool = True,
                  share_prefill: bool = True, max_batch: int = 256, kv_budget_gb: float = 24.0,
-                 cuda_graphs: bool = True, graph_sampling: bool = True,
+                 cuda_graphs: bool = True, graph_sampling: bool = False,
                  keep_slots: bool = False, attention_bucket: int = 0, compile: bool = False,
                  compile_backend: str = "inductor"):
         """max_batch, kv_budget_gb, cuda_graphs, graph_sampling, keep_slots, attention_bucket,
@@ -155,6 +155,10 @@ class LocalEngine:
         steps stay: they read the weights where they are, and a copy into them changes no
         address."""
         self._cache = {}
+
+    def release(self) -> None:
+        """Drop the kept slots and their steps (their memory goes back to the allocator)."""
+        self._kept = None
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> list[Completion]:

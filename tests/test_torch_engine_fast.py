@@ -245,20 +245,36 @@ def test_row_counts_and_slot_plan(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_equal_eager_steps():
     """On CUDA (fp32 tiny model): the captured decode steps give the eager steps' tokens and
-    log-probs, refills and compactions included, and the CPU's greedy tokens."""
+    log-probs, refills and compactions included, whether the graph samples (its draws advance
+    the seeded generator as the eager ones do) or the sampling follows it, and with every fast
+    path on (kept slots, attention buckets, inductor); the kept engine's second call captures
+    nothing new. Greedy steps give the CPU's tokens."""
     model, patch = qwen3_vl(seed=0)
     processor = ImageOnlyProcessor(patch)
     reqs = make_requests(processor, 7, n=6, temperature=1.0)
-    cpu = LocalEngine(model, processor, 0, max_batch=4).generate(
-        [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
-         for r in reqs])
+    greedy = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
+              for r in reqs]
+    cpu = LocalEngine(model, processor, 0, max_batch=4).generate(greedy)
     model = model.cuda()
-    runs = [LocalEngine(model, processor, 0, seed=1, device="cuda", max_batch=4,
-                        cuda_graphs=graphs).generate(reqs) for graphs in (True, False)]
-    for a, b in zip(*runs):
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
-    greedy = LocalEngine(model, processor, 0, device="cuda", max_batch=4).generate(
-        [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
-         for r in reqs])
-    assert [o.token_ids for o in greedy] == [o.token_ids for o in cpu]
+    ways = {"eager": dict(cuda_graphs=False), "sampling after the graph": {},
+            "graphs": dict(graph_sampling=True, keep_slots=True),
+            "fast": dict(graph_sampling=True, keep_slots=True, attention_bucket=16,
+                         compile=True)}
+    engines = {k: LocalEngine(model, processor, 0, seed=1, device="cuda", max_batch=4, **kw)
+               for k, kw in ways.items()}
+    runs = {k: e.generate(reqs) for k, e in engines.items()}
+    for way in ways:
+        for a, b in zip(runs[way], runs["eager"]):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, way
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert engines["graphs"]._kept.graph_sampling  # this torch registers generators
+    fast = LocalEngine(model, processor, 0, device="cuda", max_batch=4, **ways["fast"])
+    assert [o.token_ids for o in fast.generate(greedy)] == [o.token_ids for o in cpu]
+    kept = fast._kept
+    builds = kept.builds
+    fast.clear_cache()
+    again = fast.generate([dataclasses.replace(r, session=r.session + "-again") for r in greedy])
+    assert fast._kept is kept and kept.builds == builds  # the same shapes: nothing captured
+    assert [o.token_ids for o in again] == [o.token_ids for o in cpu]
+    greedy_gpu = LocalEngine(model, processor, 0, device="cuda", max_batch=4).generate(greedy)
+    assert [o.token_ids for o in greedy_gpu] == [o.token_ids for o in cpu]
