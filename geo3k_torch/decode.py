@@ -201,10 +201,10 @@ class Decoder:
             warnings.warn(f"torch {torch.__version__} has no CUDAGraph.register_generator_state: "
                           "the decode step's sampling runs outside its CUDA graph")
         self.graph_sampling = self.graphs and graph_sampling and rng_api
-        self.compiled = bool(compile_backend)
-        self._logits = torch.compile(self.forward, backend=compile_backend, dynamic=False,
-                                     fullgraph=True) if self.compiled else self.forward
-        self._programs: dict[tuple[int, int, bool], Callable[[], None]] = {}
+        # Nothing here may hold a bound method of self: a cycle would keep the slots' memory
+        # until the garbage collector runs, past the next call's allocation.
+        self._compiled = _compiled_forward(compile_backend) if compile_backend else None
+        self._programs: dict[tuple[int, int, bool], Callable[[], None] | None] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self.builds = 0  # steps built (on CUDA with graphs: captured)
 
@@ -216,7 +216,11 @@ class Decoder:
         if key not in self._programs:
             self._programs[key] = self._build(n, span, nucleus)
             self.builds += 1
-        self._programs[key]()
+        program = self._programs[key]
+        if program is None:
+            self.run(n, span, nucleus)
+        else:
+            program()
 
     def run(self, n: int, span: int, nucleus: bool) -> None:
         """`step`'s work, eagerly (what a graph with sampling captures)."""
@@ -227,11 +231,11 @@ class Decoder:
     def logits(self, n: int, span: int) -> torch.Tensor:
         """`forward` over slots 0 .. n - 1 and cache indices < span, compiled if asked."""
         index = self.index[:span]
-        if not self.compiled:
+        if self._compiled is None:
             return self.forward(self.every[:n], index)
         torch._dynamo.maybe_mark_dynamic(index, 0)  # not one compilation per span
         with torch._dynamo.config.patch(**_COMPILE_LIMITS):
-            return self._logits(self.every[:n], index)
+            return self._compiled(self, self.every[:n], index)
 
     def warm_up(self, n: int, span: int, nucleus: bool) -> None:
         """Run `run` once (compiling, autotuning, initialising what a capture may not) without
@@ -245,13 +249,13 @@ class Decoder:
         s.done[:n] = done
         self.generator.set_state(state)
 
-    def _build(self, n: int, span: int, nucleus: bool) -> Callable[[], None]:
-        """The step of one shape: `run` itself, or on CUDA a graph of it (the sampling's draws
-        advance `generator` at every replay) or of its logits, warmed up on a side stream
+    def _build(self, n: int, span: int, nucleus: bool) -> Callable[[], None] | None:
+        """The step of one shape: None (`run` it), or on CUDA a graph of `run` (the sampling's
+        draws advance `generator` at every replay) or of its logits, warmed up on a side stream
         first. Only this thread is held to the capture's rules: with `train.max_staleness` > 0
         the learner keeps training on the same GPU from another thread meanwhile."""
         if not self.graphs:
-            return functools.partial(self.run, n, span, nucleus)
+            return None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -267,12 +271,8 @@ class Decoder:
                 logits = self.logits(n, span)
         if self.graph_sampling:
             return graph.replay
-
-        def replay() -> None:
-            graph.replay()
-            self.slots.advance(n)
-            self.slots.record(self.every[:n], logits, self.generator, self.banned, nucleus)
-        return replay
+        return functools.partial(_replay_then_sample, graph, logits, self.slots, self.every[:n],
+                                 self.generator, self.banned, nucleus)
 
     def forward(self, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The step's model math over slots `rows` (n,) = 0 .. n - 1 and cache indices `index`
@@ -302,3 +302,18 @@ class Decoder:
             x = x + attn.o_proj(out.reshape(n, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.head(self.norm(x))[:, 0].float()
+
+
+def _replay_then_sample(graph, logits: torch.Tensor, slots: Slots, rows: torch.Tensor,
+                        generator: torch.Generator, banned: torch.Tensor, nucleus: bool) -> None:
+    """A graph of the logits (n, V) of slots `rows` (n,), then their sampling, eagerly."""
+    graph.replay()
+    slots.advance(len(rows))
+    slots.record(rows, logits, generator, banned, nucleus)
+
+
+@functools.cache
+def _compiled_forward(backend: str):
+    """`Decoder.forward` compiled with `backend`, one function for every decoder (it holds none:
+    a dropped decoder's slots go at once)."""
+    return torch.compile(Decoder.forward, backend=backend, dynamic=False, fullgraph=True)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -103,6 +105,29 @@ def test_kept_slots_are_reused_without_new_steps_or_compilations(tiny):
     got = engine.generate(longer)
     assert engine._kept is not kept and engine._kept.slots.capacity > kept.slots.capacity
     assert_same(got, LocalEngine(model, processor, 0, max_batch=4).generate(longer))
+
+
+@pytest.mark.parametrize("fast", ["plain", "compiled"])
+def test_a_dropped_decoder_frees_its_slots_at_once(tiny, fast):
+    """A call's decoder (plain: every call's; kept: once released) is gone when its last
+    reference goes, with the garbage collector off: a reference cycle would hold the slots'
+    memory (GBs on a GPU) past the next call's allocation."""
+    model, processor = tiny
+    engine = LocalEngine(model, processor, 0, **FAST.get(fast, {}))
+    made, build = [], engine._decoder
+
+    def track(reqs):
+        decoder = build(reqs)
+        made.append(weakref.ref(decoder))
+        return decoder
+    engine._decoder = track
+    gc.disable()
+    try:
+        engine.generate(make_requests(processor, 8, n=2))
+        engine.release()
+        assert made and made[-1]() is None
+    finally:
+        gc.enable()
 
 
 def test_warm_up_changes_nothing_the_step_would_not(tiny):
