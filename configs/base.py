@@ -115,6 +115,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.engine.local_max_batch = 256
     c.engine.local_kv_budget_gb = 24.0  # GiB of KV cache the torch engine's slots may take
     c.engine.local_cuda_graphs = True  # on CUDA, replay each decode step as a CUDA graph
+    # The decode step's fast paths (geo3k_torch.decode), each off = its plain twin, the one the
+    # tests compare against. Off until measured on a GPU (scripts/gpu_check.py, engine_torch).
+    c.engine.local_graph_sampling = False  # the graph samples too (seeded generator registered)
+    c.engine.local_keep_slots = False  # keep slots and graphs across calls (memory stays held)
+    c.engine.local_attention_bucket = 0  # attend up to the longest position in buckets (0: all)
+    c.engine.local_compile = False  # torch.compile the step (needs local_keep_slots)
+    c.engine.local_compile_backend = "inductor"  # "aot_eager": traced, no new kernels (tests)
     c.engine.sglang_urls = ""  # comma-separated running servers; empty: launch them here
     # Launched here (common.sglang.placement): colocated, one server per sglang_gpus_per_server
     # (its tp) learner GPUs, each process generating through the one on its GPU; otherwise

@@ -5,10 +5,14 @@ disk round trip: after an optimizer step the next `generate` samples from the ne
 
 One `generate` call decodes its requests in a fixed number of slots of one preallocated KV
 cache (`geo3k_torch.decode.Slots`: rows x capacity, capacity = the call's longest prompt plus
-its max_new_tokens), refilled as rows finish (continuous batching, as `geo3k_jax.engine`):
+its max_new_tokens; with `keep_slots` the slots and their captured steps are kept for the next
+calls, and replaced only by a call they are too small for), refilled as rows finish
+(continuous batching, as `geo3k_jax.engine`):
 
     waiting requests ──admit──> prefill (HF forward, new tokens only) ──copy K/V──> free slots
-    decode: every slot one token a step (`decode.Decoder`, a CUDA graph on GPUs), on device;
+    decode: every slot one token a step (`decode.Decoder`, a CUDA graph on GPUs, sampling
+            included; `compile`: torch.compile'd), on device, attending over the whole
+            capacity or (`attention_bucket`) the live rows' longest position in whole buckets;
             every SYNC_STEPS steps (or when a row may have reached its max_new_tokens) the host
             reads the done flags: finished rows are retired, their slots refilled
     once nobody waits, the live rows move to the front and the step runs on fewer rows
@@ -21,7 +25,7 @@ a GRPO group on their first turn) admitted together are prefilled once (`share_p
 The slots (rows x capacity x bytes per token) fit `kv_budget_gb` and are at most `max_batch`;
 a request that alone does not fit is refused (`common.engine.FatalEngineError`, naming the
 numbers and the settings). A prefill's own cache, and the caches kept between turns (real tokens
-only), come on top.
+only), come on top; kept slots (`keep_slots`) hold their memory while the learner trains.
 Each sampled token's log-prob is read from the raw logits at the request's temperature,
 log_softmax(logits / T), before any top-p truncation (`generate`'s scores are processed).
 Temperature 0 means greedy. A request stops at one of its stop tokens (kept as its last token)
@@ -49,6 +53,8 @@ from geo3k_torch.model import upload, vision_inputs
 
 SYNC_STEPS = 8  # decode steps between the host's reads of the done flags, at most
 REFILL_SHARE = 8  # refill once 1/8 of the slots are free (or every waiting request fits)
+SLOT_ROUND = 256  # kept slots' capacity in whole multiples of this (without attention buckets)
+STOP_ROUND = 16  # and their stop tokens a row
 
 
 def row_counts(rows: int) -> list[int]:
@@ -81,12 +87,21 @@ class LocalEngine:
     def __init__(self, model, processor, pad_id: int, seed: int = 0,
                  device: torch.device | str = "cpu", keep_cache: bool = True,
                  share_prefill: bool = True, max_batch: int = 256, kv_budget_gb: float = 24.0,
-                 cuda_graphs: bool = True):
-        """max_batch, kv_budget_gb, cuda_graphs: `engine.local_max_batch`,
-        `engine.local_kv_budget_gb`, `engine.local_cuda_graphs` (used on CUDA only)."""
+                 cuda_graphs: bool = True, graph_sampling: bool = False,
+                 keep_slots: bool = False, attention_bucket: int = 0, compile: bool = False,
+                 compile_backend: str = "inductor"):
+        """max_batch, kv_budget_gb, cuda_graphs, graph_sampling, keep_slots, attention_bucket,
+        compile, compile_backend: the `engine.local_*` settings of the same names (graphs on
+        CUDA only; see configs/base.py)."""
         if max_batch < 1 or kv_budget_gb <= 0:
             raise ValueError(f"engine.local_max_batch={max_batch} must be >= 1 and "
                              f"engine.local_kv_budget_gb={kv_budget_gb} > 0")
+        if attention_bucket < 0:
+            raise ValueError(f"engine.local_attention_bucket={attention_bucket} must be >= 0 "
+                             "(0: attend over the whole capacity)")
+        if compile and not keep_slots:
+            raise ValueError("engine.local_compile needs engine.local_keep_slots: new slots "
+                             "every call would recompile every call")
         self.model = model
         self.max_batch, self.kv_budget = max_batch, kv_budget_gb * 2**30
         self.processor = processor
@@ -94,8 +109,11 @@ class LocalEngine:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.keep_cache, self.share_prefill = keep_cache, share_prefill
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.graph_sampling = cuda_graphs, graph_sampling
+        self.keep_slots, self.bucket = keep_slots, attention_bucket
+        self.compile_backend = compile_backend if compile else ""
         self._cache: dict[str, _Cached] = {}
+        self._kept: Decoder | None = None  # the slots and steps kept across calls
         cfg = model.config
         self.image_token_id = cfg.image_token_id
         self.merge = cfg.vision_config.spatial_merge_size
@@ -133,8 +151,14 @@ class LocalEngine:
         return [list(requests[i:i + rows]) for i in range(0, len(requests), rows)]
 
     def clear_cache(self) -> None:
-        """Forget every session's KV cache (stale once the weights change)."""
+        """Forget every session's KV cache (stale once the weights change). Kept slots and their
+        steps stay: they read the weights where they are, and a copy into them changes no
+        address."""
         self._cache = {}
+
+    def release(self) -> None:
+        """Drop the kept slots and their steps (their memory goes back to the allocator)."""
+        self._kept = None
 
     @torch.no_grad()
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
@@ -152,18 +176,15 @@ class LocalEngine:
     def _decode(self, requests: list[Request]) -> tuple[list[Completion], dict]:
         """The slot loop of the module docstring: completions in order, and the KV caches to
         keep, by session."""
-        rows, capacity = self.plan(requests)
-        slots = Slots.allocate(
-            self.model.config.get_text_config(), rows, capacity,
-            max(r.sampling.max_new_tokens for r in requests),
-            max(1, *(len(r.sampling.stop_token_ids) for r in requests)),
-            next(self.model.parameters()).dtype, self.device)
-        decoder = Decoder(self.model, slots, self.cuda_graphs)
+        decoder = self._decoder(requests)
+        slots = decoder.slots
+        rows = slots.rows
+        counts = row_counts(rows)
         nucleus = any(r.sampling.top_p < 1 for r in requests)
-        every = torch.arange(rows, device=self.device)
         waiting = collections.deque(range(len(requests)))
         owner = [-1] * rows  # slot -> its request (-1: free)
         left = [0] * rows  # tokens a slot may still sample
+        ends = [0] * rows  # the most its `pos` can be (the host's bound, for the span)
         out: list[Completion | None] = [None] * len(requests)
         kept: dict[str, _Cached] = {}
         n = rows  # the slots a step runs over
@@ -174,22 +195,25 @@ class LocalEngine:
                 self._admit(slots, [requests[i] for i in take], free[:len(take)], nucleus)
                 for s, i in zip(free, take):
                     owner[s], left[s] = i, requests[i].sampling.max_new_tokens - 1
+                    ends[s] = len(requests[i].input_ids)
             busy = [s for s in range(rows) if owner[s] >= 0]
             if not busy:
                 break
-            if not waiting and min(c for c in row_counts(rows) if c >= len(busy)) < n:
-                slots.move(torch.tensor(busy, device=self.device))  # live rows to the front
-                slots.done[len(busy):] = True
-                owner = [owner[s] for s in busy] + [-1] * (rows - len(busy))
-                left = [left[s] for s in busy] + [0] * (rows - len(busy))
-                busy = list(range(len(busy)))
-                n = min(c for c in row_counts(rows) if c >= len(busy))
+            if not waiting and min(c for c in counts if c >= len(busy)) < n:
+                if busy != list(range(len(busy))):  # live rows to the front
+                    slots.move(torch.tensor(busy, device=self.device))
+                    slots.done[len(busy):] = True
+                    front = lambda xs, fill: [xs[s] for s in busy] + [fill] * (  # noqa: E731
+                        rows - len(busy))
+                    owner, left, ends = front(owner, -1), front(left, 0), front(ends, 0)
+                    busy = list(range(len(busy)))
+                n = min(c for c in counts if c >= len(busy))
             steps = min(SYNC_STEPS, min(left[s] for s in busy))
+            span = self._span(max(ends[s] for s in busy) + steps, slots.capacity)
             for _ in range(steps):
-                logits = decoder.step(n)
-                slots.advance(n)
-                slots.record(every[:n], logits, self.generator, self.banned, nucleus)
+                decoder.step(n, span, nucleus)
             left = [max(x - steps, 0) for x in left]
+            ends = [x + steps if owner[s] >= 0 else x for s, x in enumerate(ends)]
             done = slots.done[:n].tolist()  # the host's one read per SYNC_STEPS steps
             finished = [s for s in busy if done[s]]
             if finished:
@@ -197,6 +221,41 @@ class LocalEngine:
                 for s in finished:
                     owner[s] = -1
         return out, kept
+
+    def _span(self, need: int, capacity: int) -> int:
+        """Cache indices a step attends over when no live slot's `pos` reaches `need`: the
+        capacity, or `need` rounded up to whole attention buckets."""
+        if not self.bucket:
+            return capacity
+        return min(capacity, -(-need // self.bucket) * self.bucket)
+
+    def _decoder(self, requests: list[Request]) -> Decoder:
+        """A decoder over slots for `requests` (`plan`): the kept one if its slots are large
+        enough (all free again), else one over new slots. Kept slots are allocated with room
+        for later calls: the capacity in whole attention buckets (SLOT_ROUND without them) if
+        the budget allows, a token column per cache index, STOP_ROUND stop tokens a row."""
+        rows, capacity = self.plan(requests)
+        max_new = max(r.sampling.max_new_tokens for r in requests)
+        n_stops = max(1, *(len(r.sampling.stop_token_ids) for r in requests))
+        kept = self._kept
+        if kept is not None and kept.slots.fits(rows, capacity, max_new, n_stops):
+            kept.slots.done[:] = True  # free (a call that raised may have left rows live)
+            return kept
+        self._kept = None  # the old slots and steps go before new ones are allocated
+        if self.keep_slots:
+            step = self.bucket or SLOT_ROUND
+            wider = -(-capacity // step) * step
+            if rows * wider * self.kv_bytes_per_token() <= self.kv_budget:
+                capacity = wider
+            max_new, n_stops = capacity - 1, -(-n_stops // STOP_ROUND) * STOP_ROUND
+        slots = Slots.allocate(self.model.config.get_text_config(), rows, capacity, max_new,
+                               n_stops, next(self.model.parameters()).dtype, self.device)
+        decoder = Decoder(self.model, slots, self.generator, self.banned,
+                          cuda_graphs=self.cuda_graphs, graph_sampling=self.graph_sampling,
+                          compile_backend=self.compile_backend)
+        if self.keep_slots:
+            self._kept = decoder
+        return decoder
 
     def _admit(self, slots: Slots, requests: list[Request], at: list[int], nucleus: bool
                ) -> None:

@@ -9,7 +9,8 @@ of its own (a CUDA error or an out-of-memory cannot take the other sections down
                               16k and 32k tokens (GRPO groups sharing their prompt and image):
                               tokens/s, MFU, peak memory; torch once per attention kernel
     engine_torch / engine_jax  the in-process engines sampling 64 episodes x 512 tokens from the
-                              same model (torch again at 256): tokens/s and peak memory
+                              same model (torch again at 256): tokens/s and peak memory; torch
+                              also with its decode fast paths on (`FAST_ENGINE`, fast_*)
     profile_torch             torch.profiler over learner steps and engine calls of that model:
                               top kernels (ops on a CPU), GPU idle share, host syncs per learner
                               step (`gpu_profile`); also OUT/profile_torch.json and .md
@@ -493,15 +494,35 @@ def _engine_row(row: dict, engine, config, processor, s: Settings, peak) -> dict
                        tokens, times[1], None, None)
 
 
+# The torch engine's decode fast paths (configs/base.py's engine.local_*, off in the recipe until
+# measured), timed in each engine_torch row beside the recipe's engine as fast_*: slots and CUDA
+# graphs kept across calls (its first call captures and compiles, the timed second one reuses
+# them), attention over the longest position in buckets of 256, the step compiled by inductor,
+# the sampling inside the graph.
+FAST_ENGINE = dict(keep_slots=True, attention_bucket=256, compile=True, graph_sampling=True)
+
+
 def engine_torch(s: Settings):
+    from geo3k_torch.engine import LocalEngine
+
     run = _build("torch", s, "engine_torch", _config(s, max(s.micro_batch_tokens)))
     reset, peak = _torch_memory(run.learner.device)
+    plain, config = run.backend.engine, run.learner.model.config
+    fast = LocalEngine(plain.model, plain.processor, plain.pad_id, device=plain.device,
+                       max_batch=plain.max_batch, kv_budget_gb=plain.kv_budget / 2 ** 30,
+                       cuda_graphs=plain.cuda_graphs, **FAST_ENGINE)
     try:
         for episodes in (s.episodes, s.more_episodes):
+            at = dataclasses.replace(s, episodes=episodes)
             reset()
-            yield _engine_row({"framework": "torch", "kernel": ENGINE_KERNEL},
-                              run.backend.engine, run.learner.model.config, run.processor,
-                              dataclasses.replace(s, episodes=episodes), peak)
+            row = _engine_row({"framework": "torch", "kernel": ENGINE_KERNEL}, plain, config,
+                              run.processor, at, peak)
+            reset()
+            quick = _engine_row({}, fast, config, run.processor, at, peak)
+            fast.release()  # its slots and graphs, before the next row's plain engine
+            row |= {f"fast_{k}": quick[k] for k in ("first_call_s", "tokens_per_s",
+                                                    "peak_memory_gb")}
+            yield row | {"fast_speedup": quick["tokens_per_s"] / row["tokens_per_s"]}
     finally:
         _close(run)
 

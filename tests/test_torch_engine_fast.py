@@ -93,8 +93,10 @@ def check_against_forward(model, processor, requests, completions, temperature=0
 
 def test_decode_step_logits_equal_the_full_forward(tiny):
     """Three rows of different prompts (images, lengths) in 4 slots of one cache: each of five
-    decode steps gives every row the logits of transformers' forward over its whole sequence;
-    one M-RoPE position off (the text position, as a plain decoder would use) does not."""
+    decode steps gives every row the logits of transformers' forward over its whole sequence,
+    attending over the whole capacity or only up to the longest position (the span: the empty
+    end of the cache adds nothing); one M-RoPE position off (the text position, as a plain
+    decoder would use) does not."""
     model, processor = tiny
     engine = LocalEngine(model, processor, 0)
     reqs = make_requests(processor, 1, n=3)
@@ -102,12 +104,14 @@ def test_decode_step_logits_equal_the_full_forward(tiny):
                            torch.device("cpu"))
     with torch.no_grad():
         engine._admit(slots, reqs, [2, 0, 3], nucleus=False)
-        decoder = Decoder(model, slots, cuda_graphs=True)  # eager on the CPU
+        decoder = Decoder(model, slots, engine.generator, engine.banned)  # eager on the CPU
         seqs = [list(r.input_ids) for r in reqs]
         for step in range(5):
             for s, seq in zip([2, 0, 3], seqs):
                 seq.append(int(slots.last[s]))
-            logits = decoder.step(4)
+            logits = decoder.logits(4, 200)
+            span = int(slots.pos.max()) + 1  # the shortest span that holds every row
+            torch.testing.assert_close(decoder.logits(4, span), logits, rtol=0, atol=1e-6)
             for s, seq, r in zip([2, 0, 3], seqs, reqs):
                 want = full_logits(model, processor, seq, r.images)[-1]
                 assert (logits[s] - want).abs().max() <= 1e-4, (step, s)
@@ -116,7 +120,7 @@ def test_decode_step_logits_equal_the_full_forward(tiny):
             slots.record(torch.arange(4), logits, engine.generator, engine.banned, False)
         slots.mpos[:] = slots.pos  # one-off: the text position instead of M-RoPE's
         seqs[0].append(int(slots.last[2]))
-        wrong = decoder.step(4)[2]
+        wrong = decoder.logits(4, 200)[2]
     right = full_logits(model, processor, seqs[0], reqs[0].images)[-1]
     assert (wrong - right).abs().max() > 1e-3
 
@@ -241,20 +245,36 @@ def test_row_counts_and_slot_plan(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_equal_eager_steps():
     """On CUDA (fp32 tiny model): the captured decode steps give the eager steps' tokens and
-    log-probs, refills and compactions included, and the CPU's greedy tokens."""
+    log-probs, refills and compactions included, whether the graph samples (its draws advance
+    the seeded generator as the eager ones do) or the sampling follows it, and with every fast
+    path on (kept slots, attention buckets, inductor); the kept engine's second call captures
+    nothing new. Greedy steps give the CPU's tokens."""
     model, patch = qwen3_vl(seed=0)
     processor = ImageOnlyProcessor(patch)
     reqs = make_requests(processor, 7, n=6, temperature=1.0)
-    cpu = LocalEngine(model, processor, 0, max_batch=4).generate(
-        [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
-         for r in reqs])
+    greedy = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
+              for r in reqs]
+    cpu = LocalEngine(model, processor, 0, max_batch=4).generate(greedy)
     model = model.cuda()
-    runs = [LocalEngine(model, processor, 0, seed=1, device="cuda", max_batch=4,
-                        cuda_graphs=graphs).generate(reqs) for graphs in (True, False)]
-    for a, b in zip(*runs):
-        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
-    greedy = LocalEngine(model, processor, 0, device="cuda", max_batch=4).generate(
-        [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, temperature=0.0))
-         for r in reqs])
-    assert [o.token_ids for o in greedy] == [o.token_ids for o in cpu]
+    ways = {"eager": dict(cuda_graphs=False), "sampling after the graph": {},
+            "graphs": dict(graph_sampling=True, keep_slots=True),
+            "fast": dict(graph_sampling=True, keep_slots=True, attention_bucket=16,
+                         compile=True)}
+    engines = {k: LocalEngine(model, processor, 0, seed=1, device="cuda", max_batch=4, **kw)
+               for k, kw in ways.items()}
+    runs = {k: e.generate(reqs) for k, e in engines.items()}
+    for way in ways:
+        for a, b in zip(runs[way], runs["eager"]):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason, way
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+    assert engines["graphs"]._kept.graph_sampling  # this torch registers generators
+    fast = LocalEngine(model, processor, 0, device="cuda", max_batch=4, **ways["fast"])
+    assert [o.token_ids for o in fast.generate(greedy)] == [o.token_ids for o in cpu]
+    kept = fast._kept
+    builds = kept.builds
+    fast.clear_cache()
+    again = fast.generate([dataclasses.replace(r, session=r.session + "-again") for r in greedy])
+    assert fast._kept is kept and kept.builds == builds  # the same shapes: nothing captured
+    assert [o.token_ids for o in again] == [o.token_ids for o in cpu]
+    greedy_gpu = LocalEngine(model, processor, 0, device="cuda", max_batch=4).generate(greedy)
+    assert [o.token_ids for o in greedy_gpu] == [o.token_ids for o in cpu]
