@@ -29,9 +29,9 @@ def make_backend(cfg, *, own: Callable[[], object], own_kind: str, model_dir: st
     if name == "local" or name == own_kind:
         return own()
     if name == "torch":
-        from geo3k_torch.backend import LocalBackend
+        from geo3k_torch.backend import LocalBackend, engine_settings
         return LocalBackend(processor, model_dir, seed=cfg.seed, device="cpu", comm=comm,
-                            workdir=workdir)
+                            workdir=workdir, **engine_settings(cfg))
     if name == "sglang":
         from common.sglang.backend import SGLangBackend
         return SGLangBackend(cfg, model_dir, processor, workdir, comm, free_memory=free_memory,

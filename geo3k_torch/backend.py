@@ -23,17 +23,24 @@ from geo3k_torch.engine import LocalEngine
 from geo3k_torch.model import load_model
 
 
+def engine_settings(cfg) -> dict:
+    """`LocalEngine`'s keyword arguments from the config's `engine.local_*` settings."""
+    e = cfg.engine
+    return {"max_batch": e.local_max_batch, "kv_budget_gb": e.local_kv_budget_gb,
+            "cuda_graphs": e.local_cuda_graphs, "graph_sampling": e.local_graph_sampling,
+            "keep_slots": e.local_keep_slots, "attention_bucket": e.local_attention_bucket,
+            "compile": e.local_compile, "compile_backend": e.local_compile_backend}
+
+
 class LocalBackend:
     def __init__(self, processor, model_dir: str, *, seed: int, device, comm: Collectives,
                  model=None, workdir: str | Path | None = None, own_copy: bool = False,
-                 max_batch: int = 256, kv_budget_gb: float = 24.0, bf16: bool = True,
-                 cuda_graphs: bool = True):
+                 bf16: bool = True, **engine):
         """model: the torch learner's (shared in one CPU process unless `own_copy`: rollouts
         generated while it trains need weights of their own); None: reload exported weights
         into a model of the engine's own, under `workdir`. On CUDA the engine has its own copy
-        in bf16 (`bf16`, `train.bf16`), decode slots bounded by max_batch / kv_budget_gb,
-        decode steps replayed as CUDA graphs if cuda_graphs (`engine.local_max_batch`,
-        `engine.local_kv_budget_gb`, `engine.local_cuda_graphs`; see `LocalEngine`)."""
+        in bf16 (`bf16`, `train.bf16`). engine: `LocalEngine`'s settings (`engine_settings`:
+        its decode slots' bounds, CUDA graphs and the decode step's fast paths)."""
         self.comm, device = comm, torch.device(device)
         cuda = device.type == "cuda"
         self.shared = model if comm.world == 1 and not own_copy and not cuda else None
@@ -45,8 +52,7 @@ class LocalBackend:
             .requires_grad_(False)
         pad = processor.tokenizer.pad_token_id
         self.engine = LocalEngine(self.model, processor, pad if pad is not None else 0,
-                                  seed=seed + comm.rank, device=device, max_batch=max_batch,
-                                  kv_budget_gb=kv_budget_gb, cuda_graphs=cuda_graphs)
+                                  seed=seed + comm.rank, device=device, **engine)
 
     def sync(self, learner, step: int) -> None:
         if self.reload_dir is not None:

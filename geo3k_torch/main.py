@@ -27,7 +27,7 @@ from common.prepare import check_config, load_data, model_dir_everywhere
 from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
-from geo3k_torch.backend import LocalBackend
+from geo3k_torch.backend import LocalBackend, engine_settings
 from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device
 from geo3k_torch.weight_sync import TorchWeights
 
@@ -63,10 +63,7 @@ def build(cfg, workdir: str) -> loop.Run:
                  if cfg.engine.backend == "sglang" else None),
         own=lambda: LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
                                  model=model, own_copy=cfg.train.max_staleness > 0,
-                                 max_batch=cfg.engine.local_max_batch,
-                                 kv_budget_gb=cfg.engine.local_kv_budget_gb,
-                                 cuda_graphs=cfg.engine.local_cuda_graphs,
-                                 bf16=cfg.train.bf16))
+                                 bf16=cfg.train.bf16, **engine_settings(cfg)))
     return loop.Run(learner, backend, comm, processor, train_set, test_set,
                     shutdown=distributed.shutdown)
 

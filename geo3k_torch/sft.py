@@ -55,11 +55,9 @@ def train(cfg, workdir: str) -> dict:
     learner = SFTLearner(model, processor, cfg.train, device, comm, model_dir)
     backend = None
     if cfg.eval.every:  # the local engine on the policy being trained, for evaluation only
-        from geo3k_torch.backend import LocalBackend
+        from geo3k_torch.backend import LocalBackend, engine_settings
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
-                               model=model, max_batch=cfg.engine.local_max_batch,
-                               kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16,
-                               cuda_graphs=cfg.engine.local_cuda_graphs)
+                               model=model, bf16=cfg.train.bf16, **engine_settings(cfg))
     sampler = PromptSampler(len(train_set), cfg.seed, rank=comm.rank, world=comm.world)
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)
