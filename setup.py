@@ -38,8 +38,10 @@ setup(
         # gcsfs: gs:// checkpoint directories (common.storage; orbax writes arrays itself).
         "jax": ["jax>=0.10", "jaxlib>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
                 "gcsfs>=2025.1"],
-        "tpu": ["jax[tpu]>=0.10", "flax>=0.12", "optax>=0.2.5", "orbax-checkpoint>=0.11",
-                "gcsfs>=2025.1"],
+        # TPU hosts: the versions requirements-cpu.txt pins for the CPU (the ones tested), and the
+        # libtpu the TPU tables in docs/ were compiled with (jax[tpu] alone takes a newer one).
+        "tpu": ["jax[tpu]==0.10.2", "libtpu==0.0.42", "flax==0.12.8", "optax==0.2.8",
+                "orbax-checkpoint==0.12.8", "gcsfs==2026.10.1"],
         # GPU rollouts: SGLang brings its own CUDA torch build. The stack is pinned in
         # requirements-gpu.txt (sglang 0.5.23 with the torch and transformers it pins; CUDA 13,
         # driver R580+); the client is checked against the source of 0.5.15 and 0.5.23.
