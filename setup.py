@@ -12,7 +12,7 @@ setup(
     description="Multi-turn GRPO for vision-language models on Geometry3K",
     packages=find_packages(include=["common", "common.*", "geo3k_torch", "geo3k_torch.*",
                                     "geo3k_jax", "geo3k_jax.*", "configs", "configs.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "numpy>=2.0",
         "pillow>=10.0",
