@@ -43,6 +43,9 @@ def get_config():
     c.train.beta1, c.train.beta2 = 0.9, 0.98
     c.train.grad_clip = 1.0
     c.train.bf16 = True
+    # The LM head forms the loss's gradient in its forward pass (geo3k_torch.head): the head is
+    # not computed again in the backward pass. train.compile stays off until a GPU has timed it.
+    c.train.fused_head = True
     c.eval.every = 20
     c.eval.max_prompts = 0  # the whole 601-problem test split
     c.checkpoint.every = 50
