@@ -2,16 +2,19 @@
 
     if __name__ == "__main__":                     # at the top, before torch / jax are imported
         from common import cli
-        cli.preflight()                            # --help, or a bad --config.<key>: answered
+        cli.preflight(grpo=True)                   # --help, a bad --config.<key> or value
     ...
     if __name__ == "__main__":
-        cli.main(train, rank=lambda: ...)          # in geo3k_torch.main and geo3k_jax.train
+        cli.main(train, rank=lambda: ..., grpo=True,   # in geo3k_torch.main and geo3k_jax.train
+                 same_workdir=...)                     # rank 0's default run folder everywhere
 
 Flags are defined when `main` runs, not at import, so both entry points can be imported into one
 process (the tests do). `preflight` (`common.config_help`) answers `--help` with every config
 field, its value and meaning, and refuses a misspelled `--config.<key>` or a value its field
-cannot take in one line (exit status 2), in about a second: this module imports nothing heavy
-until `main` runs.
+cannot take in one line, and settings out of their ranges one line each (`common.config_rules`;
+exit status 2), in about a second: this module imports nothing heavy until `main` runs. The other
+commands (`geo3k_torch.evaluate`, `geo3k_jax.main`, `geo3k_jax.aot`) call `preflight` with their
+own flags.
 """
 
 from __future__ import annotations
