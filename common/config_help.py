@@ -5,12 +5,14 @@
 
 * with `--help`, `--helpshort`, `-?`, `-h` or `--helpfull` prints the entry point's docstring, its
   flags and every config field with its value in the chosen config file (the entry point's
-  default without `--config`) and a one-line meaning, the comment beside or above the field in
-  configs/base.py, then exits 0;
+  default without `--config`) and its meaning, the comment beside or above the field in
+  configs/base.py, wrapped to the terminal's width, then exits 0;
 * with a key the config lacks (`--config.train.lr_typo=1`, `--config.trian.lr=1`), a value its
   field cannot take (`--config.train.lr=abc`) or an override before `--config`, writes one line
   to stderr (the key, the nearest existing keys or the expected type) and exits 2, absl's
   status for a usage error;
+* with values out of their ranges (`common.config_rules`: `--config.train.lr=-1`, `nan`, a
+  GRPO run's `--config.rollout.n_samples=1`), one line each, and exits 2;
 * otherwise returns, and absl parses the command line as before.
 
 Imports absl and ml_collections only (and the config file, which imports `common`'s light
@@ -24,6 +26,7 @@ import difflib
 import io
 import os
 import re
+import shutil
 import sys
 import textwrap
 import tokenize
@@ -167,6 +170,17 @@ def _overrides(argv: list[str], types: Callable[[str], type | None]):
     return out
 
 
+def override_keys(argv: list[str], cfg) -> list[str]:
+    """The keys of `argv`'s `--config.<key>` overrides, in order (`cfg`: the config they apply
+    to, whose boolean fields may go without a value)."""
+    return [key for _, key, _, _ in _overrides(argv, lambda key: _type_of(cfg, key))]
+
+
+def config_file_given(argv: list[str]) -> bool:
+    """Whether `argv` names a config file (`--config=<file>`), rather than take the default."""
+    return _config_arg(argv)[0] > 0
+
+
 def _type_of(cfg, key: str):
     """The type ml_collections gives the field `key` (None: no such field)."""
     from ml_collections.config_flags import config_path
@@ -176,48 +190,57 @@ def _type_of(cfg, key: str):
         return None
 
 
-def check(argv: list[str], default: str) -> str | None:
-    """The one-line complaint about `argv`'s `--config` arguments, or None (no complaint, or
-    one absl reports better itself, such as a config file that fails to load)."""
+def check(argv: list[str], default: str, grpo: bool = False) -> list[str]:
+    """The complaints about `argv`'s `--config` arguments, one line each: the first unknown key
+    or value its field cannot take alone, else every field of the resolved config (the file
+    and its overrides) outside its range (`common.config_rules`; with `grpo` also what the GRPO
+    loop needs). Empty where there is nothing to say, or where absl says it better itself (a
+    config file that fails to load)."""
     from absl import flags
     try:  # --flagfile=...: its arguments in its place, as config_flags reads them
         argv = flags.FLAGS.read_flags_from_files(list(argv), force_gnu=False)
     except Exception:  # absl reports a bad flag file itself
-        return None
+        return []
     index, path = _config_arg(argv)
     path = path if index > 0 else default
     if path is None:
-        return None
+        return []
     if not os.path.exists(path.split(":", 1)[0]):
-        return (f"--config={path}: no such config file (relative to {os.getcwd()})"
-                if index > 0 else None)
+        return ([f"--config={path}: no such config file (relative to {os.getcwd()})"]
+                if index > 0 else [])
     try:
         cfg = load(path)
     except Exception:  # absl's parse shows the traceback a broken file deserves
-        return None
+        return []
     if cfg is None:
-        return None
+        return []
     from ml_collections import ConfigDict
     keys = flatten(cfg)
     overrides = _overrides(argv, lambda key: _type_of(cfg, key))
     for i, key, value, arg in overrides:
         if index > 0 and i < index:
-            return f"{arg} comes before --config={path}: give --config first"
+            return [f"{arg} comes before --config={path}: give --config first"]
         if key not in keys and _type_of(cfg, key) is None:
             leaves = [k for k, v in keys.items() if not isinstance(v, ConfigDict)]
             near = nearest(key, leaves) or nearest(key, keys)
             hint = f"; did you mean {' or '.join(near)}?" if near else ""
-            return f"--config.{key}: {path} has no key {key}{hint}"
-    return _check_values(argv[0] if argv else "", path, cfg, overrides)
+            return [f"--config.{key}: {path} has no key {key}{hint}"]
+    error, resolved = _check_values(argv[0] if argv else "", path, cfg, overrides)
+    if error:
+        return [error]
+    from common.config_rules import problems
+    return problems(resolved, grpo) if resolved is not None else []
 
 
-def _check_values(argv0: str, path: str, cfg, overrides) -> str | None:
+def _check_values(argv0: str, path: str, cfg, overrides) -> tuple[str | None, object]:
     """Parse each override's value with the flag ml_collections defines for its field (on a
-    private FlagValues: nothing global changes); the first refused names its expected type."""
+    private FlagValues: nothing global changes). Returns (the first refusal, naming the type
+    its field expects, or None; the config with every override applied, or None where absl
+    reports the command line itself)."""
     from absl import flags
     from ml_collections.config_flags import config_flags
     if not overrides:
-        return None
+        return None, cfg
     fv = flags.FlagValues()
     args = [argv0, f"--config={path}"] + [arg for _, _, _, arg in overrides]
     try:
@@ -225,7 +248,7 @@ def _check_values(argv0: str, path: str, cfg, overrides) -> str | None:
                                         sys_argv=args)
         fv([argv0, f"--config={path}"])
     except Exception:  # absl reports what it cannot parse
-        return None
+        return None, None
     for _, key, value, _ in overrides:
         name = f"config.{key}"
         if name not in fv or isinstance(fv[name], flags.MultiFlag) or value is None:
@@ -240,8 +263,8 @@ def _check_values(argv0: str, path: str, cfg, overrides) -> str | None:
                 now = f" ({path} sets {_show(_get(cfg, key))})"
             except Exception:  # an indexed key (`a.b[0]`)
                 now = ""
-            return f"--config.{key}={value}: {key} takes {article} {kind}{now}"
-    return None
+            return f"--config.{key}={value}: {key} takes {article} {kind}{now}", None
+    return None, fv["config"].value
 
 
 def _get(cfg, key: str):
@@ -257,12 +280,31 @@ def _show(value, width: int = 32) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+def width() -> int:
+    """The terminal's width in columns (`COLUMNS`, else the terminal of stdout, else 80)."""
+    return max(40, shutil.get_terminal_size((80, 24)).columns)
+
+
+def _wrap(text: str, first: str, indent: int, cols: int) -> list[str]:
+    """`first` followed by `text`, wrapped at `cols` columns, later lines indented `indent`;
+    a word longer than a line is kept whole, never cut."""
+    return textwrap.wrap(text, cols, initial_indent=first, subsequent_indent=" " * indent,
+                         break_long_words=False, break_on_hyphens=False) or [first]
+
+
+NOTE_COLUMN = 54  # where a field's meaning starts beside it, on a terminal wide enough
+NOTE_MIN = 40  # the fewest columns a meaning gets beside its field; fewer: below it
+
+
 def config_listing(cfg, path: str, base_cfg=None, notes: dict[str, str] | None = None,
-                   width: int = 132) -> str:
+                   cols: int | None = None) -> str:
     """Every field of `cfg`: `key = value`, the configs/base.py value where the file changes
-    it, and its one-line meaning; sections in base.py's order, each under its own note."""
+    it, and its meaning (the comment of configs/base.py), wrapped at `cols` columns (the
+    terminal's): beside the field where it leaves the meaning 40 columns, else below it.
+    Sections in base.py's order, each under its own note."""
     import ml_collections
     notes = field_notes() if notes is None else notes
+    cols = width() if cols is None else cols
     keys = flatten(cfg)
     base = flatten(base_cfg) if base_cfg is not None else {}
     order = {k: i for i, k in enumerate(notes)}
@@ -277,32 +319,28 @@ def config_listing(cfg, path: str, base_cfg=None, notes: dict[str, str] | None =
 
     leaves = [k for k, v in keys.items() if not isinstance(v, ml_collections.ConfigDict)]
     leaves.sort(key=rank)
-    lines = [f"config fields ({path}; set one with --config.<key>=<value>; "
-             "[base: ...] where configs/base.py differs):"]
+    lines = _wrap(f"({path}; set one with --config.<key>=<value>; [base: ...] where "
+                  "configs/base.py differs):", "config fields ", 2, cols)
     section = None
     for key in leaves:
         top = key.split(".")[0] if "." in key else ""
         if top != section:
             section = top
             if top:
-                head = f"  {top}:"
-                if notes.get(top):
-                    head += "  " + _fit(notes[top], len(head), width)
-                lines.append(head)
+                lines += _wrap(notes.get(top, ""), f"  {top}:" + "  " * bool(notes.get(top)),
+                               6, cols)
         text = f"    {key} = {_show(keys[key])}"
         if key in base and _differs(base[key], keys[key]):
             text += f" [base: {_show(base[key], 20)}]"
         note = _note(key, notes)
+        column = max(len(text) + 2, NOTE_COLUMN)
+        if note and column + NOTE_MIN <= cols:
+            lines += _wrap(note, f"{text:<{column}}", column, cols)
+            continue
+        lines += _wrap(text.strip(), "    ", 8, cols)
         if note:
-            text = f"{text:<52}  "
-            text += _fit(note, len(text), width)
-        lines.append(text)
+            lines += _wrap(note, " " * 8, 8, cols)
     return "\n".join(lines)
-
-
-def _fit(text: str, used: int, width: int) -> str:
-    """`text` shortened at a word to end by column `width` (at least 40 characters of it)."""
-    return textwrap.shorten(text, max(40, width - used), placeholder=" ...")
 
 
 def _differs(a, b) -> bool:
@@ -322,20 +360,52 @@ def _note(key: str, notes: dict[str, str]) -> str:
     return ""
 
 
+def flag_listing(fv, cols: int | None = None) -> str:
+    """The flags defined on `fv`, one paragraph each (`--name: help (default: value)`),
+    wrapped at `cols` columns (the terminal's)."""
+    cols = width() if cols is None else cols
+    seen, lines = set(), ["flags:"]
+    for flags in fv.flags_by_module_dict().values():
+        for flag in flags:
+            if flag.name in seen:
+                continue
+            seen.add(flag.name)
+            name = f"--[no]{flag.name}" if flag.boolean else f"--{flag.name}"
+            default = f" (default: {flag.default_as_str})" if flag.default_as_str else ""
+            lines += _wrap(f"{flag.help}{default}", f"  {name}: ", 6, cols)
+    return "\n".join(lines)
+
+
+def docstring(doc: str, cols: int | None = None) -> str:
+    """`doc` with each paragraph of plain lines wrapped at `cols` columns (the terminal's);
+    a paragraph with an indented line (a command, a list) is kept as written."""
+    cols = width() if cols is None else cols
+    out = []
+    for block in textwrap.dedent(doc).strip("\n").split("\n\n"):
+        lines = block.splitlines()
+        if any(line[:1].isspace() for line in lines):
+            out.append(block)
+        else:
+            out.append("\n".join(_wrap(" ".join(lines), "", 0, cols)))
+    return "\n\n".join(out) + "\n"
+
+
 def help_text(argv: list[str], default: str, kind: str,
               define_flags: Callable[[object], None]) -> str:
     """The docstring of `__main__`, the entry point's flags (`define_flags(flag_values)`; with
-    kind "full", absl's own flags too) and the config listing."""
+    kind "full", absl's own flags too) and, where it defines `--config`, the config listing."""
     from absl import flags
     main = sys.modules.get("__main__")
-    doc = (getattr(main, "__doc__", None)
-           or f"\nUSAGE: {argv[0] if argv else 'python'} [flags]\n").rstrip("\n") + "\n"
+    doc = docstring(getattr(main, "__doc__", None)
+                    or f"USAGE: {argv[0] if argv else 'python'} [flags]") + "\n"
     fv = flags.FlagValues()
     define_flags(fv)
-    parts = [doc, "flags:" + fv.get_help(include_special_flags=False)]
+    parts = [doc, flag_listing(fv)]
     if kind == "full":
         from absl import app  # defines absl.logging's flags
         parts.append(flags.FLAGS.get_help())
+    if "config" not in fv:
+        return "\n".join(parts) + "\n"
     index, path = _config_arg(argv)
     path = path if index > 0 else default
     try:
@@ -364,10 +434,12 @@ def wants_help(argv: list[str]) -> str | None:
 
 
 def preflight(argv: list[str], default: str,
-              define_flags: Callable[[object], None] | None = None) -> None:
+              define_flags: Callable[[object], None] | None = None,
+              grpo: bool = False) -> None:
     """Answer help (where `define_flags` is given: it defines the entry point's flags on the
-    FlagValues it is passed) and refuse a bad `--config` argument, both before the caller goes
-    on to import its framework; return where there is nothing to say."""
+    FlagValues it is passed) and refuse a bad `--config` argument or a config out of its
+    ranges (`check`; `grpo`: an entry point that trains with GRPO), both before the caller
+    goes on to import its framework; return where there is nothing to say."""
     kind = wants_help(argv)
     if kind and define_flags is not None:
         try:
@@ -378,7 +450,7 @@ def preflight(argv: list[str], default: str,
         sys.exit(0)
     if kind:
         return  # absl prints the help of an entry point that defines its own flags
-    error = check(argv, default)
-    if error:
-        sys.stderr.write(f"error: {error}\n")
+    errors = check(argv, default, grpo)
+    if errors:
+        sys.stderr.write("".join(f"error: {e}\n" for e in errors))
         sys.exit(USAGE_ERROR)

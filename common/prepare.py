@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 
 from common.backends import ENGINE_BACKENDS
 from common.chat import ChatRenderer
+from common.config_rules import problems
 from common.data import DataError, load_split
 from common.dedup import content_key, overlap
 from common.hub import HubError, checkpoint_dir, data_path
@@ -219,40 +220,13 @@ def make_renderer(cfg, processor) -> ChatRenderer:
                         tool_format=cfg.model.tool_format)
 
 
-# Each numeric setting's valid range, checked before anything is built: (low, high, whether
-# low itself is allowed); None for an open end.
-RANGES = {
-    "env.max_turns": (1, None, True), "rollout.n_samples": (1, None, True),
-    "rollout.max_response_tokens": (1, None, True), "rollout.max_context_tokens": (1, None, True),
-    "rollout.temperature": (0.0, None, True), "rollout.top_p": (0.0, 1.0, False),
-    "rollout.max_retries": (0, None, True), "loss.clip_low": (0.0, 1.0, True),
-    "loss.clip_high": (0.0, None, True), "loss.kl_coef": (0.0, None, True),
-    "train.steps": (1, None, True), "train.prompts_per_step": (1, None, True),
-    "train.micro_batch_tokens": (1, None, True), "train.updates_per_rollout": (1, None, True),
-    "train.max_staleness": (0, None, True), "train.logprob_chunk": (0, None, True),
-    "train.lr": (0.0, None, False), "train.warmup_steps": (0, None, True),
-    "train.min_lr_ratio": (0.0, 1.0, True), "train.beta1": (0.0, 1.0, True),
-    "train.beta2": (0.0, 1.0, True), "train.eps": (0.0, None, False),
-    "train.weight_decay": (0.0, None, True), "train.grad_clip": (0.0, None, False),
-    "eval.every": (0, None, True), "eval.max_prompts": (0, None, True),
-    "eval.n_samples": (0, None, True),
-}
-
-
 def check_ranges(cfg) -> None:
-    """Refuse a numeric setting outside its range (`RANGES`), naming it, its value and the
-    range: a negative learning rate stops here, not in the optimizer after the model loaded."""
-    for key, (low, high, low_ok) in RANGES.items():
-        section, name = key.split(".")
-        value = cfg[section][name]
-        below = value < low if low_ok else value <= low
-        if below or (high is not None and value > high):
-            bound = f"{'>=' if low_ok else '>'} {low}" + (f" and <= {high}" if high is not None
-                                                         else "")
-            raise ValueError(f"{key}={value!r} must be {bound}")
-    if cfg.train.beta1 >= 1 or cfg.train.beta2 >= 1:
-        raise ValueError(f"train.beta1={cfg.train.beta1} and train.beta2={cfg.train.beta2} "
-                         "must be < 1 (Adam's averages would never forget)")
+    """Refuse numeric settings outside their ranges (`common.config_rules.RANGES`), each named
+    with its value and range on a line: a negative learning rate stops here, not in the
+    optimizer after the model loaded. (The entry points' preflight refuses them sooner.)"""
+    found = problems(cfg)
+    if found:
+        raise ValueError("\n".join(found))
 
 
 def check_config(cfg, world: int) -> None:

@@ -5,8 +5,9 @@ package's own event writer, the curve with matplotlib (Agg).
 
 Workdir layout written here:
     metrics.jsonl              one JSON object per step: {"step": N, "train/...": ..., ...}
-    config.json                the resolved config, the command line, the package versions and
-                               the machine (`write_config`; a resumed run names what it changed)
+    config.json                the resolved config, the command line, the package versions, the
+                               machine and the git commit, and every launch after the first
+                               (`write_config`; a resumed run names what it changed)
     events.out.tfevents.*      the same scalars for TensorBoard (and wandb, when a project is set)
     curve.png                  reward and accuracy per step (train), accuracy per eval, with
                                the no-skill baselines (chance, elimination) drawn across
@@ -21,6 +22,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,29 +37,82 @@ VERSIONED = ("numpy", "torch", "transformers", "jax", "flax", "optax", "sglang")
 
 
 def write_config(workdir: str | os.PathLike, config: dict, resume: bool) -> list[str]:
-    """Write <workdir>/config.json: the resolved `config` (ConfigDict.to_dict()), the command
-    line, the versions of the packages that decide the numbers and the machine (`machine()`:
-    the same build on another CPU can round differently and give another checkpoint). A resumed run first reads
-    the config.json already there: returns what differs ("train.lr: 0.001 -> 0.0005", sorted),
-    empty for a fresh run or an unchanged one. The file always holds the latest run's."""
+    """Record this launch in <workdir>/config.json. The file holds `config`, the run's config
+    now (ConfigDict.to_dict(), as JSON has it: tuples are lists); the first launch's command
+    line, versions, machine and git commit at the top, as a fresh run writes them; and
+    `launches`, every launch in order (time, command line, git commit, versions, machine; the
+    first with its whole config, each later one with the keys it changed, {key: [before,
+    after]}). A launch never rewrites what an earlier one recorded. Returns, for a resumed
+    run, what differs from the config before it ("train.lr: 0.001 -> 0.0005", sorted; values
+    compared as JSON holds them, `train.resume` left out); empty otherwise."""
     path = Path(workdir) / "config.json"
-    changed = []
-    if resume and path.exists():
-        before, now = _flat(json.loads(path.read_text())["config"]), _flat(config)
-        changed = [f"{k}: {before.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
-                   for k in sorted(before.keys() | now.keys())
-                   if before.get(k) != now.get(k) and k != "train.resume"]
-    versions = {}
+    now = json.loads(json.dumps(config, default=str))
+    launch = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv,
+              "git": git_commit(), "python": sys.version.split()[0], "versions": versions(),
+              "machine": machine()}
+    record = json.loads(path.read_text()) if path.exists() else None
+    if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
+        record = None  # none yet (or not one of ours): this launch is the first
+    if record is None:
+        record = {"config": now, **{k: launch[k] for k in ("argv", "python", "versions",
+                                                           "machine", "git")},
+                  "launches": [dict(launch, resume=resume, config=now)]}
+        changed = {}
+    else:
+        if "launches" not in record:  # written before launches were kept: its one launch
+            record["launches"] = [{k: record[k] for k in ("argv", "python", "versions",
+                                                          "machine", "config") if k in record}]
+        before, after = _flat(record["config"]), _flat(now)
+        changed = {k: [before.get(k, ABSENT), after.get(k, ABSENT)]
+                   for k in sorted(before.keys() | after.keys())
+                   if before.get(k, ABSENT) != after.get(k, ABSENT) and k != "train.resume"}
+        record["config"] = now
+        record["launches"].append(dict(launch, resume=resume, changed=changed))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(".config.json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(tmp, path)
+    if not resume:
+        return []
+    return [f"{k}: {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()]
+
+
+ABSENT = "(absent)"  # a key one config has and the other lacks
+
+
+def _short(value, width: int = 60) -> str:
+    """repr of `value`, at most `width` characters (a long value must not bury the others)."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def versions() -> dict[str, str]:
+    """The installed versions of the packages that decide the numbers (`VERSIONED`)."""
+    out = {}
     for name in VERSIONED:
         try:
-            versions[name] = importlib.metadata.version(name)
+            out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"config": config, "argv": sys.argv, "python": sys.version.split()[0],
-              "versions": versions, "machine": machine()}
-    path.write_text(json.dumps(record, indent=1, default=str))
-    return changed
+    return out
+
+
+def git_commit() -> dict | None:
+    """{"commit": the checkout's HEAD, "dirty": whether tracked files differ from it} for the
+    code this process runs, None where that is not a git checkout (an installed wheel)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode:
+            return None
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                 "--untracked-files=no"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head.stdout.strip(),
+            "dirty": bool(status.stdout.strip()) if status.returncode == 0 else None}
 
 
 def machine() -> dict[str, object]:

@@ -76,11 +76,18 @@ def step_config(cfg, processor=None) -> StepConfig:
                       on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local")
 
 
+class Finished(Exception):
+    """The run in the workdir has reached `train.steps`: nothing is left to train (the
+    message says so; the entry point exits 0)."""
+
+
 def check_workdir(cfg, workdir: str | Path) -> None:
     """Stop before a run is built (and before the model loads) where it cannot write, or would
     overwrite an earlier run's checkpoints and append to its metrics: a workdir that is a file
-    or cannot be written; a checkpoint there and `train.resume` unset. (Settings out of their
-    ranges stop in the build's first step, `common.prepare.check_config`.)"""
+    or cannot be written; a checkpoint there and `train.resume` unset. Raises `Finished` where
+    `train.resume` finds a checkpoint at `train.steps` or past it. (Settings out of their
+    ranges stop in the command line's preflight, `common.config_help`, and again in the
+    build's first step, `common.prepare.check_config`.)"""
     path = Path(workdir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"workdir {workdir} is a file, not a folder: pass another --workdir")
@@ -94,6 +101,10 @@ def check_workdir(cfg, workdir: str | Path) -> None:
     if last and not cfg.train.resume:
         raise ValueError(f"{last} holds an earlier run's checkpoint: pass "
                          "--config.train.resume=True to go on from it, or another --workdir")
+    if last and (step := checkpoints.load_loop_state(last)["step"]) >= cfg.train.steps:
+        raise Finished(f"{workdir} is finished: its newest checkpoint ({last}) is at step {step} "
+                       f"of train.steps={cfg.train.steps}, nothing left to train (pass a larger "
+                       "--config.train.steps to train on)")
 
 
 def train(cfg, workdir: str | Path, run: Run) -> dict:
@@ -170,6 +181,7 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     plain = comm.rank == 0 and not sys.stdout.isatty()
     began, step_began = time.monotonic(), time.monotonic()
     metrics: dict = {}
+    idle = 0  # steps in a row that trained no sequence
     with progress, contextlib.closing(rollouts):
         for step in range(start + 1, cfg.train.steps + 1):
             # rollout (in line, or generated ahead while earlier steps trained) and update
@@ -201,6 +213,9 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                 log.plot()
             train_m |= learned.settle() | run.counters()  # waits for the update
             metrics.update({f"train/{k}": v for k, v in train_m.items()})
+            idle = 0 if train_m["sequences"] else idle + 1
+            if log and idle and idle % IDLE_STEPS == 0:
+                logging.warning(idle_message(idle, step, metrics, step_cfg))
             if cfg.eval.every and (step % cfg.eval.every == 0 or step == cfg.train.steps):
                 with rollouts.engine_lock:
                     rng = backend.rng_state()
@@ -234,6 +249,17 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
 
 
 GRADER_KEYS = ("grader_calls", "grader_timeouts")
+IDLE_STEPS = 5  # steps in a row that train nothing before the log says so (and every 5 after)
+
+
+def idle_message(idle: int, step: int, metrics: dict, step_cfg: StepConfig) -> str:
+    """The log's line for `idle` steps in a row, the last `step`, that trained no sequence."""
+    reward = metrics.get("train/reward_mean", float("nan"))
+    return (f"steps {step - idle + 1}-{step} trained nothing (0 sequences): no group of "
+            f"{step_cfg.rollout.n_samples} episodes of a prompt had a reward spread (reward "
+            f"mean {reward:.3f}), so every advantage was 0. More episodes per prompt "
+            "(rollout.n_samples), a higher rollout.temperature or a reward that tells the "
+            "episodes apart gives GRPO something to learn")
 
 
 def staleness(trajs: list, step: int, bound: int, comm: Collectives

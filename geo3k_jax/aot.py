@@ -25,7 +25,33 @@ from __future__ import annotations
 
 import os
 
+DEFAULT_CONFIG = "configs/tpu.py"
+PROGRAMS_HELP = "the engine's programs to compile"
+
+
+def define_flags(flag_values, programs_help: str = PROGRAMS_HELP) -> None:
+    """This command's flags (and `geo3k_jax.engine_aot`'s) on `flag_values`; imports no jax
+    (--help lists them before it loads)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from geo3k_jax.topology import TOPOLOGIES
+    fv = flag_values
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "a geo3k-rl config file",
+                                    flag_values=fv)
+    flags.DEFINE_string("topology", "v5p-8", f"one of {', '.join(TOPOLOGIES)} or a libtpu "
+                        "topology (v5p:2x2x1)", flag_values=fv)
+    flags.DEFINE_string("shapes", "qwen3_vl_2b", "configs/models name or a checkpoint directory",
+                        flag_values=fv)
+    flags.DEFINE_string("json", "", "also write the report here", flag_values=fv)
+    flags.DEFINE_list("programs", [], programs_help + " (empty: all)", flag_values=fv)
+    flags.DEFINE_bool("engine_only", False, "compile the JAX engine's programs alone, not the "
+                      "learner's (no budget: the engine's own table)", flag_values=fv)
+
+
 if __name__ == "__main__":  # the command, not a run that imports the budget
+    from common import cli
+    cli.preflight(DEFAULT_CONFIG, define=define_flags)  # --help, a bad --config: before jax
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this host's devices: never probe for a TPU
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # libtpu locks /tmp otherwise
 
@@ -262,19 +288,9 @@ def setup(argv, programs_help: str):
     FlagValues, so a process that has defined another `--config` can call it): (flags, config,
     chip, abstract learner, model config)."""
     from absl import flags
-    from ml_collections import config_flags
 
     fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", "configs/tpu.py", "a geo3k-rl config file",
-                                    flag_values=fv)
-    flags.DEFINE_string("topology", "v5p-8", f"one of {', '.join(TOPOLOGIES)} or a libtpu "
-                        "topology (v5p:2x2x1)", flag_values=fv)
-    flags.DEFINE_string("shapes", "qwen3_vl_2b", "configs/models name or a checkpoint directory",
-                        flag_values=fv)
-    flags.DEFINE_string("json", "", "also write the report here", flag_values=fv)
-    flags.DEFINE_list("programs", [], programs_help + " (empty: all)", flag_values=fv)
-    flags.DEFINE_bool("engine_only", False, "compile the JAX engine's programs alone, not the "
-                      "learner's (no budget: the engine's own table)", flag_values=fv)
+    define_flags(fv, programs_help)
     try:
         fv(argv)
     except flags.Error as e:
@@ -319,7 +335,7 @@ def check_run(cfg, learner, config, memory: int) -> dict:
 
 
 def main(argv) -> None:
-    fv, cfg, chip, learner, config = setup(argv, "the engine's programs to compile")
+    fv, cfg, chip, learner, config = setup(argv, PROGRAMS_HELP)
     if fv.engine_only:
         from geo3k_jax.engine_aot import compile_engine
         r = dict(compile_engine(cfg, learner, config, chip, fv.programs or None, fv.topology),

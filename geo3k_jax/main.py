@@ -15,28 +15,36 @@ quantity is outside its tolerance.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # a bad --config.<key> answered before jax loads
+DEFAULT_CONFIG = "configs/cpu.py"
+
+
+def define_flags(flag_values=None) -> None:
+    """`--config`, on `flag_values` (absl's global flags by default)."""
+    from absl import flags
+    from ml_collections import config_flags
+    fv = flags.FLAGS if flag_values is None else flag_values
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file.", lock_config=True,
+                                    flag_values=fv)
+
+
+if __name__ == "__main__":  # --help, a bad --config.<key> or value: answered before jax loads
     from common import cli
-    cli.preflight("configs/cpu.py", with_help=False)
+    cli.preflight(DEFAULT_CONFIG, define=define_flags)
 
 import sys
 
 import jax
-from absl import app
-from ml_collections import config_flags
+from absl import app, flags
 
 from common.processor import load_processor
 from geo3k_jax.numerics import print_table, run_check
-
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config file.",
-                                          lock_config=True)
 
 
 def main(argv):
     del argv
     from geo3k_torch.prepare import prepare_model_dir
 
-    cfg = _CONFIG.value
+    cfg = flags.FLAGS.config
     # fp32 matmuls must be fp32: XLA on CPU/TPU may otherwise use lower-precision passes.
     jax.config.update("jax_default_matmul_precision", "highest")
     model_dir = prepare_model_dir(cfg)
@@ -52,4 +60,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

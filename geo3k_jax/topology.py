@@ -8,9 +8,12 @@ compile for.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
-from jax.sharding import Mesh
+
+if TYPE_CHECKING:  # jax loads when a topology is built, not when `TOPOLOGIES` is read (--help)
+    from jax.sharding import Mesh
 
 # Cloud TPU slice names -> libtpu topologies. v5p names count TensorCores (2 a chip), v6e and
 # v5e chips. Any libtpu name ("v5p:2x2x1") is accepted as well.
@@ -46,6 +49,7 @@ def one_host(mesh: Mesh, topology: str) -> Mesh:
     the same chips. On a slice each host's engine runs on its own chips; libtpu's compile-only
     client refuses a program whose collectives run over devices that are not its topology's
     first ("Unexpected device_id 5 in replica group (0,1,2,3)")."""
+    from jax.sharding import Mesh
     family, dims = TOPOLOGIES.get(topology, topology).split(":")
     key = lambda d, low: (*(np.asarray(d.coords) - low), d.core_on_chip)  # noqa: E731
     coords = np.array([d.coords for d in mesh.devices.flat])

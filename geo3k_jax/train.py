@@ -16,9 +16,11 @@ used (`jax_shapes.json`: a resumed run pads its steps as the uninterrupted one).
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # --help, a bad --config.<key>: answered before jax loads
+if __name__ == "__main__":  # --help, a bad --config.<key> or value: answered before jax loads
     from common import cli
-    cli.preflight()
+    cli.preflight(grpo=True)
+
+import sys
 
 import jax
 
@@ -118,6 +120,18 @@ def build(cfg, workdir: str) -> loop.Run:
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 
 
+def same_workdir(cfg, name: str) -> str:
+    """The default run folder (`common.cli.main`): `name` on one host; several hosts
+    (`jax.distributed`) join only when the run is built, too late to agree on a name from each
+    one's clock, so they need `--workdir` (exit status 2 without it)."""
+    if cfg.jax.distributed:
+        sys.stderr.write("error: jax.distributed=True runs a process per host, and they need one "
+                         "--workdir to share: pass --workdir=<a folder every host sees, or a "
+                         "gs:// URL>\n")
+        sys.exit(2)
+    return name
+
+
 def train(cfg, workdir: str) -> dict:
     """Build the JAX run and train it; returns the last step's metrics."""
     loop.check_workdir(cfg, workdir)
@@ -125,4 +139,5 @@ def train(cfg, workdir: str) -> dict:
 
 
 if __name__ == "__main__":
-    cli.main(train, rank=jax.process_index, suffix="-jax")
+    cli.main(train, rank=jax.process_index, suffix="-jax", grpo=True,
+             same_workdir=same_workdir)

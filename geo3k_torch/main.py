@@ -11,9 +11,9 @@ built, with no `data.path` the synthetic set.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # --help, a bad --config.<key>: answered before torch loads
+if __name__ == "__main__":  # --help, a bad --config.<key> or value: answered before torch loads
     from common import cli
-    cli.preflight()
+    cli.preflight(grpo=True)
 
 import os
 
@@ -28,7 +28,7 @@ from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
 from geo3k_torch.backend import LocalBackend, engine_settings
-from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device
+from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device, same_workdir
 from geo3k_torch.weight_sync import TorchWeights
 
 
@@ -75,4 +75,5 @@ def train(cfg, workdir: str) -> dict:
 
 
 if __name__ == "__main__":
-    cli.main(train, rank=lambda: int(os.environ.get("RANK", "0")))
+    cli.main(train, rank=lambda: int(os.environ.get("RANK", "0")), grpo=True,
+             same_workdir=same_workdir)

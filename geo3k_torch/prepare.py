@@ -121,6 +121,19 @@ def _build(out: Path, cfg) -> None:
     tmp.rename(out)  # a half-built checkpoint is never taken for a finished one
 
 
+def same_workdir(cfg, name: str) -> str:
+    """Rank 0's `name` for the run folder on every rank (`common.cli.main`'s default workdir):
+    under torchrun the process group is joined here, before the run is built, and the name
+    broadcast; one process keeps its own."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return name
+    from geo3k_torch import distributed
+    distributed.init(resolve_device(cfg).type, cfg.train.collective_timeout_s)
+    box = [name]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def resolve_device(cfg) -> torch.device:
     """cpu / cuda from `train.device`; asking for CUDA without one stops at once."""
     want = cfg.train.device

@@ -35,7 +35,7 @@ from common.sft import sft_example, sft_messages
 from common.train import evaluate_split
 from geo3k_torch import distributed
 from geo3k_torch.learner import SFTLearner, sft_step
-from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device
+from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device, same_workdir
 
 
 def train(cfg, workdir: str) -> dict:
@@ -105,4 +105,5 @@ def train(cfg, workdir: str) -> dict:
 
 
 if __name__ == "__main__":
-    cli.main(train, rank=lambda: int(os.environ.get("RANK", "0")), suffix="-sft")
+    cli.main(train, rank=lambda: int(os.environ.get("RANK", "0")), suffix="-sft",
+             same_workdir=same_workdir)

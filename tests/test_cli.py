@@ -1,9 +1,12 @@
 """The entry points' command line (common.cli): a run that returns prints its summary line and
 exits 0, its exit handlers run; a failing run exits with its error."""
 
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,35 +118,71 @@ def test_bad_input_stops_before_the_model_loads(entry, case, tmp_path):
         want = f"workdir {workdir} is a file"
     else:
         args.append("--config.train.lr=-0.001")
-        want = "train.lr=-0.001 must be > 0.0"
+        want = "train.lr=-0.001 must be > 0"
     out = subprocess.run(args + [f"--workdir={workdir}"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode != 0 and want in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "tiny").exists() and not (tmp_path / "data").exists()
     if case == "file_workdir":
         assert workdir.read_text() == "not a folder"
+    else:  # refused by the preflight: exit status 2, one line, no run folder
+        assert out.returncode == 2 and out.stderr.strip() == f"error: {want}"
+        assert not workdir.exists()
 
 
 def test_each_range_is_enforced():
-    """Every range of common.prepare.RANGES refuses a value just outside it and takes its
-    bound (where the bound is allowed)."""
-    from common.prepare import RANGES, check_ranges
+    """Every rule of common.config_rules.RANGES takes its closed bounds and refuses a value
+    just outside each bound, NaN, the infinities, a string and a bool, each in one line that
+    names the key; check_ranges (the build's own check) raises on the same."""
+    import math
+
+    from common.config_rules import RANGES, contains, problems
+    from common.prepare import check_ranges
     from configs import base
-    for key, (low, high, low_ok) in RANGES.items():
-        section, name = key.split(".")
-        below = low - 1 if isinstance(low, int) else low - 0.5
-        cases = [(low, low_ok), (below, False)] + ([(high + 1, False)] if high is not None
-                                                   else [])
-        for value, ok in cases:
-            cfg = base.get_config()
-            cfg[section][name] = type(cfg[section][name])(value)
-            if key in ("train.beta1", "train.beta2") and value >= 1:
-                ok = False
-            if ok:
-                check_ranges(cfg)
-            else:
-                with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-                    check_ranges(cfg)
+    interval = re.compile(r"^([\[(])(\S+), (\S+)([\])])$")
+    for key, rule in RANGES.items():
+        for part in rule.split(" or "):
+            m = interval.match(part)
+            if m is None:  # a single value
+                assert contains(rule, float(part)), (key, part)
+                continue
+            opening, low, high, closing = m.group(1), float(m.group(2)), float(m.group(3)), \
+                m.group(4)
+            if math.isfinite(low):
+                assert contains(rule, low) == (opening == "["), (key, low)
+                assert not contains(rule, low - 0.5) or " or " in rule, (key, low - 0.5)
+            if math.isfinite(high):
+                assert contains(rule, high) == (closing == "]"), (key, high)
+                assert not contains(rule, high + 0.5), (key, high)
+        for value in (math.nan, math.inf, -math.inf, "1", True, None):
+            assert not contains(rule, value), (key, value)
+    cfg = base.get_config()
+    assert problems(cfg) == []
+    cfg.train.lr, cfg.train.beta2, cfg.loss.dual_clip = -1e-3, 1.0, 1.0
+    assert problems(cfg) == ["loss.dual_clip=1.0 must be > 1 (or None: off)",
+                             "train.lr=-0.001 must be > 0", "train.beta2=1.0 must be >= 0 and < 1"]
+    with pytest.raises(ValueError, match=r"train\.lr=-0\.001 must be > 0"):
+        check_ranges(cfg)
+
+
+def test_every_numeric_field_has_a_rule_and_every_config_keeps_them():
+    """A numeric field added to configs/base.py without a rule in common.config_rules.RANGES
+    fails here; every config file (each with its arguments) is within the rules, the GRPO
+    recipes within GRPO's too."""
+    from common.config_help import flatten, load
+    from common.config_rules import RANGES, problems
+    import ml_collections
+    cfg = load(str(ROOT / "configs" / "base.py"))
+    numeric = [k for k, v in flatten(cfg).items() if not isinstance(v, ml_collections.ConfigDict)
+               and isinstance(v, (int, float)) and not isinstance(v, bool)]
+    numeric += ["loss.dual_clip", "loss.tis_cap"]  # placeholders: None by default
+    assert sorted(set(numeric) - set(RANGES)) == []
+    assert sorted(set(RANGES) - set(numeric)) == []
+    for spec in ("cpu.py", "cpu_perception.py", "h100.py", "h100_areal.py", "h100_areal.py:cpu",
+                 "h100_single_turn.py", "h100_single_turn.py:cpu", "tpu.py", "tpu.py:cpu"):
+        assert problems(load(str(ROOT / "configs" / spec)), grpo=True) == [], spec
+    for spec in ("sft.py", "sft.py:cpu"):
+        assert problems(load(str(ROOT / "configs" / spec))) == [], spec
 
 
 # The command line's mistakes and help (common.config_help), answered before torch or jax loads.
@@ -161,9 +200,11 @@ finally:
 HEAVY_NONE = "heavy modules: []"
 
 
-def run_entry(entry, *args):
-    return subprocess.run([sys.executable, "-c", RUN_AS_MAIN, entry, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def run_entry(entry, *args, columns=200, cwd=ROOT):
+    """`python -m entry args` (as RUN_AS_MAIN runs it) on a terminal `columns` wide."""
+    env = dict(os.environ, COLUMNS=str(columns), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", RUN_AS_MAIN, entry, *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("entry", ["geo3k_torch.main", "geo3k_jax.train", "geo3k_torch.sft",
@@ -296,9 +337,8 @@ def test_a_batch_run_prints_a_line_per_step_and_keeps_its_config(entry, tmp_path
     """Through the real entry point with stdout a file (nohup, SLURM): one plain line per step
     on stdout, no progress bar or warning repeated per checkpoint on stderr, and the run folder
     holds config.json (the resolved config, the command line, the versions); a resumed run
-    with another setting names the change."""
-    import json
-
+    with another setting names that change alone and is appended to config.json's launches,
+    the first kept; launched again at its last step, the run says it is finished."""
     run = tmp_path / "run"
     args = [sys.executable, "-m", entry, "--config=configs/cpu.py", f"--workdir={run}",
             f"--config.model.tiny_dir={tmp_path / 'tiny'}", "--config.model.tiny_prime_steps=2",
@@ -321,4 +361,163 @@ def test_a_batch_run_prints_a_line_per_step_and_keeps_its_config(entry, tmp_path
                                         "--config.advantage.filter_equal_groups=False"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "train.steps: 2 -> 3" in again.stdout + again.stderr
+    # the one real change, named alone (jax.rules' tuples are JSON lists: no change)
+    said = [x for x in again.stderr.splitlines() if "differs from the run's" in x]
+    assert len(said) == 1 and said[0].endswith("differs from the run's: train.steps: 2 -> 3")
+    record = json.loads((run / "config.json").read_text())
+    assert record["config"]["train"]["steps"] == 3 and "--config.train.steps=2" in record["argv"]
+    first, second = record["launches"]
+    assert first["config"]["train"]["steps"] == 2 and "--config.train.steps=3" in second["argv"]
+    assert second["changed"] == {"train.steps": [2, 3]} and second["resume"] is True
+    assert first["git"] is None or len(first["git"]["commit"]) == 40
+    # a finished run says so and exits 0: no bare `done:`, nothing built, nothing appended
+    done = subprocess.run(args[:-1] + ["--config.train.steps=3", "--config.train.resume=True",
+                                       "--config.advantage.filter_equal_groups=False"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{run} is finished: its newest checkpoint" in done.stdout
+    assert "at step 3 of train.steps=3" in done.stdout and "done:" not in done.stdout
+    assert len(json.loads((run / "config.json").read_text())["launches"]) == 2
+
+
+ENTRY_POINTS = ["geo3k_torch.main", "geo3k_jax.train", "geo3k_torch.sft", "geo3k_torch.evaluate",
+                "geo3k_jax.main", "geo3k_jax.aot"]
+GRPO_ENTRY_POINTS = ("geo3k_torch.main", "geo3k_jax.train")
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_values_out_of_range_are_refused_one_line_each_before_anything(entry, tmp_path):
+    """Hostile values (negative, zero steps, NaN, inf) through the real entry point: one line
+    each naming the key, its value and its range, exit status 2, in the same preflight as an
+    unknown key (no torch, jax or transformers imported), and no run folder made. A group of
+    one episode is refused where the entry point trains with GRPO, and only there."""
+    args = [f"--config={ROOT}/configs/cpu.py", f"--workdir={tmp_path / 'run'}",
+            "--config.train.lr=-0.001", "--config.train.steps=0",
+            "--config.rollout.temperature=nan", "--config.loss.clip_high=inf",
+            "--config.rollout.n_samples=1"]
+    began = time.monotonic()
+    out = run_entry(entry, *args, cwd=tmp_path)
+    seconds = time.monotonic() - began
+    want = ["error: rollout.temperature=nan must be >= 0",
+            "error: loss.clip_high=inf must be >= 0",
+            "error: train.steps=0 must be >= 1",
+            "error: train.lr=-0.001 must be > 0"]
+    if entry in GRPO_ENTRY_POINTS:
+        want.append("error: rollout.n_samples=1 must be >= 2 to train with GRPO: GRPO scores "
+                    "each episode against the other episodes of its prompt; a group of one has "
+                    "no spread and trains nothing")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == want
+    assert HEAVY_NONE in out.stdout
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+    assert seconds < 30  # about a second alone; a loaded machine's worst case
+
+
+def test_a_group_of_one_alone_and_a_float_for_an_int_are_refused():
+    """`--config.rollout.n_samples=1`, the one setting of a run that trained nothing in 60
+    steps, is refused by itself; a string where a number goes is the type's one line."""
+    out = run_entry("geo3k_torch.main", "--config=configs/cpu.py", "--config.rollout.n_samples=1")
+    assert out.returncode == 2 and HEAVY_NONE in out.stdout
+    assert out.stderr.startswith("error: rollout.n_samples=1 must be >= 2 to train with GRPO")
+    out = run_entry("geo3k_torch.sft", "--config=configs/cpu.py", "--config.train.lr=fast")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "--config.train.lr=fast: train.lr takes a float" in out.stderr
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("columns", [60, 160])
+def test_help_is_alike_for_every_entry_point_and_fits_the_terminal(entry, columns):
+    """--help through every entry point: exit 0 without torch, jax or transformers, the entry
+    point's docstring, its flags, and every config field with its whole meaning (no "..." cut),
+    wrapped to the terminal's width (COLUMNS) except where one word is longer than a line."""
+    out = run_entry(entry, "--help", columns=columns)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert HEAVY_NONE in out.stdout and not out.stderr.strip(), out.stderr
+    text = out.stdout.replace(HEAVY_NONE, "")
+    lines = text.splitlines()
+    assert lines[0].strip() and "flags:" in lines and "  --config: " in text
+    over = [x for x in lines if len(x) > columns and " " in x.strip()
+            and not x.startswith("    python") and not x.startswith(" " * 4 + "torchrun")
+            and len(max(x.split(), key=len)) < columns - 8 and not x.startswith("    XLA_")]
+    listing = text[text.index("config fields ("):]
+    over = [x for x in over if x in listing or x.startswith("  --")]
+    assert not over, over[:3]
+    fields = " ".join(listing.split())  # the meanings, their wrapping undone
+    assert "train.lr = " in listing and "jax.check.seed = " in listing
+    assert ("episode (each episode at its own pace) | lockstep" in fields)  # a whole meaning
+    assert " ..." not in fields.replace("...]", "").replace("...'", "")
+    if entry == "geo3k_torch.evaluate":
+        assert "  --run: " in text and "  --out: " in text
+    if entry == "geo3k_jax.aot":
+        assert "  --topology: " in text and "config fields (configs/tpu.py;" in text
+
+
+def test_several_processes_need_a_workdir_unless_the_entry_point_shares_one(tmp_path):
+    """WORLD_SIZE=2 and no --workdir, through `cli.main` with no way to share rank 0's folder
+    name: one line, exit status 2, and no runs/ folder (each process would name its own)."""
+    env = dict(os.environ, WORLD_SIZE="2", RANK="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", CLI_MAIN_CHILD, f"--config={ROOT}/configs/cpu.py"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip() == ("error: 2 processes (WORLD_SIZE=2) need one --workdir to share: "
+                                  "pass --workdir=<folder every process sees>")
+    assert not (tmp_path / "runs").exists()
+
+
+TORCHRUN_CHILD = """
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+if os.environ["RANK"] == "1":
+    time.sleep(1.5)  # the ranks read their clocks in different seconds
+from common import cli
+from geo3k_torch.prepare import same_workdir
+
+def train(config, workdir):
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    (Path(workdir) / f"rank_{{os.environ['RANK']}}").write_text(os.environ["WORLD_SIZE"])
+    return {{"train/reward_mean": 0.5}}
+
+cli.main(train, rank=lambda: int(os.environ["RANK"]), grpo=True, same_workdir=same_workdir)
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_uses_rank_0s_run_folder(tmp_path):
+    """Two CPU processes (gloo) under torchrun, no --workdir, rank 1 reading its clock 1.5 s
+    after rank 0: both write into the one folder rank 0 named (`geo3k_torch.prepare.
+    same_workdir`, the torch entry points' broadcast), and rank 0 alone prints `done:`."""
+    from tests.test_fsdp import free_port
+    child = tmp_path / "child.py"
+    child.write_text(TORCHRUN_CHILD.format(root=str(ROOT)))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(child),
+           f"--config={ROOT}/configs/cpu.py", "--config.train.device=cpu"]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    folders = list((tmp_path / "runs").iterdir())
+    assert len(folders) == 1, folders
+    assert sorted(p.name for p in folders[0].iterdir()) == ["rank_0", "rank_1"]
+    assert out.stdout.count("done: runs/") == 1
+
+
+@pytest.mark.slow
+def test_a_run_whose_steps_train_nothing_says_so(tmp_path):
+    """Through the real entry point: an untrained tiny model never calls the tool, every
+    episode scores 0, no group has a reward spread and no step trains a sequence; after 5
+    such steps in a row the log says so, naming the steps."""
+    args = [sys.executable, "-m", "geo3k_torch.main", "--config=configs/cpu.py",
+            f"--workdir={tmp_path / 'run'}", f"--config.model.tiny_dir={tmp_path / 'tiny'}",
+            "--config.model.tiny_prime_steps=0", f"--config.data.synthetic_dir={tmp_path / 'data'}",
+            "--config.data.synthetic_train_size=8", "--config.data.synthetic_test_size=4",
+            "--config.train.steps=5", "--config.train.prompts_per_step=2",
+            "--config.rollout.n_samples=2", "--config.rollout.max_response_tokens=8",
+            "--config.eval.every=0", "--config.checkpoint.every=5",
+            "--config.log.dump_rollouts=False", "--config.log.plot_every=0"]
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/sequences"] for r in rows] == [0.0] * 5
+    said = [x for x in out.stderr.splitlines() if "trained nothing" in x]
+    assert len(said) == 1 and "steps 1-5 trained nothing (0 sequences)" in said[0], out.stderr

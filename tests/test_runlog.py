@@ -83,3 +83,57 @@ def test_the_config_is_recorded_and_a_resume_names_what_changed(tmp_path):
         "extra: '(absent)' -> 1", "train.lr: 0.001 -> 0.0005"]
     assert json.loads((tmp_path / "config.json").read_text())["config"] == again
     assert write_config(tmp_path, again, resume=True) == []
+
+
+def test_launches_are_appended_and_only_real_changes_named(tmp_path, monkeypatch):
+    """A config with tuples (jax.rules) resumed from its own config.json is no change (JSON
+    holds lists); a real change is named first even beside a long value, shortened; every
+    launch is appended (its command line, git commit, versions) and the first config, command
+    line and commit stay."""
+    import subprocess
+    import sys
+
+    from common.runlog import write_config
+    rules = tuple((f"layer_{i}\\.weight$", ("tensor", "fsdp")) for i in range(40))
+    first = {"jax": {"rules": rules}, "train": {"lr": 1e-3, "resume": False}}
+    monkeypatch.setattr(sys, "argv", ["geo3k_torch.main", "--config=configs/cpu.py"])
+    assert write_config(tmp_path, first, resume=False) == []
+    monkeypatch.setattr(sys, "argv", ["geo3k_torch.main", "--config.train.resume=True"])
+    same = {"jax": {"rules": rules}, "train": {"lr": 1e-3, "resume": True}}
+    assert write_config(tmp_path, same, resume=True) == []  # tuples against lists: no change
+    longer = {"jax": {"rules": rules + (("x", ()),)}, "train": {"lr": 5e-4, "resume": True}}
+    changed = write_config(tmp_path, longer, resume=True)
+    assert [c.split(":")[0] for c in changed] == ["jax.rules", "train.lr"]
+    assert changed[1] == "train.lr: 0.001 -> 0.0005"
+    assert len(changed[0]) < 140 and "..." in changed[0]  # 40 rules would be 2,000 characters
+
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["config"]["train"]["lr"] == 5e-4  # the run's config now
+    assert record["argv"] == ["geo3k_torch.main", "--config=configs/cpu.py"]  # the first's
+    launches = record["launches"]
+    assert [x["argv"][-1] for x in launches] == ["--config=configs/cpu.py",
+                                                 "--config.train.resume=True",
+                                                 "--config.train.resume=True"]
+    assert launches[0]["config"]["train"] == {"lr": 1e-3, "resume": False}  # kept
+    assert launches[1]["changed"] == {}
+    assert launches[2]["changed"]["train.lr"] == [1e-3, 5e-4]
+    head = subprocess.run(["git", "-C", os.path.dirname(os.path.dirname(__file__)), "rev-parse",
+                           "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a git checkout: its commit, and whether it is dirty
+        assert all(x["git"]["commit"] == head.stdout.strip() for x in launches)
+        assert record["git"]["commit"] == head.stdout.strip()
+        assert all(isinstance(x["git"]["dirty"], bool) for x in launches)
+    assert all("numpy" in x["versions"] and x["time"] for x in launches)
+
+
+def test_a_config_json_of_before_launches_gets_its_launch_kept(tmp_path):
+    from common.runlog import write_config
+    old = {"config": {"train": {"lr": 1e-3}}, "argv": ["first", "launch"], "python": "3.11",
+           "versions": {}, "machine": {}}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert write_config(tmp_path, {"train": {"lr": 2e-3}}, resume=True) == [
+        "train.lr: 0.001 -> 0.002"]
+    record = json.loads((tmp_path / "config.json").read_text())
+    assert record["argv"] == ["first", "launch"]
+    assert record["launches"][0]["config"] == {"train": {"lr": 1e-3}}
+    assert record["launches"][1]["changed"] == {"train.lr": [1e-3, 2e-3]}
