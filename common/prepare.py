@@ -264,6 +264,8 @@ def check_config(cfg, world: int) -> None:
     if cfg.train.activation_checkpointing not in ("full", "selective", "none"):
         raise ValueError(f"train.activation_checkpointing must be full, selective or none, got "
                          f"{cfg.train.activation_checkpointing!r}")
+    if cfg.train.fsdp not in ("auto", "always"):
+        raise ValueError(f"train.fsdp must be auto or always, got {cfg.train.fsdp!r}")
     if cfg.train.micro_batch_tokens < cfg.rollout.max_context_tokens:
         raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
                          f"whole episode: at least rollout.max_context_tokens="

@@ -207,9 +207,14 @@ def get_config() -> ml_collections.ConfigDict:
     # Train the language model alone: the vision tower (its merger included) is not updated.
     c.train.freeze_vision = False
     c.train.grad_clip = 1.0  # global gradient norm clip
-    # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, at any world
-    # size), the KL reference and the local engine in bf16. CPU always trains in fp32.
+    # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, or on one GPU
+    # its arithmetic without FSDP: train.fsdp), the KL reference and the local engine in bf16.
+    # CPU always trains in fp32.
     c.train.bf16 = True
+    # One GPU: auto trains a plain model, bf16 copies of fp32 master weights made once per step
+    # (geo3k_torch.precision); always: FSDP2 at world size 1 too (casts every micro-batch).
+    # Several processes always shard with FSDP2.
+    c.train.fsdp = "auto"
     # On CUDA: recompute each layer in the backward pass (full), only its elementwise work
     # (selective: matmul and attention outputs kept), or nothing (none).
     c.train.activation_checkpointing = "full"
