@@ -21,6 +21,7 @@ from common.chat import ChatRenderer
 from common.data import DataError, load_split
 from common.dedup import content_key, overlap
 from common.hub import HubError, checkpoint_dir, data_path
+from common import micro_batch
 from common.prompts import prompt_style
 from common.synthetic import FAMILIES, parse_image_size, split_keys, write_split
 
@@ -228,7 +229,8 @@ RANGES = {
     "rollout.max_retries": (0, None, True), "loss.clip_low": (0.0, 1.0, True),
     "loss.clip_high": (0.0, None, True), "loss.kl_coef": (0.0, None, True),
     "train.steps": (1, None, True), "train.prompts_per_step": (1, None, True),
-    "train.micro_batch_tokens": (1, None, True), "train.updates_per_rollout": (1, None, True),
+    "train.micro_batch_target_tokens": (1, None, True),
+    "train.micro_batch_margin": (0.0, 1.0, True), "train.updates_per_rollout": (1, None, True),
     "train.max_staleness": (0, None, True), "train.logprob_chunk": (0, None, True),
     "train.lr": (0.0, None, False), "train.warmup_steps": (0, None, True),
     "train.min_lr_ratio": (0.0, 1.0, True), "train.beta1": (0.0, 1.0, True),
@@ -266,7 +268,8 @@ def check_config(cfg, world: int) -> None:
                          f"{cfg.train.activation_checkpointing!r}")
     if cfg.train.fsdp not in ("auto", "always"):
         raise ValueError(f"train.fsdp must be auto or always, got {cfg.train.fsdp!r}")
-    if cfg.train.micro_batch_tokens < cfg.rollout.max_context_tokens:
+    tokens = micro_batch.setting(cfg.train.micro_batch_tokens)  # a number or "auto"
+    if tokens != micro_batch.AUTO and tokens < cfg.rollout.max_context_tokens:
         raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
                          f"whole episode: at least rollout.max_context_tokens="
                          f"{cfg.rollout.max_context_tokens}")
