@@ -35,6 +35,7 @@ from common.sft import sft_example, sft_messages
 from common.train import evaluate_split
 from geo3k_torch import distributed
 from geo3k_torch.learner import SFTLearner, sft_step
+from geo3k_torch.memory import resolve as resolve_micro_batch
 from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device
 
 
@@ -60,6 +61,7 @@ def train(cfg, workdir: str) -> dict:
                                model=model, max_batch=cfg.engine.local_max_batch,
                                kv_budget_gb=cfg.engine.local_kv_budget_gb, bf16=cfg.train.bf16,
                                cuda_graphs=cfg.engine.local_cuda_graphs)
+    resolve_micro_batch(cfg, learner, comm)  # "auto": measured with the engine's copy in memory
     sampler = PromptSampler(len(train_set), cfg.seed, rank=comm.rank, world=comm.world)
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)
