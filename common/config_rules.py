@@ -43,6 +43,7 @@ RANGES = {
     "rollout.max_retries": "[0, inf)",
     "engine.local_max_batch": "[1, inf)",
     "engine.local_kv_budget_gb": "(0, inf)",
+    "engine.local_attention_bucket": "[0, inf)",
     "engine.sglang_servers": "[1, inf)",
     "engine.sglang_gpus_per_server": "[1, inf)",
     "engine.sglang_base_gpu": "[-1, inf)",
@@ -67,6 +68,8 @@ RANGES = {
     "train.steps": "[1, inf)",
     "train.prompts_per_step": "[1, inf)",
     "train.micro_batch_tokens": "[1, inf)",
+    "train.micro_batch_target_tokens": "[1, inf)",
+    "train.micro_batch_margin": "[0, 1)",
     "train.updates_per_rollout": "[1, inf)",
     "train.max_staleness": "[0, inf)",
     "train.logprob_chunk": "[0, inf)",
@@ -113,6 +116,7 @@ GRPO = {
 }
 
 OPTIONAL = ("loss.dual_clip", "loss.tis_cap")  # may be None: off
+WORDS = {"train.micro_batch_tokens": ("auto",)}  # a word it may be instead of a number
 
 _INTERVAL = re.compile(r"^([\[(])\s*(\S+)\s*,\s*(\S+)\s*([\])])$")
 
@@ -153,12 +157,13 @@ def problems(cfg, grpo: bool = False) -> list[str]:
             value = _get(cfg, key)
         except (KeyError, AttributeError, TypeError):
             continue
-        if value is None and key in OPTIONAL:
+        if value is None and key in OPTIONAL or value in WORDS.get(key, ()):
             continue
         if not contains(rule, value):
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             kind = "" if number else f" ({type(value).__name__}, not a number)"
-            off = " (or None: off)" if key in OPTIONAL else ""
+            off = (" (or None: off)" if key in OPTIONAL else
+                   "".join(f" (or {w!r})" for w in WORDS.get(key, ())))
             out.append(f"{key}={value!r}{kind} must be {describe(rule)}{off}")
     if grpo:
         for key, (rule, why) in GRPO.items():

@@ -22,6 +22,7 @@ from common.config_rules import problems
 from common.data import DataError, load_split
 from common.dedup import content_key, overlap
 from common.hub import HubError, checkpoint_dir, data_path
+from common import micro_batch
 from common.prompts import prompt_style
 from common.synthetic import FAMILIES, parse_image_size, split_keys, write_split
 
@@ -238,7 +239,10 @@ def check_config(cfg, world: int) -> None:
     if cfg.train.activation_checkpointing not in ("full", "selective", "none"):
         raise ValueError(f"train.activation_checkpointing must be full, selective or none, got "
                          f"{cfg.train.activation_checkpointing!r}")
-    if cfg.train.micro_batch_tokens < cfg.rollout.max_context_tokens:
+    if cfg.train.fsdp not in ("auto", "always"):
+        raise ValueError(f"train.fsdp must be auto or always, got {cfg.train.fsdp!r}")
+    tokens = micro_batch.setting(cfg.train.micro_batch_tokens)  # a number or "auto"
+    if tokens != micro_batch.AUTO and tokens < cfg.rollout.max_context_tokens:
         raise ValueError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens} must hold one "
                          f"whole episode: at least rollout.max_context_tokens="
                          f"{cfg.rollout.max_context_tokens}")

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from absl import logging
 
-from common import checkpoints
+from common import checkpoints, micro_batch
 from common.engine import Backend
 from common.env import EnvConfig
 from common.evaluation.baselines import Problem
@@ -71,7 +71,9 @@ def step_config(cfg, processor=None) -> StepConfig:
     return StepConfig(to_dataclass(RolloutConfig, cfg.rollout), to_dataclass(EnvConfig, cfg.env),
                       to_dataclass(RewardConfig, cfg.reward), cfg.advantage.normalize_std,
                       cfg.advantage.filter_equal_groups, cfg.advantage.turn_baseline,
-                      cfg.train.micro_batch_tokens, cfg.train.updates_per_rollout,
+                      micro_batch.require_fixed(cfg.train.micro_batch_tokens,
+                                                "the loop (the entry point resolves it first)"),
+                      cfg.train.updates_per_rollout,
                       image_token_id,
                       on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local")
 

@@ -7,7 +7,7 @@ keeps the two in sync. The dict is locked: a misspelled key, here or on the comm
 """
 
 import ml_collections
-from ml_collections.config_dict import placeholder
+from ml_collections.config_dict import FieldReference, placeholder
 
 
 # Partition rules, first match wins: (regex on the checkpoint key, one mesh axis per dimension).
@@ -190,7 +190,17 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.device = "auto"  # auto | cpu | cuda
     c.train.steps = 100  # GRPO steps (one rollout each)
     c.train.prompts_per_step = 16  # prompts per rollout, over all processes
-    c.train.micro_batch_tokens = 8192  # packed tokens per micro-batch (per process)
+    # Packed tokens per micro-batch (per process), or "auto" (the torch learner): the largest
+    # size, and the activation checkpointing mode, that the device's free memory holds
+    # (geo3k_torch.memory measures the activations at start-up and says what it chose and why).
+    # (An int or "auto": typed `object`, so --config.train.micro_batch_tokens takes either.)
+    c.train.micro_batch_tokens = FieldReference(8192, field_type=object)
+    # auto: the fastest checkpointing mode whose micro-batch reaches this many tokens wins, else
+    # the mode of the largest micro-batch.
+    c.train.micro_batch_target_tokens = 32768
+    # auto: the share of the free memory left unplanned (fragmentation, what colocated SGLang
+    # servers keep while released, images larger than the probe's).
+    c.train.micro_batch_margin = 0.1
     # A group's samples share its prompt in the micro-batches: the learner computes the prompt
     # and encodes its images once per group (common.batching; exact, see tests/test_shared_prefix).
     c.train.share_prefix = True
@@ -217,9 +227,14 @@ def get_config() -> ml_collections.ConfigDict:
     # Train the language model alone: the vision tower (its merger included) is not updated.
     c.train.freeze_vision = False
     c.train.grad_clip = 1.0  # global gradient norm clip
-    # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, at any world
-    # size), the KL reference and the local engine in bf16. CPU always trains in fp32.
+    # CUDA: bf16 compute over fp32 master weights (FSDP2's MixedPrecisionPolicy, or on one GPU
+    # its arithmetic without FSDP: train.fsdp), the KL reference and the local engine in bf16.
+    # CPU always trains in fp32.
     c.train.bf16 = True
+    # One GPU: auto trains a plain model, bf16 copies of fp32 master weights made once per step
+    # (geo3k_torch.precision); always: FSDP2 at world size 1 too (casts every micro-batch).
+    # Several processes always shard with FSDP2.
+    c.train.fsdp = "auto"
     # On CUDA: recompute each layer in the backward pass (full), only its elementwise work
     # (selective: matmul and attention outputs kept), or nothing (none).
     c.train.activation_checkpointing = "full"

@@ -36,7 +36,7 @@ def get_config():
     c.loss.tis_cap = 2.0
     c.train.steps = 1000
     c.train.prompts_per_step = 64
-    c.train.micro_batch_tokens = 16384
+    c.train.micro_batch_tokens = "auto"  # the largest the free GPU memory holds, measured
     c.train.lr = 1e-6
     c.train.lr_schedule = "constant"
     c.train.weight_decay = 0.1

@@ -34,7 +34,6 @@ def get_config(arg=None):
     c.rollout.max_context_tokens = 4096
     c.rollout.export_style = "individual" if "individual" in args else "concat"
     c.train.lr = 1e-6
-    c.train.micro_batch_tokens = 8192
     if "cpu" in args:
         cpu.runlocal(c, max_response_tokens=64)  # room for a few short turns
     return c

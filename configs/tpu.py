@@ -34,6 +34,7 @@ def get_config(arg=None):
     c.jax.distributed = True
     c.jax.mesh.data, c.jax.mesh.fsdp, c.jax.mesh.tensor = 1, -1, 1
     c.jax.compute_dtype = "bfloat16"
+    c.train.micro_batch_tokens = 16384  # a number: the JAX learner compiles its row length
     c.engine.slots = 128  # per host: 28 GiB of KV cache a v5p chip (docs/tpu_engine.md)
     c.jax.remat = True
     # The learner and the engine on the same chips: checked together before the first step

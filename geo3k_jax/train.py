@@ -24,7 +24,7 @@ import sys
 
 import jax
 
-from common import cli, train as loop
+from common import cli, micro_batch, train as loop
 from common.backends import make_backend
 from common.grpo import LossConfig
 from common.processor import load_processor
@@ -92,6 +92,8 @@ def build(cfg, workdir: str) -> loop.Run:
                          f"{cfg.jax.compute_dtype!r}")
     comm = JaxCollectives()
     check_config(cfg, comm.world)
+    micro_batch.require_fixed(cfg.train.micro_batch_tokens, "the JAX learner (it compiles its "
+                              "row length)")
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
     train_set, test_set = load_data(cfg, comm)  # first: a bad data.path fails before any model work
     model_dir = model_dir_everywhere(cfg, comm, lambda: model_dir_of(cfg))

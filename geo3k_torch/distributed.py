@@ -4,8 +4,10 @@ Launched with `torchrun`, every rank runs the same loop on its share of the prom
 process group serves both device types ("cpu:gloo,cuda:nccl": NCCL alone refuses CPU tensors,
 and the state-dict and checkpoint helpers move some through the group), and the loop's own
 collectives (`TorchCollectives`) hand it tensors on the learner's device only. A CUDA run has a
-process group at world size 1 too (a store in memory), so that one GPU trains under the same
-FSDP2 dtype policy as eight. CPU runs use gloo, and none at world size 1.
+process group at world size 1 too (a store in memory): FSDP2 runs on it under
+`train.fsdp="always"` (by default one GPU trains without FSDP, `geo3k_torch.precision`, in the
+same dtype arithmetic as eight), and the checkpoint and collective helpers use it either way.
+CPU runs use gloo, and none at world size 1.
 
 FSDP2 (`fully_shard`) wraps each language-model decoder layer and each vision block, then the
 root (torchtitan's order), with one `MixedPrecisionPolicy` when `bf16`: bf16 parameters for

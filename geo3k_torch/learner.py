@@ -17,11 +17,13 @@ processor, M-RoPE positions, the loss weights: `MicroBatch.prepare`) runs in a b
 while the device computes the previous one, and reaches the device through pinned memory; the
 metrics stay device tensors, summed over micro-batches and read once per step together with the
 grad norm (the one host sync of a step, which decides whether the step is skipped). On CUDA the
-optimizer is torch's fused AdamW.
+optimizer is torch's fused AdamW. A model that is not FSDP-wrapped computes in bf16 over its fp32
+weights on CUDA (`geo3k_torch.precision.MasterWeights`, the arithmetic of FSDP2's bf16 policy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +41,7 @@ from geo3k_torch import checkpoint
 from geo3k_torch.attention import to_device
 from geo3k_torch.head import fused_loss
 from geo3k_torch.model import host_inputs, token_logprobs, upload
+from geo3k_torch.precision import MasterWeights
 
 
 @dataclasses.dataclass
@@ -96,12 +99,15 @@ class Learner:
     """`common.learner.Learner` in torch: owns the policy's optimizer and scheduler. `model`
     may be FSDP-sharded over `comm`'s ranks (and computes in bf16 under its mixed-precision
     policy); `model_dir` is the checkpoint it came from (its tokenizer and processor files go
-    into every export)."""
+    into every export). master_weights: a plain fp32 model computes in bf16 over its fp32
+    weights (`geo3k_torch.precision.MasterWeights`); None: on CUDA under `train.bf16` when the
+    model is not FSDP-wrapped."""
 
     def __init__(self, model, processor, loss_cfg: LossConfig, train_cfg, temperature: float,
                  device: torch.device | str = "cpu", ref_model=None,
                  comm: Collectives = SingleProcess(), model_dir: str | None = None,
-                 chunk: int = 0, fused_head: bool = False):
+                 chunk: int = 0, fused_head: bool = False,
+                 master_weights: bool | None = None):
         self.model, self.processor, self.loss_cfg = model, processor, loss_cfg
         self.chunk = chunk  # trained tokens whose logits exist at once (0: all)
         self.fused_head = fused_head  # the loss's gradient formed by the LM head (`train.fused_head`)
@@ -117,6 +123,10 @@ class Learner:
                                  "parameters (model.visual.*)")
             for p in frozen:
                 p.requires_grad_(False)
+        if master_weights is None:
+            master_weights = (self.device.type == "cuda" and not is_sharded(model)
+                              and train_cfg.bf16)
+        self.master = MasterWeights(model) if master_weights else None  # after freezing
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=train_cfg.lr,
             betas=(train_cfg.beta1, train_cfg.beta2), eps=train_cfg.eps,
@@ -124,6 +134,10 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, train_cfg.lr_schedule, *horizon(train_cfg),
                                                 train_cfg.min_lr_ratio))
+
+    def _compute(self):
+        """Around the policy's forwards: its bf16 copies in place under master weights."""
+        return self.master.compute() if self.master else contextlib.nullcontext()
 
     def _forward(self, model, mb: MicroBatch, entropy: bool):
         """The compute dtype is the model's: FSDP2's policy (bf16 over fp32 master weights, see
@@ -203,6 +217,8 @@ class Learner:
         else:
             self.optimizer.step()
             self.scheduler.step()
+            if self.master:
+                self.master.refresh()  # the step's one copy of the new weights into bf16
         host["tokens"] = float(sum(int(b.loss_mask.astype(bool).sum()) for b in batches))
         host = self.comm.sum_scalars(host, max_keys=("logp_diff_max",))
         n = max(host.pop("tokens"), 1.0)
@@ -213,32 +229,41 @@ class Learner:
 
     def accumulate(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
                    ) -> dict[str, torch.Tensor]:
-        """Forward and backward over `batches`, gradients accumulated: the metric sums of the
-        step as 0-d device tensors ("loss" the step's loss; "logp_diff_max" a max). Reads
-        nothing back from the device."""
+        """Forward and backward over `batches`, gradients accumulated into the Parameters'
+        .grad (fp32 under master weights): the metric sums of the step as 0-d device tensors
+        ("loss" the step's loss; "logp_diff_max" a max). Reads nothing back from the device."""
         sums: dict[str, torch.Tensor] = {}
-        for mb in self._micro_batches(batches, n_tokens, n_seqs):
-            loss, s = self.micro_batch_loss(mb)
-            loss.backward()
-            s["loss"] = loss.detach() / self.world_size
-            for k, v in s.items():
-                if k not in sums:
-                    sums[k] = v
-                elif k == "logp_diff_max":
-                    sums[k] = torch.maximum(sums[k], v)
-                else:
-                    sums[k] = sums[k] + v
+        with self._compute():
+            for mb in self._micro_batches(batches, n_tokens, n_seqs):
+                loss, s = self.micro_batch_loss(mb)
+                loss.backward()
+                self._add(sums, s, loss)
+        if self.master:
+            self.master.grads_to_params()
         if not sums:
             zero = torch.zeros((), device=self.device)
             sums = {"loss": zero, "logp_diff_max": zero}
         return sums
+
+    def _add(self, sums: dict[str, torch.Tensor], s: dict[str, torch.Tensor],
+             loss: torch.Tensor) -> None:
+        """One micro-batch's metric sums `s` and `loss` added into the step's `sums`."""
+        s["loss"] = loss.detach() / self.world_size
+        for k, v in s.items():
+            if k not in sums:
+                sums[k] = v
+            elif k == "logp_diff_max":
+                sums[k] = torch.maximum(sums[k], v)
+            else:
+                sums[k] = sums[k] + v
 
     @torch.no_grad()
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
         """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
         mask): the behaviour policy when several updates share one rollout."""
         self.model.eval()
-        got = [self._forward(self.model, mb, False) for mb in self._micro_batches(batches)]
+        with self._compute():
+            got = [self._forward(self.model, mb, False) for mb in self._micro_batches(batches)]
         out = []
         for batch, logp in zip(batches, got):  # read back once the device has them all
             full = np.zeros(batch.num_tokens, np.float32)
@@ -257,6 +282,15 @@ class Learner:
 
     def restore(self, directory: Path) -> None:
         checkpoint.load_state(directory, self.model, self.optimizer, self.scheduler)
+        if self.master:
+            self.master.refresh()
+
+
+def is_sharded(model) -> bool:
+    """Whether `model` is FSDP2-wrapped (its parameters DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 class SFTLearner(Learner):

@@ -28,6 +28,7 @@ from configs import to_dataclass
 from geo3k_torch import distributed
 from geo3k_torch.learner import Learner
 from geo3k_torch.backend import LocalBackend, engine_settings
+from geo3k_torch.memory import resolve as resolve_micro_batch
 from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device, same_workdir
 from geo3k_torch.weight_sync import TorchWeights
 
@@ -56,6 +57,11 @@ def build(cfg, workdir: str) -> loop.Run:
     learner = Learner(model, processor, loss_cfg, cfg.train, cfg.rollout.temperature, device,
                       ref_model=ref_model, comm=comm, model_dir=model_dir,
                       chunk=cfg.train.logprob_chunk, fused_head=cfg.train.fused_head)
+    # "auto": measured now, the model and the learner in memory; the local engine's own copy on
+    # a GPU (loaded next) is reserved, SGLang servers release theirs while the learner trains
+    engine_copy = (sum(p.numel() for p in model.parameters()) * (2 if cfg.train.bf16 else 4)
+                   if on_gpu and cfg.engine.backend == "local" else 0)
+    resolve_micro_batch(cfg, learner, comm, reserved=engine_copy)
     backend = make_backend(
         cfg, own_kind="torch", model_dir=model_dir, processor=processor, workdir=workdir,
         comm=comm, free_memory=torch.cuda.empty_cache if on_gpu else lambda: None,

@@ -24,7 +24,7 @@ from common.prepare import build_lock, data_keys, data_spec, prepare_data, read_
 from common.prompts import prompt_style
 from common.synthetic import parse_image_size
 from configs import to_dataclass
-from geo3k_torch.model import compile_layers, load_model, load_sharded
+from geo3k_torch.model import checkpoint_layers, compile_layers, load_model, load_sharded
 
 PRETRAIN_SEED = 20_000  # + tiny_seed: the vision pretraining's figures (the splits: 0 and 10,000)
 BUILD_RECORD = "tiny_build.json"
@@ -149,24 +149,43 @@ def resolve_device(cfg) -> torch.device:
     return torch.device("cpu")
 
 
+FSDP_MODES = ("auto", "always")
+
+
+def uses_fsdp(cfg, device: torch.device, world: int) -> bool:
+    """Whether the policy is FSDP2-sharded: with several processes; on CUDA alone too under
+    `train.fsdp="always"` (with "auto" one GPU trains a plain model over fp32 master weights,
+    `geo3k_torch.precision`: the same arithmetic without FSDP's per-micro-batch casts)."""
+    if cfg.train.fsdp not in FSDP_MODES:
+        raise ValueError(f"train.fsdp must be one of {FSDP_MODES}, got {cfg.train.fsdp!r}")
+    return world > 1 or (device.type == "cuda" and cfg.train.fsdp == "always")
+
+
 def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference: bool = False):
     """The model to train, or with `reference` the frozen KL reference, under the run's one
-    dtype policy. On CUDA, and on CPU with several processes, it is FSDP2-sharded
+    dtype policy. With several processes (`uses_fsdp`), it is FSDP2-sharded
     (`geo3k_torch.model.load_sharded`: no rank holds a full copy), with `train.bf16` computing in
-    bf16 over fp32 master weights on CUDA (the reference is stored in bf16: it is never
-    trained). One CPU process trains plainly in fp32 (the CPU demo). `train.compile`: each of its
-    blocks compiled (`geo3k_torch.model.compile_layers`, by `train.compile_backend`)."""
+    bf16 over fp32 master weights on CUDA; one GPU loads it plainly in fp32 and the learner
+    computes in bf16 over it (`geo3k_torch.precision.MasterWeights`). The reference is stored
+    in bf16 under `train.bf16` on CUDA: it is never trained. One CPU process trains plainly in
+    fp32 (the CPU demo). Activation checkpointing (`train.activation_checkpointing`) on CUDA
+    only. `train.compile`: each of its blocks compiled (`geo3k_torch.model.compile_layers`, by
+    `train.compile_backend`, the checkpointing inside); the policy's only once
+    `train.micro_batch_tokens="auto"` has chosen its checkpointing (`geo3k_torch.memory`)."""
     bf16 = device.type == "cuda" and cfg.train.bf16
     dtype = torch.bfloat16 if reference and bf16 else torch.float32
-    checkpointing = (cfg.train.activation_checkpointing if device.type == "cuda" and not reference
-                     else "none")
-    backend = cfg.train.compile_backend if cfg.train.compile else None
-    if device.type == "cuda" or world > 1:
-        model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=checkpointing,
+    mode = cfg.train.activation_checkpointing if device.type == "cuda" and not reference \
+        else "none"
+    backend = cfg.train.compile_backend if cfg.train.compile and (
+        reference or cfg.train.micro_batch_tokens != "auto") else None
+    if uses_fsdp(cfg, device, world):
+        model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=mode,
                              checkpoint_vision=cfg.train.checkpoint_vision,
                              compile_backend=backend)
     else:
-        model = load_model(model_dir, dtype)
+        model = load_model(model_dir, dtype).to(device)
         if backend:
-            compile_layers(model, checkpointing, cfg.train.checkpoint_vision, backend)
+            compile_layers(model, mode, cfg.train.checkpoint_vision, backend)
+        elif device.type == "cuda":
+            checkpoint_layers(model, mode, cfg.train.checkpoint_vision)
     return model.eval().requires_grad_(False) if reference else model

@@ -35,6 +35,7 @@ from common.sft import sft_example, sft_messages
 from common.train import evaluate_split
 from geo3k_torch import distributed
 from geo3k_torch.learner import SFTLearner, sft_step
+from geo3k_torch.memory import resolve as resolve_micro_batch
 from geo3k_torch.prepare import load_policy, prepare_model_dir, resolve_device, same_workdir
 
 
@@ -58,6 +59,7 @@ def train(cfg, workdir: str) -> dict:
         from geo3k_torch.backend import LocalBackend, engine_settings
         backend = LocalBackend(processor, model_dir, seed=cfg.seed, device=device, comm=comm,
                                model=model, bf16=cfg.train.bf16, **engine_settings(cfg))
+    resolve_micro_batch(cfg, learner, comm)  # "auto": measured with the engine's copy in memory
     sampler = PromptSampler(len(train_set), cfg.seed, rank=comm.rank, world=comm.world)
     start = 0
     ckpt_root = checkpoints.root(cfg, workdir, learner)

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 
 from common.batching import pack, packing_efficiency, training_sequences
 from common.env import EnvConfig
+from common.learner import SingleProcess
 from common.grpo import LossConfig
 from common.processor import load_processor
 from common.rollout import RolloutConfig, rollout
@@ -29,6 +30,7 @@ from common.prepare import make_renderer, prepare_data
 from configs import to_dataclass
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.learner import Learner
+from geo3k_torch.memory import resolve as resolve_micro_batch
 from geo3k_torch.model import load_model
 from geo3k_torch.prepare import prepare_model_dir, resolve_device
 
@@ -60,6 +62,7 @@ def main(argv):
     engine = LocalEngine(model, processor, pad if pad is not None else 0, cfg.seed, device)
     learner = Learner(model, processor, to_dataclass(LossConfig, cfg.loss), cfg.train,
                       cfg.rollout.temperature, device)
+    resolve_micro_batch(cfg, learner, SingleProcess())  # "auto": measured on this learner
     roll_cfg = to_dataclass(RolloutConfig, cfg.rollout)
     renderer = make_renderer(cfg, processor)
     sampler = PromptSampler(len(train_set), cfg.seed)

@@ -39,6 +39,8 @@ from pathlib import Path
 from absl import app, flags
 from ml_collections import config_flags
 
+from common.micro_batch import require_fixed
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/cpu.py", "Config.", lock_config=False)
 _STEPS = flags.DEFINE_integer("steps", 5, "Measured steps per side (after one warm-up step).")
 _BUDGETS = flags.DEFINE_list("budgets", ["512", "2048", "4096"],
@@ -263,7 +265,8 @@ def main(argv):
     steps = _STEPS.value + 1  # the first is the warm-up
     if _SIDE.value != "both":
         times = (run_trl(cfg, steps) if _SIDE.value == "trl"
-                 else run_ours(cfg, steps, _BUDGET.value or cfg.train.micro_batch_tokens))
+                 else run_ours(cfg, steps, _BUDGET.value or require_fixed(
+                     cfg.train.micro_batch_tokens, "scripts/benchmark_trl.py")))
         if len(times) != steps:
             raise SystemExit(f"{len(times)} steps timed, expected {steps}")
         Path(_OUT.value).write_text(json.dumps({"times": times}))

@@ -1,6 +1,7 @@
 """The torch learner's CUDA path end to end on the tiny Qwen3-VL (skipped without CUDA): a
 process group at world size 1 ("cpu:gloo,cuda:nccl" on an in-memory store), the policy loaded on
-the meta device under the bf16 policy, a bf16 KL reference, shared-prefix micro-batches through
+the meta device under the bf16 policy (`train.fsdp="always"`) or plainly under bf16 master
+weights (the default at world size 1, `geo3k_torch.precision`), a bf16 KL reference, shared-prefix micro-batches through
 the varlen kernel, the loop's collectives on the GPU, and the engine's own bf16 copy receiving
 the weights. Log-probs are pinned to the CPU fp32 reference within the bf16 tolerance of
 tests/test_torch_bf16.py."""
@@ -15,7 +16,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="needs a CUDA device")]
 
 
-def test_cuda_learner_step_engine_and_sync(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fsdp", ["always", "auto"])
+def test_cuda_learner_step_engine_and_sync(tmp_path, monkeypatch, fsdp):
     import torch.distributed as dist
 
     from common.batching import pack
@@ -51,6 +53,7 @@ def test_cuda_learner_step_engine_and_sync(tmp_path, monkeypatch):
     try:
         device = torch.device("cuda", 0)
         cfg = base.get_config()
+        cfg.train.fsdp = fsdp
         policy = load_policy(cfg, str(tmp_path), device, 1)
         ref = load_policy(cfg, str(tmp_path), device, 1, reference=True)
         assert next(ref.parameters()).dtype == torch.bfloat16
@@ -61,8 +64,9 @@ def test_cuda_learner_step_engine_and_sync(tmp_path, monkeypatch):
             monkeypatch.setattr(attention, "varlen_attn",
                                 lambda *a, **k: calls.append(a[0].dtype) or varlen(*a, **k))
         comm = distributed.TorchCollectives(device)
-        learner = Learner(policy, processor, loss, train_config(), 0.8, device, ref_model=ref,
-                          comm=comm)
+        learner = Learner(policy, processor, loss, train_config(bf16=True), 0.8, device,
+                          ref_model=ref, comm=comm)
+        assert (learner.master is None) == (fsdp == "always")
         got = learner.logprobs(batches)
         for g, w, b in zip(got, want, batches):
             assert np.abs(g - w)[b.loss_mask > 0].max() <= LOGP_TOL
@@ -73,7 +77,8 @@ def test_cuda_learner_step_engine_and_sync(tmp_path, monkeypatch):
 
         engine_model = load_model(str(tmp_path), torch.bfloat16).to(device).eval()
         copy_weights(learner.model, engine_model)
-        full = {k: v.full_tensor() for k, v in learner.model.state_dict().items()}
+        full = {k: v.full_tensor() if fsdp == "always" else v
+                for k, v in learner.model.state_dict().items()}
         for k, v in engine_model.state_dict().items():
             if k in full:
                 assert torch.equal(v, full[k].to(torch.bfloat16)), k
