@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from common import checkpoints
+from common.runlog import flatten
 
 RECORD = "config.json"  # in the run folder (a checkpoint's own config.json is the model's)
 
@@ -91,8 +92,8 @@ def saved_config(run: Path):
     if record is None:
         raise RunError(f"{run}: no run {RECORD}")
     cfg = base.get_config()
-    saved, notes = _flat(record["config"]), []
-    fields = _flat(json.loads(json.dumps(cfg.to_dict(), default=str)))
+    saved, notes = flatten(record["config"]), []
+    fields = flatten(json.loads(json.dumps(cfg.to_dict(), default=str)))
     for key, value in saved.items():
         if key not in fields:
             notes.append(f"{key}={value!r} is no field of configs/base.py now: left out")
@@ -152,21 +153,11 @@ def evaluation_config(run: str | Path, parsed, argv: list[str]) -> Evaluation:
 def trained_on_changes(saved: dict, cfg) -> list[str]:
     """One line per `TRAINED_ON` setting whose value in `cfg` (a ConfigDict) differs from the
     run's config `saved` (config.json's "config"), values compared as JSON holds them."""
-    before = _flat(saved)
-    after = _flat(json.loads(json.dumps(cfg.to_dict(), default=str)))
+    before = flatten(saved)
+    after = flatten(json.loads(json.dumps(cfg.to_dict(), default=str)))
     return [f"{key}={after.get(key)!r} differs from {before.get(key)!r}, what the run trained "
             "with" for key in sorted(before.keys() | after.keys())
             if key.startswith(TRAINED_ON) and before.get(key) != after.get(key)]
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _tuples(value):

@@ -62,7 +62,7 @@ def write_config(workdir: str | os.PathLike, config: dict, resume: bool) -> list
         if "launches" not in record:  # written before launches were kept: its one launch
             record["launches"] = [{k: record[k] for k in ("argv", "python", "versions",
                                                           "machine", "config") if k in record}]
-        before, after = _flat(record["config"]), _flat(now)
+        before, after = flatten(record["config"]), flatten(now)
         changed = {k: [before.get(k, ABSENT), after.get(k, ABSENT)]
                    for k in sorted(before.keys() | after.keys())
                    if before.get(k, ABSENT) != after.get(k, ABSENT) and k != "train.resume"}
@@ -130,12 +130,12 @@ def machine() -> dict[str, object]:
             "usable_cores": usable}
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1}."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out |= _flat(v, f"{prefix}{k}.")
+            out |= flatten(v, f"{prefix}{k}.")
         else:
             out[f"{prefix}{k}"] = v
     return out
