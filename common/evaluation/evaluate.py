@@ -30,6 +30,17 @@ prefixed `greedy_` / `sampled_`; T is `max_turns`:
                          free-form problem) = first_try_accuracy + (1 - first_try_accuracy) *
                          recovery_elimination_line. With-feedback accuracy above it is
                          feedback used better than blind elimination would use it
+    recovery_blind_retry_line, retry_lookup_share
+                         of those missed episodes, the share the best figure-blind retry given
+                         (kind, first answer) solves, fitted on them, and the share of turn-2
+                         answers equal to their (kind, first answer) group's most common one
+                         (`common.evaluation.retry`: near 1, the retry is a lookup)
+    <key>_se             the binomial standard error sqrt(p(1-p)/n) of every accuracy and
+                         recovery (n: the episodes it is a share of; sampled episodes of one
+                         prompt are correlated, so theirs is too small)
+    turn_<k>_tool_call_rate, turn_<k>_valid_answer_rate, turn_<k>_repeat_rate, turn_<k>_turns
+                         of the model's turn-k turns: a well-formed call, an answer that is a
+                         listed choice, a repeat of an earlier answer (k >= 2)
     first_try_accuracy_at_<P>, accuracy_at_<P>
                          first-try and with-feedback accuracy of the episodes of choice
                          problems whose correct answer is choice P (A, B, ...: the position as
@@ -51,7 +62,17 @@ come again under `<kind>/` (`perception/greedy_first_try_accuracy`, ...).
 With `blank_images`, the same prompts run once more, greedy, with every image replaced by a
 blank one (`blank_prompts`: white, same size and mode): `blank/greedy_first_try_accuracy` and
 `blank/greedy_accuracy` (per kind `<kind>/blank/greedy_...`) tell how much of the accuracy needs
-the figure at all. The originals are not touched.
+the figure at all (with their standard errors and per-turn rates). The originals are not
+touched.
+
+With `forced_miss`, every choice problem runs greedy once more after a first call answering a
+uniformly random wrong choice (`common.evaluation.retry`; the environment scores it and gives its
+own feedback, the model goes on from turn 2): `forced/greedy_recovery` (± `_se`) beside
+`forced/greedy_blind_retry_line` (the best figure-blind retry given kind and forced answer,
+exact on these problems) and `forced/greedy_elimination_line`, with `problems`,
+`repeat_after_miss`, `retry_lookup_share` and the per-turn rates (per kind `<kind>/forced/...`).
+With `episodes`, every episode of the evaluation goes to a JSONL file
+(`common.evaluation.episodes`).
 
 `accuracy - first_try_accuracy` is what the feedback buys; comparing first-try pass@k with the
 with-feedback accuracy tells whether K tries with feedback beat K independent tries. The training

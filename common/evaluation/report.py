@@ -16,7 +16,10 @@ baselines fitted on these problems (constant answer, best and worst fixed order 
 positions, beside chance and elimination) and the accuracy by answer position (one row per
 position A, B, ..., with its number of problems). A split with several kinds of problem
 (`<kind>/` keys) gets these tables once per kind and a chart panel each for perception and
-geometry.
+geometry. Every accuracy and recovery stands ± its standard error where the metrics have one
+(`<key>_se`); with a forced-miss run a table of its recovery per kind beside its figure-blind
+lines follows the first table, and with a blank-image or forced-miss run a per-turn table
+(tool calls, valid answers, repeats) ends each kind's tables.
 """
 
 from __future__ import annotations
