@@ -18,6 +18,11 @@ a context limit (prompt + response). Each episode ends `completed` (the environm
 engine failed a request more than `max_retries` times) or `placeholder` (it sampled an image or
 video placeholder id, `Renderer.placeholder_ids`: such a token would make the learner look for
 an image that is not there). Aborted episodes are excluded from training, the others go on.
+
+A forced first turn (`first_turns`, the evaluation's forced miss): the given ids stand in for the
+engine's first generation of the prompt's episodes; the environment scores them and gives its
+feedback as for any turn, the model goes on from turn 2. The turn is marked `forced`, its tokens
+have loss mask 0 and log-prob 0: they are not the model's.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from common.engine import (ABORT, LENGTH, AsyncEngine, Completion, Engine, FatalEngineError,
+from common.engine import (ABORT, LENGTH, STOP, AsyncEngine, Completion, Engine, FatalEngineError,
                            Request, SamplingParams)
 from common.env import EnvConfig, Geo3kEnv
 from common.reward import RewardConfig, episode_reward
@@ -90,6 +95,7 @@ class Turn:
     finish_reason: str
     info: dict
     observation: str | None = None  # the feedback that followed, if any
+    forced: bool = False  # given to the episode (`rollout`'s first_turns), not generated
 
 
 @dataclasses.dataclass
@@ -216,13 +222,15 @@ def _advance(ep: _Episode, out: Completion, renderer: Renderer, cfg: RolloutConf
 
 def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: RolloutConfig,
             env_config: EnvConfig = EnvConfig(), reward_config: RewardConfig = RewardConfig(),
-            group_offset: int = 0, prompt_ids: Sequence[Sequence[int]] | None = None
-            ) -> list[Trajectory]:
+            group_offset: int = 0, prompt_ids: Sequence[Sequence[int]] | None = None,
+            first_turns: Sequence[Sequence[int] | None] | None = None) -> list[Trajectory]:
     """Run `cfg.n_samples` episodes for each prompt; returns them grouped, prompt by prompt.
 
     `prompts` are `common.data.Prompt`-like objects (`uid`, `messages`, `images`, `answer`).
     `prompt_ids`: each prompt's `renderer.prompt_ids(messages, images)` when the caller rendered
-    them ahead (`common.pipeline`), else None.
+    them ahead (`common.pipeline`), else None. `first_turns`: per prompt, None or the ids of
+    a first assistant turn (ending with a stop token) that its episodes take instead of
+    generating one (the module docstring).
     Group ids are `group_offset + prompt index`. Rewards are scored here (`common.reward`).
     With an `AsyncEngine` and `cfg.schedule == "episode"` each episode moves to its next turn
     as soon as its own generation is back; otherwise all active episodes take a turn together
@@ -241,6 +249,12 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
             episodes.append(_Episode(prompt, group_offset + g, k, len(ids), list(ids),
                                      [0] * len(ids), [0.0] * len(ids), env))
     step = _Stepper(renderer, cfg)
+    if first_turns is not None:
+        if len(first_turns) != len(prompts):
+            raise ValueError(f"{len(first_turns)} first turns for {len(prompts)} prompts")
+        for ep in episodes:
+            if (ids := first_turns[ep.group - group_offset]) is not None:
+                _force(ep, ids, step)
     if cfg.schedule == "episode" and isinstance(engine, AsyncEngine):
         _per_episode(episodes, engine, step, cfg.max_retries)
     else:
@@ -251,6 +265,22 @@ def rollout(prompts: Sequence[Any], engine: Engine, renderer: Renderer, cfg: Rol
 def render_prompts(prompts: Sequence[Any], renderer: Renderer) -> list[list[int]]:
     """Each prompt's token ids, as `rollout` starts its episodes from."""
     return [list(renderer.prompt_ids(p.messages, p.images)) for p in prompts]
+
+
+def _force(ep: _Episode, ids: Sequence[int], step: _Stepper) -> None:
+    """Take `ids` as the episode's first turn: stepped like a generation, then marked forced
+    with loss mask 0 (log-probs are 0 already)."""
+    req = step.request(ep)
+    if req is None:
+        return
+    stops = req.sampling.stop_token_ids
+    if not ids or ids[-1] not in stops or len(ids) > req.sampling.max_new_tokens:
+        raise ValueError(f"a forced first turn of {len(ids)} ids must end with a stop token and "
+                         f"fit the {req.sampling.max_new_tokens} tokens left")
+    step.receive(ep, req, Completion(list(ids), [0.0] * len(ids), STOP))
+    turn = ep.turns[0]
+    turn.forced = True
+    ep.mask[turn.start:turn.end] = [0] * (turn.end - turn.start)
 
 
 class _Stepper:

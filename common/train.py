@@ -154,7 +154,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
     if start == 0 and cfg.eval.every:  # step 0: what the checkpoint does before any update
         rng = backend.rng_state()
         step0 = {f"eval/{k}": v for k, v in evaluate_split(
-            cfg, run.test_set, backend.engine, renderer, comm).items()}
+            cfg, run.test_set, backend.engine, renderer, comm,
+            eval_episodes(workdir, 0)).items()}
         backend.set_rng_state(rng)  # training samples as it would without this evaluation
         if log:
             log.log(0, step0)
@@ -222,7 +223,8 @@ def _loop(cfg, workdir: str | Path, run: Run) -> dict:
                 with rollouts.engine_lock:
                     rng = backend.rng_state()
                     metrics.update({f"eval/{k}": v for k, v in evaluate_split(
-                        cfg, run.test_set, backend.engine, renderer, comm).items()})
+                        cfg, run.test_set, backend.engine, renderer, comm,
+                        eval_episodes(workdir, step)).items()})
                     backend.set_rng_state(rng)  # what is evaluated never changes training
             if log:
                 log.log(step, metrics)
@@ -281,20 +283,31 @@ def staleness(trajs: list, step: int, bound: int, comm: Collectives
 
 
 def evaluate_split(cfg, split: Sequence, engine, renderer,
-                   comm: Collectives = SingleProcess()) -> dict:
+                   comm: Collectives = SingleProcess(),
+                   episodes: str | Path | None = None) -> dict:
     """`common.evaluation.evaluate.evaluate` on the first `eval.max_prompts` rows (0 = all) of a
-    split with the config's rollout, environment and reward settings, and with
-    `eval.blank_images` the greedy run again on blank images (`blank/*` keys). `split` is this
-    process's share (a `common.data.Geo3kSplit`, `load_split(..., shard=(rank, world))`): each
-    process runs its own prompts; what crosses processes is the problems' text (for the
-    baselines) and sums of scalars."""
+    split with the config's rollout, environment and reward settings, with
+    `eval.blank_images` the greedy run again on blank images (`blank/*` keys) and with
+    `eval.forced_miss` after a forced wrong first call (`forced/*`, drawn from `seed`).
+    `split` is this process's share (a `common.data.Geo3kSplit`, `load_split(..., shard=(rank,
+    world))`): each process runs its own prompts; what crosses processes is the problems' text
+    (for the baselines) and sums of scalars. With `episodes` (a .jsonl path), each process
+    writes its episodes there (`.process_<rank>` before the suffix when there are several)."""
     n = cfg.eval.max_prompts or float("inf")
     mine = [p for p, row in zip(split, split.rows) if row < n]
     problems = [q for part in comm.gather([Problem.of(p) for p in mine]) for q in part]
     step_cfg = step_config(cfg)
+    if episodes is not None and comm.world > 1:
+        episodes = Path(episodes).with_suffix(f".process_{comm.rank}.jsonl")
     return evaluate(mine, engine, renderer, step_cfg.rollout, step_cfg.env, step_cfg.reward,
                     n_samples=cfg.eval.n_samples, split=problems, sum_scalars=comm.sum_scalars,
-                    blank_images=cfg.eval.blank_images)
+                    blank_images=cfg.eval.blank_images, forced_miss=cfg.eval.forced_miss,
+                    seed=cfg.seed, episodes=episodes)
+
+
+def eval_episodes(workdir: Path, step: int) -> Path:
+    """Where the loop's evaluation at `step` writes its episodes (`common.evaluation.episodes`)."""
+    return workdir / "eval" / f"episodes_step_{step}.jsonl"
 
 
 def _progress(enabled: bool):

@@ -257,6 +257,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.max_prompts = 64  # of the test split; 0 = all
     c.eval.n_samples = 1  # sampled episodes per prompt (besides one greedy)
     c.eval.blank_images = False  # also run greedy with every image blanked (white): blank/* keys
+    # also run greedy after a forced first call that answers a uniformly random wrong choice
+    # (the environment's own feedback), beside the best figure-blind retry: forced/* keys
+    c.eval.forced_miss = False
 
     c.log = ml_collections.ConfigDict()
     c.log.tensorboard = True  # TensorBoard events in the workdir

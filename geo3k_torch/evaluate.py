@@ -91,7 +91,8 @@ def run(cfg, split: str = "test", workdir: str = "eval") -> dict:
     backend = eval_backend(cfg, model_dir, processor, device, workdir)
     try:
         return evaluate_split(cfg, test_set if split == "test" else train_set, backend.engine,
-                              make_renderer(cfg, processor))
+                              make_renderer(cfg, processor),
+                              episodes=Path(workdir) / "episodes.jsonl")
     finally:
         backend.close()
 

@@ -124,13 +124,16 @@ def test_table_and_chart(renderer, tmp_path):
     m = evaluate(prompts, ScriptedEngine(script()), renderer, RolloutConfig(),
                  EnvConfig(max_turns=3), n_samples=4)
     labels = [label for label, _ in rows(m, 3)]
-    assert labels[:9] == ["first try (turn 1)", "solved by turn 2", "with feedback (≤3 turns)",
-                          "elimination after own first try", "recovery after a first-try miss",
-                          "elimination after a miss", "uniform re-guess after a miss",
-                          "later answers repeating an earlier one", "pass@2, first try"]
+    assert labels[:11] == ["first try (turn 1)", "solved by turn 2", "with feedback (≤3 turns)",
+                           "elimination after own first try", "recovery after a first-try miss",
+                           "best figure-blind retry after a miss",
+                           "turn-2 answers equal to their group's most common",
+                           "elimination after a miss", "uniform re-guess after a miss",
+                           "later answers repeating an earlier one", "pass@2, first try"]
     table = markdown(m, 3, "demo")
-    assert "| first try (turn 1) | 0.333 | 0.167 |" in table
-    assert "| with feedback (≤3 turns) | 0.667 | 0.500 |" in table
+    # ± the binomial standard error: sqrt(1/3 * 2/3 / 3) = 0.272, sqrt(1/6 * 5/6 / 12) = 0.108
+    assert "| first try (turn 1) | 0.333 ± 0.272 | 0.167 ± 0.108 |" in table
+    assert "| with feedback (≤3 turns) | 0.667 ± 0.272 | 0.500 ± 0.144 |" in table
     assert "| pass@4, first try |  | 0.667 |" in table
     out = write_report(m, tmp_path, "demo", 3)
     assert json.loads((out / "eval.json").read_text()) == pytest.approx(m)
@@ -181,8 +184,8 @@ def test_aborted_episodes_are_failures_and_baselines_stand_beside(renderer, tmp_
     assert m["geometry/baseline_with_feedback"] == pytest.approx((0.75 + 1) / 2)
     table = markdown(m, 3, "mixed")
     assert "| | greedy | sampled | no skill |" in table
-    assert "| first try (turn 1) | 0.333 | 0.333 | 0.500 |" in table
-    assert "| with feedback (≤3 turns) | 0.333 | 0.500 | 0.833 |" in table
+    assert "| first try (turn 1) | 0.333 ± 0.272 | 0.333 ± 0.192 | 0.500 |" in table
+    assert "| with feedback (≤3 turns) | 0.333 ± 0.272 | 0.500 ± 0.204 | 0.833 |" in table
     assert "*perception problems*" in table and "*geometry problems*" in table
     write_report(m, tmp_path / "mixed", "mixed", 3)
 
@@ -194,4 +197,4 @@ def test_a_report_of_only_aborted_episodes(renderer, tmp_path):
                  RolloutConfig(), EnvConfig(max_turns=3), n_samples=0)
     assert m["greedy_first_try_accuracy"] == 0.0 and m["greedy_accuracy"] == 0.0
     out = write_report(m, tmp_path, "aborted", 3)
-    assert "| first try (turn 1) | 0.000 |" in (out / "eval.md").read_text()
+    assert "| first try (turn 1) | 0.000 ± 0.000 |" in (out / "eval.md").read_text()

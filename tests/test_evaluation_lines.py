@@ -113,14 +113,15 @@ def test_accuracy_by_answer_position(metrics):
 
 def test_report_shows_the_lines_and_tables(metrics, tmp_path):
     table = markdown(metrics, 3, "lines")
-    assert "| with feedback (≤3 turns) | 0.750 | 0.750 | 0.875 |" in table
+    assert "| with feedback (≤3 turns) | 0.750 ± 0.217 | 0.750 ± 0.153 | 0.875 |" in table
     assert "| elimination after own first try | 0.667 | 0.792 |  |" in table  # 2/3, 19/24
-    assert "| recovery after a first-try miss | 0.667 | 0.500 |  |" in table
+    # recovery 2 of 3 missed, ± sqrt(2/9 / 3); sampled 2 of 4, ± sqrt(1/4 / 4)
+    assert "| recovery after a first-try miss | 0.667 ± 0.272 | 0.500 ± 0.250 |  |" in table
     assert "| elimination after a miss | 0.556 | 0.583 |  |" in table
     assert "| uniform re-guess after a miss | 0.331 | 0.358 |  |" in table
     # the row sits under the with-feedback accuracy it is read against
     lines = table.splitlines()
-    at = lines.index("| with feedback (≤3 turns) | 0.750 | 0.750 | 0.875 |")
+    at = lines.index("| with feedback (≤3 turns) | 0.750 ± 0.217 | 0.750 ± 0.153 | 0.875 |")
     assert lines[at + 1].startswith("| elimination after own first try |")
     assert "blind baselines on these problems:" in table
     assert "| constant answer, most common first | 1.000 | 1.000 |" in table
@@ -128,9 +129,9 @@ def test_report_shows_the_lines_and_tables(metrics, tmp_path):
     assert "| worst fixed order of answer positions | 0.000 | 0.333 |" in table
     assert ("| answer at | problems | greedy first try | greedy with feedback | sampled first try "
             "| sampled with feedback |") in table
-    assert "| A | 1 | 1.000 | 1.000 | 0.000 | 0.500 |" in table
-    assert "| B | 1 | 0.000 | 1.000 | 1.000 | 1.000 |" in table
-    assert "| C | 1 | 0.000 | 0.000 | 0.500 | 1.000 |" in table
+    assert "| A | 1 | 1.000 ± 0.000 | 1.000 ± 0.000 | 0.000 ± 0.000 | 0.500 ± 0.354 |" in table
+    assert "| B | 1 | 0.000 ± 0.000 | 1.000 ± 0.000 | 1.000 ± 0.000 | 1.000 ± 0.000 |" in table
+    assert "| C | 1 | 0.000 ± 0.000 | 0.000 ± 0.000 | 0.500 ± 0.354 | 1.000 ± 0.000 |" in table
     assert "| D | 0 |  |  |  |  |" in table
     assert "*geometry problems*" in table and "| A | 0 |  |  |  |  |" in table
     out = write_report(metrics, tmp_path, "lines", 3)
@@ -229,9 +230,10 @@ def test_blank_images_reach_the_engine_and_the_originals_stay(renderer, tmp_path
     assert m["perception/blank/greedy_accuracy"] == 1.0
     assert m["geometry/blank/greedy_accuracy"] == 0.0
     assert m["geometry/blank/greedy_first_try_accuracy"] == 0.0
-    assert sorted(k for k in m if "blank/" in k) == sorted(
-        f"{kind}blank/greedy_{key}" for kind in ("", "perception/", "polygon_sides/", "geometry/")
-        for key in ("first_try_accuracy", "accuracy"))
+    assert sorted(k for k in m if "blank/" in k and "_turn_" not in k) == sorted(
+        f"{kind}blank/greedy_{key}{se}" for kind in ("", "perception/", "polygon_sides/",
+                                                     "geometry/")
+        for key in ("first_try_accuracy", "accuracy") for se in ("", "_se"))
     real, blank = engine.requests[:3], engine.requests[3:]  # greedy: 1 + 2 calls
     assert [im is rgb or im is gray for r in real for im in r.images] == [True] * 4
     assert len(blank) == 6  # 3 turns each
@@ -246,9 +248,14 @@ def test_blank_images_reach_the_engine_and_the_originals_stay(renderer, tmp_path
     assert all(a is b for p, h in zip(prompts, held) for a, b in zip(p.images, h))
     table = markdown(m, 3, "blank")
     assert "| | greedy | blank images | no skill |" in table
-    assert "| first try (turn 1) | 0.500 | 0.000 | 0.250 |" in table
-    assert "| with feedback (≤3 turns) | 1.000 | 0.500 | 0.750 |" in table
-    assert "| solved by turn 2 | 1.000 |  | 0.500 |" in table
+    assert "| first try (turn 1) | 0.500 ± 0.354 | 0.000 ± 0.000 | 0.250 |" in table
+    assert "| with feedback (≤3 turns) | 1.000 ± 0.000 | 0.500 ± 0.354 | 0.750 |" in table
+    assert "| solved by turn 2 | 1.000 ± 0.000 |  | 0.500 |" in table
+    # per turn with blank figures: p0 answers 7, 7 (repeated), 12; p1 7 three times
+    assert m["blank/greedy_turn_2_repeat_rate"] == 1.0
+    assert m["blank/greedy_turn_3_repeat_rate"] == 0.5
+    assert m["blank/greedy_turn_3_valid_answer_rate"] == 1.0
+    assert "| 3 |  |  |  | 1.000 | 1.000 | 0.500 |" in table
     write_report(m, tmp_path, "blank", 3)
     # off by default: no blank keys, no blank column, no extra engine calls
     engine = ScriptedEngine({"0-0": [R], "1-0": [W, R]})

@@ -30,6 +30,17 @@ prefixed `greedy_` / `sampled_`; T is `max_turns`:
                          free-form problem) = first_try_accuracy + (1 - first_try_accuracy) *
                          recovery_elimination_line. With-feedback accuracy above it is
                          feedback used better than blind elimination would use it
+    recovery_blind_retry_line, retry_lookup_share
+                         of those missed episodes, the share the best figure-blind retry given
+                         (kind, first answer) solves, fitted on them, and the share of turn-2
+                         answers equal to their (kind, first answer) group's most common one
+                         (`common.evaluation.retry`: near 1, the retry is a lookup)
+    <key>_se             the binomial standard error sqrt(p(1-p)/n) of every accuracy and
+                         recovery (n: the episodes it is a share of; sampled episodes of one
+                         prompt are correlated, so theirs is too small)
+    turn_<k>_tool_call_rate, turn_<k>_valid_answer_rate, turn_<k>_repeat_rate, turn_<k>_turns
+                         of the model's turn-k turns: a well-formed call, an answer that is a
+                         listed choice, a repeat of an earlier answer (k >= 2)
     first_try_accuracy_at_<P>, accuracy_at_<P>
                          first-try and with-feedback accuracy of the episodes of choice
                          problems whose correct answer is choice P (A, B, ...: the position as
@@ -51,7 +62,17 @@ come again under `<kind>/` (`perception/greedy_first_try_accuracy`, ...).
 With `blank_images`, the same prompts run once more, greedy, with every image replaced by a
 blank one (`blank_prompts`: white, same size and mode): `blank/greedy_first_try_accuracy` and
 `blank/greedy_accuracy` (per kind `<kind>/blank/greedy_...`) tell how much of the accuracy needs
-the figure at all. The originals are not touched.
+the figure at all (with their standard errors and per-turn rates). The originals are not
+touched.
+
+With `forced_miss`, every choice problem runs greedy once more after a first call answering a
+uniformly random wrong choice (`common.evaluation.retry`; the environment scores it and gives its
+own feedback, the model goes on from turn 2): `forced/greedy_recovery` (± `_se`) beside
+`forced/greedy_blind_retry_line` (the best figure-blind retry given kind and forced answer,
+exact on these problems) and `forced/greedy_elimination_line`, with `problems`,
+`repeat_after_miss`, `retry_lookup_share` and the per-turn rates (per kind `<kind>/forced/...`).
+With `episodes`, every episode of the evaluation goes to a JSONL file
+(`common.evaluation.episodes`).
 
 `accuracy - first_try_accuracy` is what the feedback buys; comparing first-try pass@k with the
 with-feedback accuracy tells whether K tries with feedback beat K independent tries. The training
@@ -64,6 +85,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import os
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -72,6 +94,9 @@ from PIL import Image
 from common.env import REPEATED, EnvConfig
 from common.evaluation.baselines import (Problem, after_miss, answer_position, baselines,
                                          kind_groups, position_label)
+from common.evaluation.episodes import write_episodes
+from common.evaluation.retry import (ForcedMiss, Keyed, count_keys, retry_metrics, retry_sums,
+                                     stderr, turn_metrics, turn_sums)
 from common.metrics import metrics_of_sums, rollout_sums
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.reward import RewardConfig
@@ -138,6 +163,7 @@ def outcome_of_sums(sums: dict[str, float], max_turns: int, n: int) -> dict[str,
            "accuracy": sums["solved"] / episodes}
     for k in range(1, max_turns + 1):
         out[f"solved_by_turn_{k}"] = sums[f"solved_by_turn_{k}"] / episodes
+    out |= {f"{k}_se": stderr(v, episodes) for k, v in list(out.items())}
     if sums.get("later_turns"):
         out["repeat_after_miss"] = sums["repeats"] / sums["later_turns"]
     if "missed_elimination" in sums:
@@ -145,6 +171,7 @@ def outcome_of_sums(sums: dict[str, float], max_turns: int, n: int) -> dict[str,
         missed = episodes - sums["first_try"]
         if missed:
             out["recovery_after_miss"] = (sums["solved"] - sums["first_try"]) / missed
+            out["recovery_after_miss_se"] = stderr(out["recovery_after_miss"], missed)
             out["recovery_elimination_line"] = sums["missed_elimination"] / missed
             out["recovery_uniform_line"] = sums["missed_uniform"] / missed
     if n > 1 and sums["groups"] and not sums["groups_not_n"]:
@@ -179,13 +206,14 @@ def position_metrics(sums: dict[str, float], max_turns: int, n_positions: int
     for q in range(n_positions):
         label = position_label(q)
         part = outcome_of_sums(_part(sums, f"at_{label}/"), max_turns, 1)
-        if part:
-            out[f"first_try_accuracy_at_{label}"] = part["first_try_accuracy"]
-            out[f"accuracy_at_{label}"] = part["accuracy"]
+        for key in ("first_try_accuracy", "accuracy") if part else ():
+            out[f"{key}_at_{label}"] = part[key]
+            out[f"{key}_at_{label}_se"] = part[f"{key}_se"]
     return out
 
 
 BLANK = "blank"  # the blank-image run's keys: blank/greedy_<key>, <kind>/blank/greedy_<key>
+FORCED = "forced"  # the forced-miss run's keys: forced/greedy_<key>, <kind>/forced/greedy_<key>
 BLANK_KEYS = ("first_try_accuracy", "accuracy")  # what the blank-image run reports
 
 
@@ -215,9 +243,12 @@ def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
              env_cfg: EnvConfig = EnvConfig(), reward_cfg: RewardConfig = RewardConfig(),
              n_samples: int = 1, split: Sequence | None = None,
              sum_scalars: Callable[[dict], dict] = lambda sums: sums,
-             blank_images: bool = False) -> dict:
-    """Greedy and sampled metrics of `prompts` (see the module docstring), and with
-    `blank_images` the greedy accuracies with blank images (`blank/`).
+             blank_images: bool = False, forced_miss: bool = False, seed: int = 0,
+             episodes: str | os.PathLike | None = None) -> dict:
+    """Greedy and sampled metrics of `prompts` (see the module docstring), with
+    `blank_images` the greedy run with blank images (`blank/`), with `forced_miss` the greedy
+    run after a forced wrong first call drawn from `seed` (`forced/`); with `episodes`, every
+    episode of this process written there (`common.evaluation.episodes`).
 
     Data parallel: each process runs its own `prompts` (the prompts of one uid on one process);
     `split` is the whole evaluated split (every process's prompts, or their `Problem`s: the
@@ -234,40 +265,80 @@ def evaluate(prompts: Sequence, engine, renderer, roll_cfg: RolloutConfig,
     positions = {p.uid: answer_position(p) for p in split}
     n_positions = max((len(p.choices) for p in split if positions[p.uid] is not None),
                       default=0)
+    keyed = {p.uid: Keyed.of(p) for p in split}
+    keys = count_keys(split)  # the retry counts' keys, fixed by the split
+    fine = {"": sorted(keys)} | {kind: sorted({keyed[u].kind for u in uids})
+                                 for kind, uids in kinds.items()}  # each fitted per kind
     greedy = dataclasses.replace(roll_cfg, n_samples=1, temperature=0.0)
-    runs = [("greedy", greedy, prompts)]
+    runs = [("greedy", greedy, prompts, None)]
     if n_samples > 0:
-        runs.append(("sampled", dataclasses.replace(roll_cfg, n_samples=n_samples), prompts))
+        runs.append(("sampled", dataclasses.replace(roll_cfg, n_samples=n_samples), prompts,
+                     None))
     if blank_images:
-        runs.append((f"{BLANK}/greedy", greedy, blank_prompts(prompts)))
+        runs.append((f"{BLANK}/greedy", greedy, blank_prompts(prompts), None))
+    if forced_miss:
+        forced = ForcedMiss.of(split, seed)
+        mine = [p for p in prompts if p.uid in forced.positions]
+        runs.append((f"{FORCED}/greedy", greedy, mine, forced.first_turns(mine, renderer)))
 
     def outcomes(trajs, n):  # the sums of one group of episodes
         return (outcome_sums(trajs, T, n, rest)
-                | position_sums(trajs, T, positions, n_positions))
+                | position_sums(trajs, T, positions, n_positions)
+                | {f"turns/{k}": v for k, v in turn_sums(trajs, keyed, T).items()})
 
-    def metrics_of(sums, n):
-        return outcome_of_sums(sums, T, n) | position_metrics(sums, T, n_positions)
+    def metrics_of(sums, n, retries, group):
+        return (outcome_of_sums(sums, T, n) | position_metrics(sums, T, n_positions)
+                | turn_metrics(_part(sums, "turns/"), T)
+                | retry_metrics(retries, fine[group], keys, T))
 
-    for name, cfg, run_prompts in runs:
-        trajs = rollout(run_prompts, engine, renderer, cfg, env_cfg, reward_cfg) \
-            if run_prompts else []
+    written = []
+    for name, cfg, run_prompts, first_turns in runs:
+        trajs = rollout(run_prompts, engine, renderer, cfg, env_cfg, reward_cfg,
+                        first_turns=first_turns) if run_prompts else []
+        written.append((name.split("/")[0], trajs))
         sums = {f"rollout/{k}": v for k, v in rollout_sums(trajs, T).items()}
         sums |= {f"outcome/{k}": v for k, v in outcomes(trajs, cfg.n_samples).items()}
         for kind, uids in kinds.items():
             part = outcomes([t for t in trajs if t.uid in uids], cfg.n_samples)
             sums |= {f"{kind}/{k}": v for k, v in part.items()}
+        sums |= {f"retry/{k}": v for k, v in retry_sums(trajs, keyed, keys).items()}
         sums = sum_scalars(sums)
+        retries = _part(sums, "retry/")
         metrics = metrics_of_sums(_part(sums, "rollout/"), T)
-        metrics.update(metrics_of(_part(sums, "outcome/"), cfg.n_samples))
-        parts = {kind: metrics_of(_part(sums, f"{kind}/"), cfg.n_samples) for kind in kinds}
+        metrics.update(metrics_of(_part(sums, "outcome/"), cfg.n_samples, retries, ""))
+        parts = {kind: metrics_of(_part(sums, f"{kind}/"), cfg.n_samples, retries, kind)
+                 for kind in kinds}
         if name.startswith(BLANK):
-            metrics = {k: v for k, v in metrics.items() if k in BLANK_KEYS}
-            parts = {kind: {k: v for k, v in m.items() if k in BLANK_KEYS}
+            metrics, parts = _blank(metrics), {kind: _blank(m) for kind, m in parts.items()}
+        elif name.startswith(FORCED):
+            metrics = _forced(metrics, forced.lines(set(keyed), T))
+            parts = {kind: _forced(m, forced.lines(kinds[kind], T))
                      for kind, m in parts.items()}
         out.update({f"{name}_{k}": v for k, v in metrics.items()})
         for kind, part in parts.items():
             out.update({f"{kind}/{name}_{k}": v for k, v in part.items()})
+    if episodes is not None:
+        write_episodes(episodes, written, keyed)
     return out
+
+
+def _blank(m: dict[str, float]) -> dict[str, float]:
+    """What the blank-image run reports of its metrics: `BLANK_KEYS`, their standard errors
+    and the per-turn rates."""
+    return {k: v for k, v in m.items()
+            if k.removesuffix("_se") in BLANK_KEYS or k.startswith("turn_")}
+
+
+def _forced(m: dict[str, float], lines: dict[str, float]) -> dict[str, float]:
+    """What the forced-miss run reports: `recovery` (its with-feedback accuracy: turn 1 is
+    always wrong) with `recovery_se`, `repeat_after_miss`, `retry_lookup_share`, the per-turn
+    rates (the model's turns only) and the figure-blind lines (`ForcedMiss.lines`); {} for a
+    group without forced problems."""
+    if "accuracy" not in m or not lines:
+        return {}
+    out = {"recovery": m["accuracy"], "recovery_se": m["accuracy_se"]} | lines
+    keep = ("repeat_after_miss", "retry_lookup_share")
+    return out | {k: v for k, v in m.items() if k in keep or k.startswith("turn_")}
 
 
 def _part(sums: dict[str, float], prefix: str) -> dict[str, float]:

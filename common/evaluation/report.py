@@ -16,7 +16,10 @@ baselines fitted on these problems (constant answer, best and worst fixed order 
 positions, beside chance and elimination) and the accuracy by answer position (one row per
 position A, B, ..., with its number of problems). A split with several kinds of problem
 (`<kind>/` keys) gets these tables once per kind and a chart panel each for perception and
-geometry.
+geometry. Every accuracy and recovery stands ± its standard error where the metrics have one
+(`<key>_se`); with a forced-miss run a table of its recovery per kind beside its figure-blind
+lines follows the first table, and with a blank-image or forced-miss run a per-turn table
+(tool calls, valid answers, repeats) ends each kind's tables.
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ import os
 from pathlib import Path
 
 from common.evaluation.baselines import position_index
-from common.evaluation.evaluate import BLANK
+from common.evaluation.evaluate import BLANK, FORCED
 
 MODES = ("greedy", "sampled")
 BASELINE = "no skill"  # the column (and chart line) of `common.evaluation.baselines`
 BLANK_COLUMN = "blank images"  # the greedy run on blank images (`blank/greedy_<key>`)
 CONDITIONAL = "elimination after own first try"  # the row of `<mode>_conditional_line`
+BLIND_RETRY = "best figure-blind retry after a miss"  # `<mode>_recovery_blind_retry_line`
+LOOKUP = "turn-2 answers equal to their group's most common"  # `<mode>_retry_lookup_share`
+FORCED_RUN = f"{FORCED}/greedy"  # the forced-miss run's keys
 
 
 def _passes(m: dict, prefix: str) -> list[int]:
@@ -40,7 +46,7 @@ def _passes(m: dict, prefix: str) -> list[int]:
 
 def kinds(m: dict) -> list[str]:
     """The problem kinds with their own metrics (`<kind>/greedy_accuracy`), perception first."""
-    found = sorted({k.split("/")[0] for k in m if k.endswith("/greedy_accuracy")} - {BLANK})
+    found = sorted({k.split("/")[0] for k in m if k.endswith("/greedy_accuracy")} - {BLANK, FORCED})
     return sorted(found, key=lambda k: (k != "perception", k == "geometry", k))
 
 
@@ -53,11 +59,18 @@ def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
     """(label, {mode: value, BLANK_COLUMN: value, BASELINE: value}) rows of the table and
     chart, in reading order; a row's baseline is there when `m` has it (`baseline_<key>`), its
     blank-image value when `m` has `blank/greedy_<key>`."""
+    return [(label, vals) for label, _, vals in keyed_rows(m, max_turns)]
+
+
+def keyed_rows(m: dict, max_turns: int) -> list[tuple[str, str, dict[str, float]]]:
+    """`rows` with each row's metric key: (label, key, values)."""
     out = [("first try (turn 1)", "first_try_accuracy")]
     out += [(f"solved by turn {k}", f"solved_by_turn_{k}") for k in range(2, max_turns)]
     out += [(f"with feedback (≤{max_turns} turns)", "accuracy"),
             (CONDITIONAL, "conditional_line"),
             ("recovery after a first-try miss", "recovery_after_miss"),
+            (BLIND_RETRY, "recovery_blind_retry_line"),
+            (LOOKUP, "retry_lookup_share"),
             ("elimination after a miss", "recovery_elimination_line"),
             ("uniform re-guess after a miss", "recovery_uniform_line"),
             ("later answers repeating an earlier one", "repeat_after_miss")]
@@ -75,7 +88,7 @@ def rows(m: dict, max_turns: int) -> list[tuple[str, dict[str, float]]]:
         if vals and b in m:
             vals[BASELINE] = m[b]
         if vals:
-            table.append((label, vals))
+            table.append((label, key, vals))
     return table
 
 
@@ -94,17 +107,78 @@ def markdown(m: dict, max_turns: int, title: str = "") -> str:
         if kind:
             lines += ["", f"*{kind} problems*", ""]
         lines += ["| | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        table = rows(sub, max_turns)
-        for label, vals in table:
-            cells = [_fmt(vals[c]) if c in vals else "" for c in cols]
+        table = keyed_rows(sub, max_turns)
+        se = {mode: f"{mode}_" for mode in modes} | {BLANK_COLUMN: f"{BLANK}/greedy_"}
+        for label, key, vals in table:
+            cells = [_fmt(vals[c], sub.get(f"{se[c]}{key}_se") if c in se else None)
+                     if c in vals else "" for c in cols]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-        if not kind and any(label == CONDITIONAL for label, _ in table):  # said once
+        if not kind and any(label == CONDITIONAL for label, _, _ in table):  # said once
             lines += ["", f"{CONDITIONAL}: the run's own first try, then blind elimination of "
                       "the other choices; elimination / uniform re-guess after a miss: what "
                       "blind elimination / uniform guessing would recover of the same missed "
                       "episodes (free-form problems count 0 in these lines)."]
-        lines += blind_table(sub, max_turns, note=not kind) + position_table(sub)
+            if any(label == BLIND_RETRY for label, _, _ in table):
+                lines += ["", f"{BLIND_RETRY}: per (kind, first answer), the order of the other "
+                          "choices that solves the most of those missed episodes, chosen on "
+                          "them (an upper bound for a retry that never looks at the figure); "
+                          f"{LOOKUP}: near 1, the retry is a lookup keyed by the first answer. ± one binomial standard error, sqrt(p(1-p)/n) "
+                          "(sampled episodes of one problem are correlated: theirs is too "
+                          "small)."]
+        if not kind:
+            lines += forced_table(m)
+        lines += (blind_table(sub, max_turns, note=not kind) + position_table(sub)
+                  + turn_table(sub, max_turns))
     return "\n".join(lines) + "\n"
+
+
+def forced_table(m: dict) -> list[str]:
+    """The markdown lines of the forced-miss table (none without `forced/greedy_*` keys): one
+    row for all problems and one per kind, the recovery after the forced wrong first call
+    beside the best figure-blind retry and blind elimination on the same problems."""
+    groups = [("all problems", m)] + [(kind, part(m, kind)) for kind in kinds(m)]
+    found = [(label, sub) for label, sub in groups if f"{FORCED_RUN}_recovery" in sub]
+    if not found:
+        return []
+    lines = ["", "forced miss (greedy, after a first call answering a uniformly random wrong "
+             "choice, with the environment's feedback):", "",
+             "| | problems | recovery | best figure-blind retry | elimination | later answers "
+             "repeating | turn-2 answers equal to their group's most common |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, sub in found:
+        get = lambda key: sub.get(f"{FORCED_RUN}_{key}")  # noqa: E731
+        cells = [f"{int(get('problems'))}", _fmt(get("recovery"), get("recovery_se"))]
+        cells += ["" if get(k) is None else _fmt(get(k)) for k in (
+            "blind_retry_line", "elimination_line", "repeat_after_miss", "retry_lookup_share")]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines + ["", "best figure-blind retry: per (kind, forced answer), the order of the "
+                    "other choices that solves the most of those problems, chosen on them: a "
+                    "retry that never looks at the figure recovers at most this."]
+
+
+TURN_RUNS = (("greedy", "greedy"), (BLANK_COLUMN, f"{BLANK}/greedy"), ("forced miss", FORCED_RUN))
+TURN_RATES = (("tool calls", "tool_call_rate"), ("valid answers", "valid_answer_rate"),
+              ("repeats", "repeat_rate"))
+
+
+def turn_table(m: dict, max_turns: int) -> list[str]:
+    """The markdown lines of the per-turn table: for each greedy run (with the figure, blank,
+    forced miss) the share of the model's turn-k turns with a well-formed tool call, with an
+    answer that is a listed choice, and repeating an earlier answer (k >= 2). None when no
+    run has a blank-image or forced-miss run beside greedy."""
+    runs = [(label, key) for label, key in TURN_RUNS if f"{key}_turn_1_turns" in m
+            or f"{key}_turn_2_turns" in m]
+    if len(runs) < 2:
+        return []
+    heads = [f"{label} {what}" for label, _ in runs for what, _ in TURN_RATES]
+    lines = ["", "per turn (the model's own turns):", "",
+             "| turn | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+    for k in range(1, max_turns + 1):
+        cells = [_fmt(m[f"{run}_turn_{k}_{key}"]) if f"{run}_turn_{k}_{key}" in m else ""
+                 for _, run in runs for _, key in TURN_RATES]
+        if any(cells):
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return lines
 
 
 BLIND = (("chance / elimination (no skill)", "baseline_first_try", "baseline_with_feedback"),
@@ -149,13 +223,15 @@ def position_table(m: dict) -> list[str]:
         cells = [f"{int(m[f'count_at_{label}'])}"]
         for mode in modes:
             for key in (f"{mode}_first_try_accuracy_at_{label}", f"{mode}_accuracy_at_{label}"):
-                cells.append(_fmt(m[key]) if key in m else "")
+                cells.append(_fmt(m[key], m.get(f"{key}_se")) if key in m else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3f}" if abs(v) <= 1 else f"{v:.1f}"
+def _fmt(v: float, se: float | None = None) -> str:
+    """A value (3 decimals for a share, 1 above 1), ± its standard error when given."""
+    text = f"{v:.3f}" if abs(v) <= 1 else f"{v:.1f}"
+    return text if se is None else f"{text} ± {se:.3f}"
 
 
 def bar_chart(m: dict, path: str | os.PathLike, max_turns: int, title: str = "") -> Path:
