@@ -32,7 +32,7 @@ from common.prepare import check_config, load_data, make_renderer, model_dir_eve
 from common.runlog import RunLog
 from common.sampler import PromptSampler
 from common.sft import sft_example, sft_messages
-from common.train import evaluate_split
+from common.train import eval_episodes, evaluate_split
 from geo3k_torch import distributed
 from geo3k_torch.learner import SFTLearner, sft_step
 from geo3k_torch.memory import resolve as resolve_micro_batch
@@ -87,7 +87,8 @@ def train(cfg, workdir: str) -> dict:
         if backend and (step % cfg.eval.every == 0 or step == cfg.train.steps):
             backend.sync(learner, step)
             metrics.update({f"eval/{k}": v for k, v in evaluate_split(
-                cfg, test_set, backend.engine, renderer, comm).items()})
+                cfg, test_set, backend.engine, renderer, comm,
+                eval_episodes(workdir, step)).items()})
         if log:
             log.log(step, metrics)
             if cfg.log.plot_every and step % cfg.log.plot_every == 0:
