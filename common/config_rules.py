@@ -70,6 +70,7 @@ RANGES = {
     "train.micro_batch_tokens": "[1, inf)",
     "train.micro_batch_target_tokens": "[1, inf)",
     "train.micro_batch_margin": "[0, 1)",
+    "train.forced_miss_fraction": "[0, 1]",
     "train.updates_per_rollout": "[1, inf)",
     "train.max_staleness": "[0, inf)",
     "train.logprob_chunk": "[0, inf)",

@@ -18,6 +18,7 @@ from common.batching import (PackedBatch, TrainSequence, pack, training_sequence
 from common.env import EnvConfig
 from common.grpo import episode_advantages, turn_advantages
 from common.learner import Collectives, Deferred, Learner, SingleProcess
+from common.evaluation.retry import forced_first_turns
 from common.grader import STATS as reward_stats
 from common.rollout import ABORTED, RolloutConfig, Trajectory, rollout
 from common.reward import RewardConfig
@@ -35,6 +36,10 @@ class StepConfig:
     micro_batch_tokens: int = 8192
     updates_per_rollout: int = 1
     image_token_id: int | None = None  # given: a group's samples share its prompt (`pack`)
+    # The share of prompts whose groups start from a forced wrong first call (loss-masked;
+    # `common.evaluation.retry.forced_first_turns`), drawn from `seed` and the step.
+    forced_miss_fraction: float = 0.0
+    seed: int = 0
     # The rollouts were sampled with the learner's current weights (a synchronous loop on the
     # learner's own engine): with one update per rollout, clip_frac and approx_kl then compare
     # the policy with itself and are not reported.
@@ -64,9 +69,13 @@ def collect(prompts: Sequence, engine, renderer, cfg: StepConfig, group_offset: 
     `prompt_ids`: the prompts rendered ahead (`common.rollout.rollout`), or None."""
     times: dict[str, float] = {}
     graded = reward_stats.snapshot()
+    first = forced_first_turns(prompts, renderer, cfg.forced_miss_fraction, cfg.seed,
+                               group_offset)
     with timed(times, "rollout"):
         trajs = rollout(prompts, engine, renderer, cfg.rollout, cfg.env, cfg.reward,
-                        group_offset, prompt_ids)
+                        group_offset, prompt_ids, first_turns=first)
+    if cfg.forced_miss_fraction:
+        times["forced_groups"] = float(sum(t is not None for t in first or ()))
     times.update({f"grader_{k}": float(v - graded[k])
                   for k, v in reward_stats.snapshot().items() if k in ("calls", "timeouts")})
     return trajs, times

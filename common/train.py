@@ -75,7 +75,8 @@ def step_config(cfg, processor=None) -> StepConfig:
                                                 "the loop (the entry point resolves it first)"),
                       cfg.train.updates_per_rollout,
                       image_token_id,
-                      on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local")
+                      on_policy=cfg.train.max_staleness == 0 and cfg.engine.backend == "local",
+                      forced_miss_fraction=cfg.train.forced_miss_fraction, seed=cfg.seed)
 
 
 class Finished(Exception):

@@ -207,6 +207,10 @@ def get_config() -> ml_collections.ConfigDict:
     # Optimizer steps per rollout, each on a consecutive share of its micro-batches, against
     # the behaviour policy's log-probs (1: the anchor recipe; >1: the ratio and clipping act).
     c.train.updates_per_rollout = 1
+    # The share of each step's prompts whose groups all start from the same forced wrong first
+    # call (a uniformly random wrong choice, scored by the environment, masked from the loss):
+    # their retries compete after one miss, which a retry keyed on the first answer cannot win.
+    c.train.forced_miss_fraction = 0.0
     # Rollouts generated ahead while the learner trains, at most this many updates old
     # (0: the synchronous loop; >= 1 needs an engine with its own weights; see common.pipeline).
     c.train.max_staleness = 0

@@ -206,3 +206,40 @@ def test_the_loops_evaluation_runs_the_forced_miss_and_writes_its_episodes(tmp_p
     m = evaluate_split(cfg, split, ScriptedEngine(SCRIPT), ChatLike(), episodes=path)
     assert m["forced/greedy_recovery"] == 0.75
     assert len(path.read_text().splitlines()) == 8
+
+
+def test_training_groups_start_from_a_forced_miss_at_the_configured_share():
+    """train.forced_miss_fraction: about that share of a step's prompts get a forced wrong first
+    call, the same for every episode of the group (never the answer; loss-masked, so only the
+    retries train), drawn anew each step from seed and step; 0 forces nothing; a problem
+    without choices never gets one."""
+    from common.evaluation.retry import forced_first_turns
+    from common.reward import RewardConfig
+    from common.step import StepConfig, collect
+
+    renderer = ChatLike()
+    prompts = [sides(f"t{i}", str(3 + i % 4)) for i in range(400)]
+    turns = forced_first_turns(prompts, renderer, 0.5, seed=0, step=0)
+    chosen = [i for i, t in enumerate(turns) if t is not None]
+    assert 160 < len(chosen) < 240  # 200 +- 10 (one standard deviation)
+    for i in chosen:
+        assert renderer.decode(turns[i]) != renderer.decode(reply_ids(renderer, call_text(
+            prompts[i].answer)))
+    again = forced_first_turns(prompts, renderer, 0.5, seed=0, step=0)
+    assert again == turns and forced_first_turns(prompts, renderer, 0.5, seed=0, step=1) != turns
+    assert forced_first_turns(prompts, renderer, 0.0, seed=0, step=0) is None
+    free = prompt("f", SIDES, None)  # no choices: nothing to force
+    assert forced_first_turns([free], renderer, 1.0, seed=0, step=0) is None
+
+    cfg = StepConfig(RolloutConfig(n_samples=2, temperature=0.0), EnvConfig(max_turns=3),
+                     RewardConfig(), forced_miss_fraction=1.0, seed=0)
+    two = four_sides()[:2]
+    engine = ScriptedEngine({f"{g}-{k}": [Reply(call("3")), Reply(call("4"))]
+                             for g in range(2) for k in range(2)})
+    trajs, metrics = collect(two, engine, renderer, cfg, group_offset=0)
+    assert metrics["forced_groups"] == 2.0
+    for t in trajs:
+        first = t.turns[0]
+        assert first.forced and t.loss_mask[first.start:first.end].sum() == 0
+        assert first.info["answer"] != t.answer  # a wrong choice, the group's one
+    assert len({t.turns[0].info["answer"] for t in trajs if t.group_id == 0}) == 1

@@ -263,3 +263,21 @@ class ForcedMiss:
         return {"problems": float(len(chosen)), "blind_retry_line": solved / len(chosen),
                 "elimination_line": float(after_miss(chosen, max_turns)[0].mean())}
 
+
+def forced_first_turns(prompts: Sequence, renderer, fraction: float, seed: int, step: int
+                       ) -> list[list[int] | None] | None:
+    """Training's forced misses (`train.forced_miss_fraction`): per prompt, with probability
+    `fraction` (drawn from seed, step and uid: the same on every process), the ids of a first
+    call answering a uniformly random wrong choice, which the prompt's whole group then starts
+    from; None for the others and for problems without a known answer among their choices.
+    The group's retries are then compared with each other after the same miss, one a lookup
+    keyed by the first answer cannot win (SCoRe's turn-2 training from given first attempts).
+    None when no prompt gets one."""
+    if fraction <= 0:
+        return None
+    chosen = [p for p in prompts if np.random.default_rng(
+        [seed, step, zlib.crc32(p.uid.encode())]).random() < fraction]
+    forced = ForcedMiss.of([Problem.of(p) for p in chosen], zlib.crc32(f"{seed}/{step}".encode()))
+    turns = forced.first_turns(prompts, renderer)
+    return turns if any(t is not None for t in turns) else None
+
