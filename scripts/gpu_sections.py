@@ -539,43 +539,91 @@ def engine_jax(s: Settings):
 
 
 # ---- where the time goes ---------------------------------------------------------------------
-PROFILE_ROWS = 10  # top kernels per phase in the check's report (the files hold 25)
+PROFILE_ROWS = 10  # top kernels (and ops by shape) per phase in the check's report (files: 25)
 SYNC_SITES = 15  # the learner's sync sites in OUT/profile_torch.json and .md
 
 
-def _profile(work, steps: int, cuda: bool) -> dict:
-    """torch.profiler (CPU and, on a GPU, CUDA activities; shapes recorded) over `work()`, which
-    runs `steps` steps: step_ms (wall), kernel_ms_per_step and kernels_per_step (GPU kernels'
-    time and count; a CPU: ops' self time and count), gpu_idle (`gpu_profile.idle_fraction` of
-    the kernels), host_wait_ms_per_step (`gpu_profile.host_wait_ms`; both "n/a" on a CPU) and
-    the top 25 kernels or ops (`gpu_profile.top_ops`)."""
+def _profiled(work, cuda: bool, shapes: bool = False):
+    """(the finished torch.profiler profile, wall ms) of `work()`: CPU and, on a GPU, CUDA
+    activities; input shapes recorded only with `shapes` (it slows the host's dispatch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         start = time.perf_counter()
         work()
         if cuda:
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
+    return prof, wall_ms
+
+
+def _kernel_profile(work, steps: int, cuda: bool) -> dict:
+    """A profile without shapes of `work()`, which runs `steps` steps: profiled_step_ms (its
+    wall time a step: slower than unprofiled), kernel_ms_per_step (the time the GPU's kernels
+    cover, `gpu_profile.busy_time`; a CPU: the ops' self time), kernels_per_step (a CPU: ops),
+    host_wait_ms_per_step (`gpu_profile.host_wait_ms`; "n/a" on a CPU) and the top 25 kernels or
+    ops by time (`gpu_profile.top_ops`)."""
+    prof, wall_ms = _profiled(work, cuda)
     timed, intervals = gpu_profile.profile_events(prof, cuda)
-    return {"steps": steps, "step_ms": wall_ms / steps,
-            "kernel_ms_per_step": sum(ms for _, ms in timed) / steps,
+    busy_ms = gpu_profile.busy_time(intervals) / 1e3 if cuda else sum(ms for _, ms in timed)
+    return {"profiled_step_ms": wall_ms / steps, "kernel_ms_per_step": busy_ms / steps,
             "kernels_per_step": len(timed) / steps,
-            "gpu_idle": gpu_profile.idle_fraction(intervals) if cuda else "n/a",
             "host_wait_ms_per_step": gpu_profile.host_wait_ms(prof) / steps if cuda else "n/a",
             "top": gpu_profile.top_ops(timed, wall_ms, steps)}
 
 
+def _shape_table(work, steps: int, cuda: bool) -> list[dict]:
+    """The top 25 ops by name and input shapes (`gpu_profile.shaped_ops`) of a profile with
+    shapes recorded of `work()` (`steps` steps); shares are of that profile's wall time."""
+    prof, wall_ms = _profiled(work, cuda, shapes=True)
+    return gpu_profile.top_ops(gpu_profile.shaped_ops(prof, cuda), wall_ms, steps)
+
+
+def _phase_steps(learner, batches, steps: int, cuda: bool) -> dict:
+    """`steps` unprofiled learner steps on `batches` timed by phase (`gpu_profile.step_phases`):
+    step_ms, from the call to the end of its work (a GPU: CUDA events on the device's timeline;
+    a CPU: perf_counter), and the mean ms of each phase, <phase>_ms (`gpu_profile.PHASES`,
+    summing to step_ms)."""
+    n_tokens, n_seqs = step_counts(batches)
+    with gpu_profile.step_phases(learner, cuda) as clock:
+        for _ in range(steps):
+            clock.mark("step")
+            learner.train_step(batches, n_tokens, n_seqs)  # (its metrics are host floats)
+            clock.mark("end")
+    marks = clock.read()
+    each = [gpu_profile.phase_ms(m) for m in marks]
+    return {"steps": steps, "step_ms": float(np.mean([m[-1][1] - m[0][1] for m in marks])),
+            **{f"{k}_ms": float(np.mean([e[k] for e in each])) for k in gpu_profile.PHASES}}
+
+
+def _wall_ms(work, cuda: bool) -> float:
+    import torch
+
+    start = time.perf_counter()
+    work()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
 def profile_torch(s: Settings):
-    """Profiles (`_profile`) of `s.timed_steps` learner steps on the fewest of
-    `s.micro_batches_per_step` micro-batches of the largest size, after a warm-up step, then of
-    as many engine calls of `s.episodes` x `s.profile_new_tokens` tokens after a warm-up call.
-    Rows: per phase its summary (the learner's with host_syncs_per_step, `gpu_profile.host_syncs`
-    over one more step) and its top `PROFILE_ROWS` kernels; the top 25 also in
-    OUT/profile_torch.json and OUT/profile_torch.md, with the learner's top `SYNC_SITES` sync
-    sites."""
+    """Where the learner's and the engine's time goes, the recipe as configured, on the fewest of
+    `s.micro_batches_per_step` micro-batches of the largest size (after a warm-up step), and on
+    engine calls of `s.episodes` x `s.profile_new_tokens` tokens (after a warm-up call):
+
+        step_ms            `s.timed_steps` unprofiled steps (calls); the learner's by phase,
+                           <phase>_ms (`_phase_steps`)
+        kernel_ms_per_step ...  one step (call) profiled without shapes (`_kernel_profile`)
+        gpu_idle           1 - kernel_ms_per_step / step_ms (`gpu_profile.idle_share`)
+        host_syncs_per_step  the learner's, one more step (`gpu_profile.host_syncs`)
+        ops by shape       the learner's, one step profiled with shapes (`_shape_table`)
+
+    Rows: per phase (learner, engine) its summary and its top `PROFILE_ROWS` kernels (table
+    "kernels"; a CPU: "ops"), the learner's then its top ops by shape (table "ops by shape");
+    the top 25 of each also in OUT/profile_torch.json and OUT/profile_torch.md, with the
+    learner's top `SYNC_SITES` sync sites."""
     budget = max(s.micro_batch_tokens)
     run = _build("torch", s, "profile_torch", _config(s, budget))
     learner, processor, engine = run.learner, run.processor, run.backend.engine
@@ -586,39 +634,50 @@ def profile_torch(s: Settings):
     try:
         try:
             batches = grpo_batches(config, processor, s, budget, min(s.micro_batches_per_step))
-            _timed_steps(learner, batches, 1)  # kernels, allocator, optimizer state
+            step = lambda: _timed_steps(learner, batches, 1)  # noqa: E731
+            step()  # kernels, allocator, optimizer state
+            timing = _phase_steps(learner, batches, s.timed_steps, cuda)
+            profiled = _kernel_profile(step, 1, cuda)
             syncs = _step_syncs(learner, batches, cuda)
             sites = [{"site": k, "count": n} for k, n in syncs.sites.most_common(SYNC_SITES)]
             unsited = syncs.n - sum(syncs.sites.values())
             if cuda and unsited > 0:  # waits no aten op made (streams, events)
                 sites.append({"site": "(no aten op: a stream or event wait)", "count": unsited})
-            phases["learner"] = {**_profile(lambda: _timed_steps(learner, batches, s.timed_steps),
-                                            s.timed_steps, cuda),
-                                 "host_syncs_per_step": syncs.n, "sync_sites": sites}
-            yield from _profile_rows("learner", kernels["learner"], phases["learner"])
+            phases["learner"] = _summary(timing, profiled, cuda) | {
+                "host_syncs_per_step": syncs.n, "sync_sites": sites}
+            yield from _profile_rows("learner", kernels["learner"], phases["learner"], cuda)
+            phases["learner"]["top_shapes"] = _shape_table(step, 1, cuda)
+            yield from _profile_rows("learner", kernels["learner"], phases["learner"], cuda,
+                                     shapes=True)
         except Exception:  # noqa: BLE001  (reported; the engine is still profiled)
             yield _failed({"framework": "torch", "kernel": kernels["learner"], "phase": "learner"})
         try:
             few = dataclasses.replace(s, new_tokens=s.profile_new_tokens)
             calls = [_requests(config, processor, few, f"call{k}")
-                     for k in range(s.timed_steps + 1)]
+                     for k in range(s.timed_steps + 2)]
 
             def generate(requests):
                 engine.clear_cache()  # every call prefills
                 engine.generate(requests)
 
-            def profiled():
-                for requests in calls[1:]:
-                    generate(requests)
-
             generate(calls[0])  # warm-up
-            phases["engine"] = _profile(profiled, s.timed_steps, cuda)
-            yield from _profile_rows("engine", kernels["engine"], phases["engine"])
+            wall = _wall_ms(lambda: [generate(r) for r in calls[1:-1]], cuda)
+            timing = {"steps": s.timed_steps, "step_ms": wall / s.timed_steps}
+            phases["engine"] = _summary(timing, _kernel_profile(
+                lambda: generate(calls[-1]), 1, cuda), cuda)
+            yield from _profile_rows("engine", kernels["engine"], phases["engine"], cuda)
         except Exception:  # noqa: BLE001
             yield _failed({"framework": "torch", "kernel": kernels["engine"], "phase": "engine"})
     finally:
         _close(run)
         _write_profile(Path(s.out), s, kernels, phases)
+
+
+def _summary(timing: dict, profiled: dict, cuda: bool) -> dict:
+    """An unprofiled timing and a profile (`_kernel_profile`) with the idle share of the two."""
+    idle = (gpu_profile.idle_share(profiled["kernel_ms_per_step"], timing["step_ms"])
+            if cuda else "n/a")
+    return {**timing, **profiled, "gpu_idle": idle}
 
 
 def _step_syncs(learner, batches, cuda: bool):
@@ -638,15 +697,24 @@ def _step_syncs(learner, batches, cuda: bool):
     return syncs
 
 
-def _profile_rows(phase: str, kernel: str, profiled: dict):
+LISTS = ("top", "top_shapes", "sync_sites")  # a phase's tables, not its summary
+
+
+def _profile_rows(phase: str, kernel: str, profiled: dict, cuda: bool, shapes: bool = False):
+    """The summary row and the top `PROFILE_ROWS` kernels' rows of a phase; with `shapes`, its
+    top ops by shape instead."""
     base = {"framework": "torch", "kernel": kernel, "phase": phase}
-    yield {**base, **{k: v for k, v in profiled.items() if k not in ("top", "sync_sites")}}
+    if shapes:
+        for op in profiled["top_shapes"][:PROFILE_ROWS]:
+            yield {**base, "table": "ops by shape", **op}
+        return
+    yield {**base, **{k: v for k, v in profiled.items() if k not in LISTS}}
     for op in profiled["top"][:PROFILE_ROWS]:
-        yield {**base, **op}
+        yield {**base, "table": "kernels" if cuda else "ops", **op}
 
 
 def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
-    """OUT/profile_torch.json (the phases as measured) and OUT/profile_torch.md (a table each)."""
+    """OUT/profile_torch.json (the phases as measured) and OUT/profile_torch.md (tables)."""
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -655,21 +723,43 @@ def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
         indent=1))
     lines = [f"# torch profile: {device}", "",
              f"torch {torch.__version__}; {s.shapes}{' (tiny)' if s.tiny else ''}; attention: "
-             f"learner {kernels['learner']}, engine {kernels['engine']}. Time is the GPU "
-             "kernels' (on a CPU: the ops' self time), share is of the steps' wall time.", ""]
+             f"learner {kernels['learner']}, engine {kernels['engine']}. Step times are of "
+             "unprofiled steps; kernel time is the GPU kernels' (on a CPU: the ops' self time) "
+             "in a step profiled without shapes; GPU idle is 1 - kernel time / step time; "
+             "shares are of the profiled step's wall time.", ""]
     for phase, p in phases.items():
         idle = p["gpu_idle"] if isinstance(p["gpu_idle"], str) else f"{p['gpu_idle']:.1%}"
         syncs = (f", {p['host_syncs_per_step']} host syncs a step"
                  if "host_syncs_per_step" in p else "")
         wait = ("" if isinstance(p["host_wait_ms_per_step"], str) else
                 f", the host waiting for the device {p['host_wait_ms_per_step']:.1f} ms of it")
-        lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}), GPU idle "
-                  f"{idle}{syncs}, {p['kernels_per_step']:,.0f} kernels a step{wait}", ""]
+        lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}; profiled "
+                  f"{p['profiled_step_ms']:.1f} ms), GPU idle {idle}{syncs}, "
+                  f"{p['kernels_per_step']:,.0f} kernels a step{wait}", ""]
+        split = {k.removesuffix("_ms"): p[k] for k in p if k.removesuffix("_ms")
+                 in gpu_profile.PHASES}
+        if split:
+            lines += ["Milliseconds a step by phase (unprofiled): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in split.items()) + ".", ""]
         lines += gpu_profile.table(p["top"]) + [""]
+        if p.get("top_shapes"):
+            lines += [f"The {phase}'s ops by input shapes (one step profiled with shapes; on a "
+                      "GPU the time of the kernels each op launched itself):", ""]
+            lines += gpu_profile.table(p["top_shapes"]) + [""]
         if p.get("sync_sites"):
             lines += [f"Where the {phase}'s host syncs of one step come from (the innermost "
                       "frame outside torch, and on a GPU the aten op):", ""] + gpu_profile.table(p["sync_sites"]) + [""]
     (out / "profile_torch.md").write_text("\n".join(lines))
+
+
+def step_tokens(episodes, batches) -> dict[str, float]:
+    """A GRPO step's tokens counted two ways. computed_tokens: those of the learner's packed
+    micro-batches `batches` (what its forward and backward ran over; with `train.share_prefix`
+    a group's prompt once). easyr1_tokens: EasyR1's count, every episode's prompt and response
+    tokens (`episodes`, each with its token_ids), so the prompt counts once per episode: a group
+    of n episodes counts its shared prompt n times."""
+    return {"computed_tokens": float(sum(b.num_tokens for b in batches)),
+            "easyr1_tokens": float(sum(len(e.token_ids) for e in episodes))}
 
 
 def whole_step(s: Settings):
@@ -678,9 +768,10 @@ def whole_step(s: Settings):
     `s.episodes / s.samples_per_group` prompts of the synthetic set with `s.samples_per_group`
     episodes each (turns of at most `s.new_tokens` tokens, env.max_turns as the recipe), the
     torch learner and its local engine on one device. One row: seconds per step of each phase,
-    tokens per step as EasyR1 counts them (every episode's prompt with its image tokens and all
-    its turns) and their rate per GPU. With random weights, episodes rarely call the tool: most
-    end after their first turn (turns_mean says)."""
+    tokens per step as the learner computed them and as EasyR1 counts them (`step_tokens`:
+    every episode's prompt with its image tokens and all its turns), each per GPU-second of the
+    whole step. With random weights, episodes rarely call the tool: most end after their first
+    turn (turns_mean says)."""
     from common import train as loop
     from common.prepare import make_renderer
     from common.step import grpo_step

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,12 +124,37 @@ def test_the_default_sections_fit_the_budget(check):
     assert not {"e2e_jax", "engine_jax"} & set(check.DEFAULT_SECTIONS)
 
 
-def test_idle_fraction_is_the_gaps_over_the_span(profile):
-    """Kernels at 0-2, 3-5, 4-6 (overlapping: counted once) and 8-10: idle 2-3 and 6-8, 3 of
-    the 10 units from the first start to the last end. Summing durations instead of merging
-    would give 10 - 8 = 2; dividing by the busy time, 3 / 7."""
-    assert profile.idle_fraction([(8, 10), (0, 2), (4, 6), (3, 5)]) == pytest.approx(0.3)
-    assert profile.idle_fraction([(0.0, 1.0), (1.0, 4.0)]) == 0.0
+def test_busy_time_merges_overlapping_kernels(profile):
+    """Kernels at 0-2, 3-5, 4-6 (overlapping: counted once) and 8-10 cover 7 of the 10 units
+    from the first start to the last end; summing their durations would give 8."""
+    assert profile.busy_time([(8, 10), (0, 2), (4, 6), (3, 5)]) == pytest.approx(7.0)
+    assert profile.busy_time([(0.0, 1.0), (1.0, 4.0), (2.0, 3.0)]) == 4.0
+    assert profile.busy_time([]) == 0.0
+
+
+def test_idle_share_is_of_the_unprofiled_step(profile):
+    """The H200 numbers of issue 64: 1,736 ms of kernels in a step that takes 2,170 ms
+    unprofiled leave the GPU idle 20%; over the 2,600 ms of a step profiled with shapes it
+    would read 33%, the inflated figure."""
+    assert profile.idle_share(1736.0, 2170.0) == pytest.approx(0.2)
+    assert profile.idle_share(1736.0, 2600.0) == pytest.approx(0.3323, abs=1e-4)
+
+
+def test_phase_ms_gives_each_interval_to_its_phase(profile):
+    """A step of two micro-batches (ms): zero_grad 0-1; forward from 1, the vision tower 2-5,
+    the text model 6-16, the head and loss 16-18, backward 18-40; the second micro-batch
+    without an image, forward 41-50, head 50-51, backward 51-70; clip and AdamW 70-78; then 2
+    ms to the end. Each phase sums its intervals; together they are the step's 80 ms."""
+    marks = [("step", 0), ("forward", 1), ("vision", 2), ("vision_end", 5), ("text", 6),
+             ("head", 16), ("loss", 18), ("backward", 18), ("backward_end", 40),
+             ("forward", 41), ("text", 41), ("head", 50), ("loss", 51), ("backward", 51),
+             ("backward_end", 70), ("clip", 70), ("optimizer_end", 78), ("end", 80)]
+    got = profile.phase_ms(marks)
+    assert got == {"vision": 3, "text": 1 + 1 + 10 + 9, "head": 2 + 1, "backward": 22 + 19,
+                   "optimizer": 8, "other": 1 + 1 + 2}
+    assert sum(got.values()) == 80
+    with pytest.raises(ValueError, match="from 'step' to 'end'"):
+        profile.phase_ms(marks[:-1])
 
 
 def test_top_ops_adds_up_each_name(profile):
@@ -157,7 +183,7 @@ def test_profile_events_reads_kernels_on_a_gpu_and_ops_on_a_cpu(profile):
     timed, intervals = profile.profile_events(prof, cuda=True)
     assert timed == [("gemm", pytest.approx(0.02)), ("gemm", pytest.approx(0.005))]
     assert intervals == [(10.0, 30.0), (40.0, 45.0)]
-    assert profile.idle_fraction(intervals) == pytest.approx(10 / 35)
+    assert profile.busy_time(intervals) == pytest.approx(25.0)
     assert profile.profile_events(prof, cuda=False) == ([("aten::mm", pytest.approx(0.05))], [])
     waits = events + [FunctionEvent(9, "cudaStreamSynchronize", 1, 60.0, 75.0),
                       FunctionEvent(10, "cudaLaunchKernel", 1, 5.0, 9.0),
@@ -264,8 +290,9 @@ def test_peak_from_the_device_name(check):
 
 MEASURED = ("tokens_per_s", "seconds", "tflops_per_s", "mfu", "peak_memory_gb", "wall_s",
             "time_rollout", "time_train", "first_step_s", "first_call_s", "tokens",
-            "step_ms", "kernel_ms_per_step", "total_ms", "ms_per_step", "share", "step_s",
-            "rollout_s", "train_s", "sync_s", "tokens_per_gpu_s", "rollout_tokens_per_s")
+            "step_ms", "profiled_step_ms", "kernel_ms_per_step", "total_ms", "ms_per_step",
+            "share", "step_s", "rollout_s", "train_s", "sync_s", "tokens_per_gpu_s",
+            "rollout_tokens_per_s")
 
 
 @pytest.mark.slow
@@ -303,21 +330,31 @@ def test_tiny_check_runs_every_section(tmp_path):
             for r in rows[n] if r.get("phase") != "engine"} == {"packed_sdpa"}  # a CPU
     assert rows["engine_torch"][0]["kernel"] == rows["whole_step"][0]["engine_kernel"] == "sdpa"
     summaries = {r["phase"]: r for r in rows["profile_torch"] if "op" not in r}
-    assert summaries["learner"]["host_syncs_per_step"] > 0  # the step reads its metrics once
-    assert summaries["learner"]["gpu_idle"] == summaries["engine"]["gpu_idle"] == "n/a"
-    assert summaries["learner"]["host_wait_ms_per_step"] == "n/a"
-    assert summaries["learner"]["kernels_per_step"] > 0 and summaries["engine"]["kernels_per_step"] > 0
-    for phase in ("learner", "engine"):
-        ops = [r for r in rows["profile_torch"] if r["phase"] == phase and "op" in r]
-        assert 0 < len(ops) <= 10 and sum(r["share"] for r in ops) <= 1
+    learner = summaries["learner"]
+    assert learner["host_syncs_per_step"] > 0  # the step reads its metrics once
+    assert learner["gpu_idle"] == summaries["engine"]["gpu_idle"] == "n/a"
+    assert learner["host_wait_ms_per_step"] == "n/a"
+    assert learner["kernels_per_step"] > 0 and summaries["engine"]["kernels_per_step"] > 0
+    # the unprofiled step by phase: every phase, none negative, the named ones within the step
+    split = {k: learner[f"{k}_ms"] for k in ("vision", "text", "head", "backward", "optimizer",
+                                             "other")}
+    assert all(v >= 0 for v in split.values()) and split["vision"] > 0, split
+    assert sum(split.values()) - split["other"] <= learner["step_ms"]
+    assert sum(split.values()) == pytest.approx(learner["step_ms"])
+    for phase, table in (("learner", "ops"), ("learner", "ops by shape"), ("engine", "ops")):
+        ops = [r for r in rows["profile_torch"] if r["phase"] == phase and r.get("table") == table]
+        assert 0 < len(ops) <= 10 and sum(r["share"] for r in ops) <= 1, (phase, table)
+    assert all("[" in r["op"] for r in rows["profile_torch"] if r.get("table") == "ops by shape")
     profiled = json.loads((tmp_path / "profile_torch.json").read_text())
     assert [len(profiled["phases"][p]["top"]) for p in ("learner", "engine")] == [25, 25]
+    assert len(profiled["phases"]["learner"]["top_shapes"]) == 25
     sites = profiled["phases"]["learner"]["sync_sites"]
     assert 0 < sum(x["count"] for x in sites) <= summaries["learner"]["host_syncs_per_step"]
     assert any("train_step" in x["site"] for x in sites)  # the step's one read of its metrics
     assert not any("vision" in x["site"] or "get_image_features" in x["site"] for x in sites)
     md = (tmp_path / "profile_torch.md").read_text()
     assert "## learner:" in md and "Where the learner's host syncs" in md
+    assert "Milliseconds a step by phase" in md and "ops by input shapes" in md
     (step,) = rows["whole_step"]
     assert step["episodes"] == 8 and step["steps"] == 1 and step["turns_mean"] >= 1
     assert step["tokens"] > step["generated_tokens"] > 0  # prompts count too
@@ -332,3 +369,64 @@ def test_tiny_check_runs_every_section(tmp_path):
         assert all(math.isfinite(v) and v > 0 for _, v in numbers), (name, numbers)
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## learner_jax: ok" in md and "| tokens_per_s" not in md.split("\n")[0]
+
+
+@pytest.mark.parametrize("fused, chunk", [(False, 0), (False, 7), (True, 7)],
+                         ids=["plain head", "chunked head", "fused head"])
+def test_step_phases_time_a_tiny_learner_step(profile, fused, chunk):
+    """Two steps of a tiny Qwen3-VL learner (two micro-batches, images) timed from outside by
+    `step_phases`: every mark is made (the vision tower's and the text model's forward twice a
+    micro-batch with an image, a backward per micro-batch, one clip and one optimizer step a
+    step), every phase is there and non-negative, the vision tower and backward take time, the
+    phases sum to at most the step's wall time, whatever head the learner swaps in. Afterwards
+    no hook, wrapper or patch is left."""
+    from common.batching import pack
+    from common.grpo import LossConfig
+    from geo3k_torch import attention
+    from geo3k_torch.learner import Learner
+    from geo3k_torch.model import use_deepstack_add
+    from tests.jax_learner_setup import train_config
+    from tests.test_shared_prefix import groups
+    from tests.tiny_models import IMG, ImageOnlyProcessor, qwen3_vl
+
+    model, patch = qwen3_vl()
+    model.set_attn_implementation(attention.NAME)
+    use_deepstack_add(model)
+    processor = ImageOnlyProcessor(patch)
+    learner = Learner(model.train(), processor, LossConfig(), train_config(), 1.0, chunk=chunk,
+                      fused_head=fused)
+    rng = np.random.default_rng(0)
+    seqs = groups(processor, rng)
+    for s in seqs:
+        s.advantages = rng.normal(size=len(s)).astype(np.float32) * s.loss_mask
+    batches = pack(seqs, max(map(len, seqs)) + 40, image_token_id=IMG)
+    assert len(batches) >= 2
+    counts = float(sum(s.loss_mask.sum() for s in seqs)), float(len(seqs))
+    backward, clip = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_
+    walls = []
+    with profile.step_phases(learner, cuda=False) as clock:
+        for _ in range(2):
+            start = time.perf_counter()
+            clock.mark("step")
+            learner.train_step(batches, *counts)
+            clock.mark("end")
+            walls.append((time.perf_counter() - start) * 1e3)
+    steps = clock.read()
+    assert len(steps) == 2
+    with_images = sum(1 for b in batches if b.images)
+    for marks, wall in zip(steps, walls):
+        names = [n for n, _ in marks]
+        assert names.count("forward") == names.count("head") == len(batches)
+        assert names.count("vision") == names.count("vision_end") == with_images
+        assert names.count("backward") == names.count("backward_end") == len(batches)
+        assert names.count("clip") == names.count("optimizer_end") == 1
+        assert [ms for _, ms in marks] == sorted(ms for _, ms in marks)
+        phases = profile.phase_ms(marks)
+        assert list(phases) == list(profile.PHASES)
+        assert all(v >= 0 for v in phases.values()), phases
+        assert phases["vision"] > 0 and phases["backward"] > 0 and phases["head"] > 0
+        assert sum(phases.values()) <= wall
+    assert torch.Tensor.backward is backward and torch.nn.utils.clip_grad_norm_ is clip
+    assert "micro_batch_loss" not in vars(learner)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert not learner.optimizer._optimizer_step_post_hooks
