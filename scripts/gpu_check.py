@@ -11,18 +11,18 @@ set, the other sections a random-initialised model with Qwen3-VL-2B's published 
 own, in this order:
 
     e2e_torch      configs/cpu.py for 3 steps on CUDA: torch learner, its local engine
-    learner_torch  learner steps of 2 and 4 micro-batches of 16k and 32k tokens, bf16, the
-                   recipe's attention kernel and checkpointing, at 16k without checkpointing
-                   the vision blocks, then with train.compile:
-                   tokens/s, MFU, peak memory (the other kernel and checkpointing modes only
-                   in the --tiny rehearsal)
+    learner_torch  learner steps of 2 and 4 micro-batches of 32k tokens, bf16, per configuration
+                   of `gpu_sections.LEARNER_PLAN`: the recipe as configured, the fused LM head,
+                   then compiled blocks: tokens/s, MFU, peak memory, which fast paths were on
+                   (the other kernel and checkpointing modes only in the --tiny rehearsal)
     engine_torch   the local engine sampling 64, then 256, episodes x 512 tokens (bf16):
                    tokens/s, memory
     profile_torch  torch.profiler over learner steps and engine calls: top kernels, kernels a
                    step, GPU idle share, the host's time waiting for the GPU, host syncs per
                    learner step by site (also OUT/profile_torch.json and .md)
     whole_step     GRPO steps of 8 prompts x 8 episodes, learner and local engine on one GPU:
-                   rollout, update and sync seconds, tokens per GPU-second
+                   rollout, update and sync seconds; tokens per GPU-second as the learner
+                   computed them (a group's shared prompt once) and as EasyR1 counts them
     learner_jax, e2e_jax, engine_jax   the JAX learner's steps (as learner_torch's), end to end,
                    and its engine: not run unless named in --sections (cold, they compiled for
                    148, 323 and 208 s on an H200)
@@ -154,14 +154,13 @@ def _tail(log: Path, lines: int = 40) -> str:
 
 # ---- the report -------------------------------------------------------------------------------
 def fit_lines(rows: list[dict]) -> list[str]:
-    """Per configuration (kernel, checkpointing, compiled) of a learner section's ok rows,
+    """Per configuration (its `config` label and kernel) of a learner section's ok rows,
     where it can be computed (`gpu_profile.fit_step_cost`), the least-squares split of a step's
     seconds into its costs per step, per micro-batch and per token."""
     ok = [r for r in rows if r["status"] == "ok" and "micro_batches" in r]
 
     def setup(r: dict) -> str:
-        parts = [r["kernel"], r.get("checkpointing"), "compiled" if r.get("compiled") else None]
-        return ", ".join(p for p in parts if p)
+        return ", ".join(p for p in (r.get("config"), r["kernel"]) if p)
 
     lines = []
     for kernel in dict.fromkeys(map(setup, ok)):
@@ -192,6 +191,10 @@ def markdown(report: dict) -> str:
         rows = sec["rows"]
         if rows:
             lines += gpu_profile.table(rows) + [""] + fit_lines(rows)
+        left = [c for c in sec.get("planned", []) if c not in {r.get("config") for r in rows}]
+        if left:
+            lines += [f"Left out (no time, or failed before its first row): {', '.join(left)}.",
+                      ""]
         errors = [r["error"] for r in rows if "error" in r] + ([sec["error"]] if "error" in sec
                                                              else [])
         for e in errors:
@@ -254,6 +257,8 @@ def main(argv=None) -> int:
         timeout = left if args.tiny else max(min(CAPS_S[section], left), left - later)
         report["sections"][section] = result = run_child(section, out, args.tiny, peak, timeout,
                                                          name)
+        if section in gpu_sections.PLANS:  # its planned rows: the report names those left out
+            result["planned"] = [label for label, _ in gpu_sections.PLANS[section](s)]
         print(f"{section}: {result['status']} in {result['seconds']:.0f} s", flush=True)
     report["seconds"] = time.perf_counter() - start
     report["failed"] = [n for n, r in report["sections"].items() if r["status"] != "ok"]

@@ -5,18 +5,23 @@ of its own (a CUDA error or an out-of-memory cannot take the other sections down
                               accelerator through each entry point's own `build` and the shared
                               loop: reward, tool-call rate, seconds per phase (from metrics.jsonl)
     learner_torch / learner_jax  learner steps of a random-initialised model with a published
-                              model's shapes (configs/models) on 2 and 4 packed micro-batches of
-                              16k and 32k tokens (GRPO groups sharing their prompt and image):
-                              tokens/s, MFU, peak memory; torch once per attention kernel
+                              model's shapes (configs/models) on 2 and 4 packed micro-batches
+                              (GRPO groups sharing their prompt and image): tokens/s, MFU, peak
+                              memory; torch per configuration of `LEARNER_PLAN` at 32k tokens
+                              a micro-batch (the recipe, the fused head, compiled), JAX at 16k
+                              and 32k
     engine_torch / engine_jax  the in-process engines sampling 64 episodes x 512 tokens from the
                               same model (torch again at 256): tokens/s and peak memory; torch
                               also with its decode fast paths on (`FAST_ENGINE`, fast_*)
-    profile_torch             torch.profiler over learner steps and engine calls of that model:
-                              top kernels (ops on a CPU), GPU idle share, host syncs per learner
-                              step (`gpu_profile`); also OUT/profile_torch.json and .md
+    profile_torch             the learner's unprofiled step by phase (`gpu_profile.step_phases`),
+                              torch.profiler over a learner step and an engine call of that
+                              model: top kernels (ops on a CPU), GPU idle share of the
+                              unprofiled step, host syncs per learner step, the top ops by shape
+                              (`gpu_profile`); also OUT/profile_torch.json and .md
     whole_step                whole GRPO steps of that model (the shared step's `grpo_step` and
                               the backend's weight sync) with its local engine on the same device:
-                              seconds of rollout, update and sync, tokens per GPU-second
+                              seconds of rollout, update and sync, tokens per GPU-second as the
+                              learner computed them and as EasyR1 counts them (`step_tokens`)
 
 The learners and engines are the ones `geo3k_torch.main.build` / `geo3k_jax.train.build` make
 (device, process group, loading, sharding, dtype policy, backend) from a checkpoint directory
@@ -324,13 +329,13 @@ def _timed_steps(learner, batches, steps: int) -> tuple[float, dict[str, float]]
 def _learner_rows(learner, config, processor, s: Settings, budget: int, row: dict, reset,
                   peak_gb):
     """A row per count of `s.micro_batches_per_step` at micro-batches of `budget` tokens: one
-    warm-up step on the most of them (kernels, compiles, optimizer state: first_step_s), then
+    warm-up step on the fewest of them (kernels, compiles, optimizer state: first_step_s), then
     `s.timed_steps` steps on each count's first (fullest) micro-batches. reset(): before the
     warm-up; peak_gb(): the peak memory since. A failure becomes its row, with its traceback."""
     try:
         batches = grpo_batches(config, processor, s, budget, max(s.micro_batches_per_step))
         reset()
-        first, _ = _timed_steps(learner, batches, 1)
+        first, _ = _timed_steps(learner, batches[:min(s.micro_batches_per_step)], 1)
     except Exception:  # noqa: BLE001  (reported; the next measurement still runs)
         yield _failed(row)
         return
@@ -399,45 +404,103 @@ def _torch_memory(device):
     return reset, lambda: torch.cuda.max_memory_allocated(device) / 2 ** 30
 
 
-def learner_torch(s: Settings):
-    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, compile_layers
+# learner_torch's configurations, most telling first (a section stopped at its cap keeps the rows
+# before; the report names those left out): a label and the cfg.train settings it changes from
+# the recipe (configs/base.py), each measured at the largest micro-batch. Compiling cannot be
+# undone: compiled rows come last. Another configuration is one more line: `_switch` sets what
+# it can on the built learner, and any other setting (not in `IN_PLACE`) builds it again.
+LEARNER_PLAN = (
+    ("recipe", {}),
+    ("fused_head", {"fused_head": True}),
+    ("compiled", {"fused_head": True, "compile": True}),
+)
+# The cfg.train settings that `_switch` sets on a built learner (compile only from off to on).
+IN_PLACE = ("activation_checkpointing", "checkpoint_vision", "compile", "compile_backend",
+            "fused_head", "micro_batch_tokens")
+RECORDED = ("activation_checkpointing", "checkpoint_vision", "fused_head", "compile")  # per row
 
-    cfg = _config(s, max(s.micro_batch_tokens))
-    run = _build("torch", s, "learner_torch", cfg)
-    learner, processor = run.learner, run.processor
-    config, device = learner.model.config, learner.device
-    reset, peak = _torch_memory(device)
-    mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
-    kernel = learner_kernel(device)
-    # the recipe's kernel and checkpointing at every size, without checkpointing the vision
-    # blocks at the smallest, then with its blocks compiled at the largest (most telling
-    # first: a section stopped at its cap keeps the rows before); with `s.all_modes` first the
-    # other checkpointing modes and the other kernel
-    # (kernel, checkpointing, vision blocks checkpointed, compiled, tokens a micro-batch)
-    largest, smallest = max(s.micro_batch_tokens), min(s.micro_batch_tokens)
-    plan = [(kernel, mode, True, False, b) for b in s.micro_batch_tokens]
-    if mode != "none":  # the vision blocks left out of it (train.checkpoint_vision=False)
-        plan.append((kernel, mode, False, False, smallest))
+
+def learner_plan(s: Settings) -> list[tuple[str, dict]]:
+    """`LEARNER_PLAN` at micro-batches of the largest `s.micro_batch_tokens`; on a CPU (the
+    rehearsal) without checkpointing, as the CPU learner loads, and with `s.all_modes` the other
+    checkpointing modes and the other attention kernel ("kernel", `TORCH_KERNELS`) before the
+    compiled rows."""
+    recipe = {"micro_batch_tokens": max(s.micro_batch_tokens)}
+    mode = base.get_config().train.activation_checkpointing
+    if s.device != "cuda":
+        recipe["activation_checkpointing"] = mode = "none"
+    plan = [(label, recipe | o) for label, o in LEARNER_PLAN]
     if s.all_modes:
-        plan += [(kernel, m, True, False, largest) for m in CHECKPOINTING if m != mode]
-        plan += [(k, mode, True, False, largest) for k in TORCH_KERNELS if k != kernel]
-    plan.append((kernel, mode, True, True, largest))  # last: compiling cannot be undone
+        from geo3k_torch.model import CHECKPOINTING
+        at = next((i for i, (_, o) in enumerate(plan) if o.get("compile")), len(plan))
+        kernel = "varlen" if s.device == "cuda" else "packed_sdpa"
+        plan[at:at] = ([(m, recipe | {"activation_checkpointing": m}) for m in CHECKPOINTING
+                        if m != mode]
+                       + [(k, recipe | {"kernel": k}) for k in TORCH_KERNELS if k != kernel])
+    return plan
+
+
+def _switch(learner, train, state: dict) -> None:
+    """The built `learner` as `train` (a cfg.train) sets `IN_PLACE`: checkpointing and compiled
+    blocks (`geo3k_torch.model`), the fused head. `state` holds what the model has now (the
+    keys of `_model_state`), updated; the model is compiled or switched only on a change."""
+    from geo3k_torch.model import checkpoint_layers, compile_layers
+
+    want = _model_state(train)
+    if want != state:
+        if want["compile"]:
+            compile_layers(learner.model, want["activation_checkpointing"],
+                           want["checkpoint_vision"], want["compile_backend"])
+        else:
+            checkpoint_layers(learner.model, want["activation_checkpointing"],
+                              want["checkpoint_vision"])
+        state.clear()
+        state.update(want)
+    learner.fused_head = train.fused_head
+
+
+def _model_state(train) -> dict:
+    return {k: train[k] for k in ("compile", "activation_checkpointing", "checkpoint_vision",
+                                  "compile_backend")}
+
+
+def learner_torch(s: Settings):
+    """Rows of `learner_plan`, in order: per configuration its `s.micro_batches_per_step` rows
+    (`_learner_rows`), each naming its configuration (`config`), attention kernel and the
+    settings of `RECORDED` and of the plan's own overrides."""
+    import torch
+
+    device = torch.device(s.device)
+    plan = learner_plan(s)
+    recorded = list(dict.fromkeys(list(RECORDED) + [k for _, o in plan for k in o
+                                                    if k not in ("kernel", "micro_batch_tokens")]))
+    run, built, state = None, None, {}
     try:
-        for kernel, checkpointing, vision, compiled, budget in plan:
+        for label, overrides in plan:
+            kernel = overrides.get("kernel", learner_kernel(device))
+            row = {"framework": "torch", "config": label, "kernel": kernel}
             why = use_kernel(kernel, device)
             if why:
-                yield {"framework": "torch", "kernel": kernel, "status": "skipped", "note": why}
+                yield {**row, "status": "skipped", "note": why}
                 continue
-            if compiled:
-                compile_layers(learner.model, checkpointing, vision)
-            else:
-                checkpoint_layers(learner.model, checkpointing, vision)
-            row = {"framework": "torch", "kernel": kernel, "checkpointing": checkpointing,
-                   "checkpoint_vision": vision, "compiled": compiled,
-                   "micro_batch_tokens": budget}
-            yield from _learner_rows(learner, config, processor, s, budget, row, reset, peak)
+            cfg = _config(s, max(s.micro_batch_tokens))
+            cfg.train.update({k: v for k, v in overrides.items() if k != "kernel"})
+            rebuild = {k: v for k, v in cfg.train.items() if k not in IN_PLACE}
+            if run is None or rebuild != built or (state["compile"] and not cfg.train.compile):
+                if run is not None:
+                    _close(run)
+                run, built = _build("torch", s, "learner_torch", cfg), rebuild
+                mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
+                state = _model_state(cfg.train) | {"activation_checkpointing": mode}
+            _switch(run.learner, cfg.train, state)
+            budget = cfg.train.micro_batch_tokens
+            row |= {k: cfg.train[k] for k in recorded} | {"micro_batch_tokens": budget}
+            reset, peak = _torch_memory(device)
+            yield from _learner_rows(run.learner, run.learner.model.config, run.processor, s,
+                                     budget, row, reset, peak)
     finally:
-        _close(run)
+        if run is not None:
+            _close(run)
 
 
 def learner_jax(s: Settings):
@@ -790,34 +853,47 @@ def whole_step(s: Settings):
     renderer = run.renderer or make_renderer(cfg, run.processor)
     reset, peak = _torch_memory(learner.device)
     reset()
+    trained, train_step = [], learner.train_step
+
+    def counted(batches, *args, **kwargs):  # the micro-batches the learner is given
+        trained.extend(batches)
+        return train_step(batches, *args, **kwargs)
+
+    learner.train_step = counted
     steps = []
     try:
         for step in range(s.timed_steps + 1):  # step 0 warms up
+            trained.clear()
             start = time.perf_counter()
             trajs, m = grpo_step(list(run.train_set), backend.engine, renderer, learner, step_cfg,
                                  step * prompts, run.comm, backend.train_context)
             with timed(m, "weight_sync"):
                 backend.sync(learner, step + 1)
             steps.append({**m, "step_s": time.perf_counter() - start,
-                          "tokens": float(sum(len(t.token_ids) for t in trajs)),
+                          **step_tokens(trajs, trained),
                           "generated": float(sum(t.num_generated for t in trajs)),
                           "turns": float(sum(len(t.turns) for t in trajs)),
                           "episodes": float(len(trajs))})
         mean = lambda k: float(np.mean([m[k] for m in steps[1:]]))  # noqa: E731
+        per_gpu_s = mean("step_s") * run.comm.world  # GPU-seconds of a step
         yield {"framework": "torch", "kernel": learner_kernel(learner.device),
-               "engine_kernel": ENGINE_KERNEL, "prompts": prompts, "episodes": mean("episodes"),
+               "engine_kernel": ENGINE_KERNEL, "share_prefix": cfg.train.share_prefix,
+               "prompts": prompts, "episodes": mean("episodes"),
                "turns_mean": mean("turns") / mean("episodes"), "steps": len(steps) - 1,
                "first_step_s": steps[0]["step_s"], "step_s": mean("step_s"),
                "rollout_s": mean("time_rollout"), "train_s": mean("time_train"),
-               "sync_s": mean("time_weight_sync"), "tokens": mean("tokens"),
-               "generated_tokens": mean("generated"),
-               "tokens_per_gpu_s": mean("tokens") / mean("step_s") / run.comm.world,
+               "sync_s": mean("time_weight_sync"), "computed_tokens": mean("computed_tokens"),
+               "easyr1_tokens": mean("easyr1_tokens"), "generated_tokens": mean("generated"),
+               "computed_tokens_per_gpu_s": mean("computed_tokens") / per_gpu_s,
+               "easyr1_tokens_per_gpu_s": mean("easyr1_tokens") / per_gpu_s,
                "rollout_tokens_per_s": mean("generated") / mean("time_rollout"),
                "peak_memory_gb": peak()}
     finally:
+        del learner.train_step
         _close(run)
 
 
 SECTIONS = {f.__name__: f for f in (e2e_torch, learner_torch, engine_torch,  # run in this order
                                     profile_torch, whole_step, learner_jax, e2e_jax, engine_jax)}
 JAX_SECTIONS = ("e2e_jax", "learner_jax", "engine_jax")
+PLANS = {"learner_torch": learner_plan}  # a section's planned configurations (labels first)

@@ -157,6 +157,53 @@ def test_phase_ms_gives_each_interval_to_its_phase(profile):
         profile.phase_ms(marks[:-1])
 
 
+def test_step_tokens_counts_a_shared_prompt_once_for_the_learner(sections):
+    """A group of two episodes with one 10-token prompt and responses of 3 and 5 tokens. EasyR1
+    counts each episode's prompt and response: 13 + 15 = 28. Packed with shared prefixes the
+    learner computes the prompt's first 9 tokens once (its last token predicts each response's
+    first, so it stays in each sample's own segment) and each sample's 4 and 6 others:
+    9 + 4 + 6 = 19. Without sharing the learner computes what EasyR1 counts."""
+    from common.batching import TrainSequence, pack
+
+    prompt = np.arange(1, 11)
+    seqs = [TrainSequence(np.r_[prompt, 100 + np.arange(n)], np.r_[np.zeros(10), np.ones(n)],
+                          np.zeros(10 + n), 1.0, [], k) for k, n in enumerate((3, 5))]
+    shared = pack(seqs, 64, image_token_id=999)
+    assert sections.step_tokens(seqs, shared) == {"computed_tokens": 19.0,
+                                                  "easyr1_tokens": 28.0}
+    assert sections.step_tokens(seqs, pack(seqs, 64)) == {"computed_tokens": 28.0,
+                                                          "easyr1_tokens": 28.0}
+
+
+def test_the_learner_plan_runs_the_recipe_first_and_compiles_last(sections, tmp_path):
+    """The GPU plan: the recipe, the fused head, then compiled (with the fused head), each at
+    the largest micro-batch. The rehearsal also runs the other checkpointing modes and the
+    other kernel, before the compiled row: compiling cannot be undone."""
+    gpu = sections.Settings(str(tmp_path))
+    assert sections.learner_plan(gpu) == [
+        ("recipe", {"micro_batch_tokens": 32768}),
+        ("fused_head", {"micro_batch_tokens": 32768, "fused_head": True}),
+        ("compiled", {"micro_batch_tokens": 32768, "fused_head": True, "compile": True})]
+    tiny = sections.learner_plan(sections.Settings.tiny_settings(str(tmp_path), None))
+    assert [label for label, _ in tiny] == ["recipe", "fused_head", "full", "selective",
+                                            "varlen", "compiled"]
+    assert all(o["activation_checkpointing"] == "none" for label, o in tiny
+               if label not in ("full", "selective"))
+    assert tiny[-1][1]["compile"] and not any(o.get("compile") for _, o in tiny[:-1])
+
+
+def test_the_report_names_the_planned_rows_left_out(check):
+    """A learner section cut after its fused-head row: the compiled row is named as left out."""
+    rows = [{"status": "ok", "framework": "torch", "config": c, "kernel": "varlen",
+             "micro_batches": 2, "tokens": 1.0, "seconds": 1.0} for c in ("recipe", "fused_head")]
+    report = {"device": "GPU", "tiny": False, "peak_tflops": None, "shapes": "qwen3_vl_2b",
+              "date": "now", "versions": {}, "seconds": 1.0, "failed": ["learner_torch"],
+              "sections": {"learner_torch": {"status": "timeout", "rows": rows, "seconds": 180.0,
+                                             "planned": ["recipe", "fused_head", "compiled"]}}}
+    assert "Left out (no time, or failed before its first row): compiled." in \
+        check.markdown(report)
+
+
 def test_top_ops_adds_up_each_name(profile):
     """mm called twice (3 + 5 ms) over 2 steps of 20 ms in all: 8 ms total, 4 a step, 40%."""
     rows = profile.top_ops([("mm", 3.0), ("add", 1.0), ("mm", 5.0), ("copy", 0.0)], 20.0, 2, n=2)
@@ -291,7 +338,8 @@ def test_peak_from_the_device_name(check):
 MEASURED = ("tokens_per_s", "seconds", "tflops_per_s", "mfu", "peak_memory_gb", "wall_s",
             "time_rollout", "time_train", "first_step_s", "first_call_s", "tokens",
             "step_ms", "profiled_step_ms", "kernel_ms_per_step", "total_ms", "ms_per_step",
-            "share", "step_s", "rollout_s", "train_s", "sync_s", "tokens_per_gpu_s",
+            "share", "step_s", "rollout_s", "train_s", "sync_s", "computed_tokens",
+            "easyr1_tokens", "computed_tokens_per_gpu_s", "easyr1_tokens_per_gpu_s",
             "rollout_tokens_per_s")
 
 
@@ -314,11 +362,19 @@ def test_tiny_check_runs_every_section(tmp_path):
         (row,) = rows[name]
         assert row["steps"] == 2 and 0 <= row["reward_mean"] <= 1
         assert 0 <= row["tool_call_rate"] <= 1
-    # torch: the CPU's kernel and checkpointing (none), then the other two modes
-    assert [(r["checkpointing"], r["compiled"], r["micro_batches"])
-            for r in rows["learner_torch"]] == [
-        ("none", False, 2), ("none", False, 4), ("full", False, 2), ("full", False, 4),
-        ("selective", False, 2), ("selective", False, 4), ("none", True, 2), ("none", True, 4)]
+    # torch: the recipe on the CPU (no checkpointing), the fused head, the other two modes,
+    # then compiled with the fused head (the other kernel, varlen, is skipped on a CPU)
+    assert [(r["config"], r["activation_checkpointing"], r["fused_head"], r["compile"],
+             r["micro_batches"]) for r in rows["learner_torch"]] == [
+        (c, m, f, k, n) for c, m, f, k in [("recipe", "none", False, False),
+                                           ("fused_head", "none", True, False),
+                                           ("full", "full", False, False),
+                                           ("selective", "selective", False, False),
+                                           ("compiled", "none", True, True)] for n in (2, 4)]
+    (skipped,) = [r for r in report["sections"]["learner_torch"]["rows"] if r["status"] != "ok"]
+    assert skipped["status"] == "skipped" and skipped["config"] == "varlen"
+    assert report["sections"]["learner_torch"]["planned"] == [
+        "recipe", "fused_head", "full", "selective", "varlen", "compiled"]
     for name in ("learner_torch", "learner_jax"):
         assert {(r["micro_batch_tokens"], r["micro_batches"]) for r in rows[name]} == {
             (256, 2), (256, 4)}
@@ -357,7 +413,8 @@ def test_tiny_check_runs_every_section(tmp_path):
     assert "Milliseconds a step by phase" in md and "ops by input shapes" in md
     (step,) = rows["whole_step"]
     assert step["episodes"] == 8 and step["steps"] == 1 and step["turns_mean"] >= 1
-    assert step["tokens"] > step["generated_tokens"] > 0  # prompts count too
+    # EasyR1 counts each group's prompt once per episode, the learner once per group
+    assert step["easyr1_tokens"] > step["computed_tokens"] > step["generated_tokens"] > 0
     assert step["step_s"] >= step["rollout_s"] + step["train_s"] + step["sync_s"]
     # the torch engine at its episodes, then at more: the slots it holds
     assert [r["tokens"] for r in rows["engine_torch"] + rows["engine_jax"]] == [64, 128, 64]
