@@ -1,40 +1,45 @@
 """Check a GPU machine in one command: what runs, how fast, where the time goes.
 
-    python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: 8 minutes
+    python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: about 7 minutes
     python scripts/gpu_check.py --tiny --out /tmp/gpu_check   # every section's code on a CPU
+    python scripts/gpu_check.py --out runs/gpu_check --sections=e2e_torch --budget_s=150
     python scripts/gpu_check.py --out runs/gpu_check --sections=learner_jax,e2e_jax,engine_jax \
         --budget_s=870                                       # the JAX sections, another call
 
 Nothing is downloaded: the end-to-end runs use the quick CPU run's tiny checkpoint and synthetic
 set, the other sections a random-initialised model with Qwen3-VL-2B's published shapes
 (configs/models/qwen3_vl_2b.json). Sections (`scripts/gpu_sections.py`), each in a process of its
-own, in this order:
+own, in this order; the default call runs learner_torch to whole_step, the others when named
+(--tiny: all of them):
 
     e2e_torch      configs/cpu.py for 3 steps on CUDA: torch learner, its local engine
-    learner_torch  learner steps of 2 and 4 micro-batches of 16k and 32k tokens, bf16, the
-                   recipe's attention kernel and checkpointing, at 16k without checkpointing
-                   the vision blocks, then with train.compile:
-                   tokens/s, MFU, peak memory (the other kernel and checkpointing modes only
-                   in the --tiny rehearsal)
-    engine_torch   the local engine sampling 64, then 256, episodes x 512 tokens (bf16):
-                   tokens/s, memory
-    profile_torch  torch.profiler over learner steps and engine calls: top kernels, kernels a
-                   step, GPU idle share, the host's time waiting for the GPU, host syncs per
-                   learner step by site (also OUT/profile_torch.json and .md)
+    learner_torch  learner steps of 2 and 4 micro-batches of 32k tokens, bf16, per configuration
+                   of `gpu_sections.LEARNER_PLAN`: the recipe as configured, the fused LM head,
+                   then compiled blocks: tokens/s, MFU, peak memory, which fast paths were on
+                   (the other kernel and checkpointing modes only in the --tiny rehearsal)
+    engine_torch   the local engine sampling 64, then 256, episodes x 512 tokens (bf16), each
+                   also with the decode fast paths on (fast_*): tokens/s, memory
+    profile_torch  the learner's unprofiled step by phase (vision, text, head, backward,
+                   optimizer: CUDA events), kernels a step from a profile without shapes, the GPU
+                   idle share of the unprofiled step, the host's time waiting for the GPU, host
+                   syncs per step by site, the top ops by input shape (a profile with shapes);
+                   the engine's kernels and idle (also OUT/profile_torch.json and .md)
     whole_step     GRPO steps of 8 prompts x 8 episodes, learner and local engine on one GPU:
-                   rollout, update and sync seconds, tokens per GPU-second
+                   rollout, update and sync seconds; tokens per GPU-second as the learner
+                   computed them (a group's shared prompt once) and as EasyR1 counts them
     learner_jax, e2e_jax, engine_jax   the JAX learner's steps (as learner_torch's), end to end,
-                   and its engine: not run unless named in --sections (cold, they compiled for
-                   148, 323 and 208 s on an H200)
+                   and its engine (cold, they compiled for 148, 323 and 208 s on an H200)
 
-Writes OUT/gpu_check.json and OUT/gpu_check.md (a table per section, a least-squares fit of the
-learner's step time under its table; a failure's traceback below it; each section's output in
-OUT/sections/<name>.log, its JSON with the device and versions in OUT/sections/<name>.json). A
-section that fails, times out or has no time left is recorded and the others still run; the exit
-status is 1 if any did. Each section may run for its cap (`CAPS_S`) plus what the sections before
-it left unused of theirs; the default sections' caps sum to the default --budget_s. MFU is model
-FLOPs (`gpu_sections.train_flops`) over the card's dense bf16 peak, found from the device name
-(H100 SXM and H200: 989 TFLOP/s) or given with --peak_tflops.
+Writes OUT/gpu_check.json and OUT/gpu_check.md after every section (a table per section, a
+least-squares fit of the learner's step time under its table, the planned learner rows left
+out; a failure's traceback below it; each section's output in OUT/sections/<name>.log, its JSON
+with the device and versions in OUT/sections/<name>.json). A section that fails, times out or has
+no time left is recorded and the others still run; the exit status is 1 if any did. Each section
+may run for its cap (`CAPS_S`) plus what the sections before it left unused of theirs, and is
+then killed with everything it started: the whole check ends within --budget_s (the default
+sections' caps sum to the default, `BUDGET_S`), whatever a section does. MFU is model FLOPs
+(`gpu_sections.train_flops`) over the card's dense bf16 peak, found from the device name (H100
+SXM and H200: 989 TFLOP/s) or given with --peak_tflops.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import importlib.metadata
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -62,15 +68,22 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A1
 # The seconds a section is sure of (it may also use what the sections before it left unused);
 # the default sections' sum to BUDGET_S. From one H200 (docs/gpu_check.md): learner_torch,
 # engine_torch, profile_torch and whole_step took 160 (cut, 11 rows), 31, 95 and 49 s on
-# 2026-11-28; e2e_torch, whose tiny model is first primed for 150 steps, passed 120 s unfinished
-# (110 s for 10 steps on 2026-11-27); learner_jax, e2e_jax and engine_jax 148, 323 and 208 s.
-# 2026-11-28's second session: profile_torch 99 s, whole_step 61 s. learner_torch's rows are now
-# 16k and 32k, 16k without checkpointing the vision blocks, then the compiled row that no cap
-# has yet reached. engine_torch samples 256 episodes after its 64 (about 20 s more).
-CAPS_S = {"e2e_torch": 130, "learner_torch": 190, "engine_torch": 60, "profile_torch": 95,
-          "whole_step": 55, "learner_jax": 150, "e2e_jax": 420, "engine_jax": 300}
-DEFAULT_SECTIONS = ("e2e_torch", "learner_torch", "engine_torch", "profile_torch", "whole_step")
-BUDGET_S = 530.0  # the default sections' caps: under 9 minutes, one call of a lent machine
+# 2026-11-28, profile_torch 99 s and whole_step 61 s in its second session; e2e_torch, whose tiny
+# model is first primed for 150 steps, passed 120 s unfinished (110 s for 10 steps on
+# 2026-11-27); learner_jax, e2e_jax and engine_jax 148, 323 and 208 s. Not yet timed on a GPU:
+# learner_torch's rows now (`gpu_sections.LEARNER_PLAN`: the recipe, the fused head, then
+# compiled, at 32k tokens a micro-batch: about 30 s each at the measured MFU, besides building
+# the shapes checkpoint and the compiles), engine_torch's fast engine (its own first calls
+# capture and compile), profile_torch's unprofiled steps by phase and its profiles of one step
+# each, without and with shapes.
+CAPS_S = {"e2e_torch": 130, "learner_torch": 180, "engine_torch": 75, "profile_torch": 115,
+          "whole_step": 60, "learner_jax": 150, "e2e_jax": 420, "engine_jax": 300}
+# The check of one short-lived machine: e2e_torch (minutes of a tiny model) runs when named.
+DEFAULT_SECTIONS = ("learner_torch", "engine_torch", "profile_torch", "whole_step")
+# The default sections' caps: the check stops by itself within this and `STOP_S`, so that its
+# files come back from a call of 10 minutes that also starts the machine and installs wheels.
+BUDGET_S = 430.0
+STOP_S = 10.0  # a section past its time is killed (its process group); this long to be gone
 MIN_SECTION_S = 20.0  # less time left than this: the section is not started
 VERSIONED = ("torch", "transformers", "jax", "jaxlib", "flax", "optax")
 
@@ -126,12 +139,15 @@ def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: flo
     cmd = [sys.executable, __file__, f"--section={name}", f"--out={out}",
            f"--peak_tflops={peak or 0.0}", f"--device_name={device}"] + (["--tiny"] if tiny else [])
     start, cpu = time.perf_counter(), _children_cpu_s()
-    with open(log, "w") as f:
+    with open(log, "w") as f:  # a session of its own: its group is killed with it
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                timeout=timeout).returncode
+            rc = child.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
+        finally:  # (also when the check itself is stopped: `_interrupted`)
+            _stop(child)  # and anything it started that outlived it (compile workers, engines)
     result = json.loads(path.read_text()) if path.exists() else {"rows": []}
     result["seconds"] = time.perf_counter() - start
     result["cpu_s"] = _children_cpu_s() - cpu  # on a busy host, wall time says little
@@ -141,6 +157,19 @@ def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: flo
         result.update(status="failed",
                       error=f"the process exited with status {rc}\n" + _tail(log))
     return result
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """Kill `child`'s process group and wait at most `STOP_S` for `child` (a process stuck in a
+    driver call may take longer: it is left, and the check goes on)."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
+    try:
+        child.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _children_cpu_s() -> float:
@@ -154,14 +183,13 @@ def _tail(log: Path, lines: int = 40) -> str:
 
 # ---- the report -------------------------------------------------------------------------------
 def fit_lines(rows: list[dict]) -> list[str]:
-    """Per configuration (kernel, checkpointing, compiled) of a learner section's ok rows,
+    """Per configuration (its `config` label and kernel) of a learner section's ok rows,
     where it can be computed (`gpu_profile.fit_step_cost`), the least-squares split of a step's
     seconds into its costs per step, per micro-batch and per token."""
     ok = [r for r in rows if r["status"] == "ok" and "micro_batches" in r]
 
     def setup(r: dict) -> str:
-        parts = [r["kernel"], r.get("checkpointing"), "compiled" if r.get("compiled") else None]
-        return ", ".join(p for p in parts if p)
+        return ", ".join(p for p in (r.get("config"), r["kernel"]) if p)
 
     lines = []
     for kernel in dict.fromkeys(map(setup, ok)):
@@ -192,6 +220,10 @@ def markdown(report: dict) -> str:
         rows = sec["rows"]
         if rows:
             lines += gpu_profile.table(rows) + [""] + fit_lines(rows)
+        left = [c for c in sec.get("planned", []) if c not in {r.get("config") for r in rows}]
+        if left:
+            lines += [f"Left out (no time, or failed before its first row): {', '.join(left)}.",
+                      ""]
         errors = [r["error"] for r in rows if "error" in r] + ([sec["error"]] if "error" in sec
                                                              else [])
         for e in errors:
@@ -206,7 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="Folder for gpu_check.json, .md and logs.")
     p.add_argument("--tiny", action="store_true", help="Tiny shapes and counts, on the CPU.")
     p.add_argument("--sections", default="", help="Comma-separated sections to run, in the "
-                   "module's order (default: all but e2e_jax and engine_jax; --tiny: all).")
+                   f"module's order (default: {', '.join(DEFAULT_SECTIONS)}; --tiny: all).")
     p.add_argument("--budget_s", type=float, default=None, help="Wall-clock budget of all "
                    f"sections, seconds (default {BUDGET_S:.0f}; --tiny: 1800, for slow shared "
                    "CPUs).")
@@ -218,6 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    start = time.perf_counter()
     args = parse_args(argv)
     out = Path(args.out).absolute()
     (out / "sections").mkdir(parents=True, exist_ok=True)
@@ -242,26 +275,49 @@ def main(argv=None) -> int:
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "settings": dataclasses.asdict(s), "versions": _versions(), "sections": {}}
     budget = args.budget_s or (1800.0 if args.tiny else BUDGET_S)
-    start = time.perf_counter()
     order = [n for n in gpu_sections.SECTIONS if n in wanted]
+    signal.signal(signal.SIGTERM, _interrupted)
     for i, section in enumerate(order):
-        left = budget - (time.perf_counter() - start)
+        left = budget - (time.perf_counter() - start) - STOP_S  # room to stop it in time
         if left < MIN_SECTION_S:
             report["sections"][section] = {"status": "not run", "rows": [], "seconds": 0.0,
                                            "error": f"{left:.0f} s of --budget_s left"}
             continue
         later = sum(CAPS_S[n] for n in order[i + 1:])  # kept for the sections after this one
         timeout = left if args.tiny else max(min(CAPS_S[section], left), left - later)
-        report["sections"][section] = result = run_child(section, out, args.tiny, peak, timeout,
-                                                         name)
+        try:
+            result = run_child(section, out, args.tiny, peak, timeout, name)
+        except KeyboardInterrupt:  # the section's processes are gone: report what there is
+            path = out / "sections" / f"{section}.json"
+            rows = json.loads(path.read_text())["rows"] if path.exists() else []
+            report["sections"][section] = {"status": "stopped", "rows": rows, "seconds": 0.0,
+                                           "error": "the check was stopped in this section"}
+            write_report(out, report, start)
+            return 1
+        if section in gpu_sections.PLANS:  # its planned rows: the report names those left out
+            result["planned"] = [label for label, _ in gpu_sections.PLANS[section](s)]
+        report["sections"][section] = result
         print(f"{section}: {result['status']} in {result['seconds']:.0f} s", flush=True)
+        write_report(out, report, start)  # after every section: a stopped check keeps them
+    write_report(out, report, start)
+    print(markdown(report))
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    return 1 if report["failed"] else 0
+
+
+def _interrupted(signum, frame):
+    """SIGTERM (an outer timeout) stops the check as Ctrl-C does: the running section is
+    killed with its group and the report written."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def write_report(out: Path, report: dict, start: float) -> None:
+    """OUT/gpu_check.json and .md of the sections run so far (`report`, given its seconds and
+    failed sections here)."""
     report["seconds"] = time.perf_counter() - start
     report["failed"] = [n for n, r in report["sections"].items() if r["status"] != "ok"]
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     (out / "gpu_check.md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
-    return 1 if report["failed"] else 0
 
 
 def _versions() -> dict:

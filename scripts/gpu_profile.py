@@ -1,6 +1,7 @@
-"""Where a torch step's time goes: host syncs, the top kernels (ops on a CPU), the device's idle
-share, and a fit of step time to its micro-batches and tokens. Used by `gpu_sections.profile_torch`
-and the report of `gpu_check.py`; `host_syncs` is also a diagnostic of its own:
+"""Where a torch step's time goes: host syncs, the time of each phase of a learner step, the top
+kernels (ops on a CPU) and ops by shape, the device's idle share, and a fit of step time to its
+micro-batches and tokens. Used by `gpu_sections.profile_torch` and the report of `gpu_check.py`;
+`host_syncs` and `step_phases` are also diagnostics of their own:
 
     with host_syncs(cuda=False) as syncs:
         learner.train_step(batches, n_tokens, n_seqs)
@@ -8,8 +9,16 @@ and the report of `gpu_check.py`; `host_syncs` is also a diagnostic of its own:
                      # indexing, nonzero, ... (`_syncs_on_cuda`)
     print(syncs.sites.most_common(10))   # "path:line function" -> count
 
-`idle_fraction`, `top_ops` and `fit_step_cost` are plain numpy (tested with literal numbers);
-`table` writes the reports' markdown tables.
+    with step_phases(learner, cuda=True) as clock:
+        clock.mark("step"); learner.train_step(batches, n_tokens, n_seqs); clock.mark("end")
+    print(phase_ms(clock.read()[0]))   # {"vision": ms, "text": ms, "head": ms, ...}
+
+The idle share comes from two runs: the kernels' busy time from a profile without recorded
+shapes (`busy_time`) over the wall time of an unprofiled step (`idle_share`); recording shapes
+slows the host's dispatch by about a fifth, which a profiled step's own gaps would count as idle.
+
+`busy_time`, `idle_share`, `phase_ms`, `top_ops` and `fit_step_cost` are plain Python or numpy
+(tested with literal numbers); `table` writes the reports' markdown tables.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import threading
+import time
 import traceback
 import warnings
 from typing import Iterable, Sequence
@@ -193,18 +204,137 @@ def host_syncs(cuda: bool, sites: bool = True):
                 setattr(torch.Tensor, name, method)
 
 
-def idle_fraction(intervals: Iterable[tuple[float, float]]) -> float:
-    """Share of the span from the first start to the last end that no interval covers: with a
-    GPU's kernels as (start, end) pairs (any one unit), the device's idle time between kernels
-    over the wall span. Overlapping intervals (kernels of several streams) count once."""
-    spans = sorted(intervals)
-    if not spans:
-        raise ValueError("no intervals")
-    idle, reach = 0.0, spans[0][1]
-    for start, end in spans[1:]:
-        idle += max(0.0, start - reach)
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """The time that (start, end) intervals cover (any one unit): with a GPU's kernels, the time
+    the device computed. Overlapping intervals (kernels of several streams) count once."""
+    busy, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
-    return idle / (reach - spans[0][0])
+    return busy
+
+
+def idle_share(busy_ms: float, wall_ms: float) -> float:
+    """1 - busy / wall: the share of a step's wall time (unprofiled) that the device's kernels
+    (`busy_time` of a profiled step) leave idle. Both are of one step each, two runs: step-to-step
+    spread can make it slightly negative, which is left to show."""
+    return 1.0 - busy_ms / wall_ms
+
+
+# ---- a learner step's phases --------------------------------------------------------------------
+# The phase each mark of `step_phases` opens; it lasts until the next mark. "other" is what no
+# phase holds: zero_grad, moving micro-batches to the device, the host's turns between them.
+OPENS = {"step": "other", "forward": "text", "vision": "vision", "vision_end": "text",
+         "text": "text", "head": "head", "loss": "other", "backward": "backward",
+         "backward_end": "other", "clip": "optimizer", "optimizer_end": "other"}
+# vision: the vision tower's forward; text: the rest of the model's forward up to the text
+# model's output (embeddings, the image merge, the decoder layers); head: the LM head, log-probs
+# and the loss (plain, chunked or fused, whose head also forms its gradient); backward: every
+# micro-batch's backward; optimizer: the gradient clip, the step's metrics read and AdamW.
+PHASES = ("vision", "text", "head", "backward", "optimizer", "other")
+
+
+def phase_ms(marks: Sequence[tuple[str, float]]) -> dict[str, float]:
+    """One step's marks, (name, ms) in time order from "step" to "end" (`Clock.read`), as ms per
+    phase (`PHASES`, each interval to the phase its first mark opens, `OPENS`); they sum to the
+    step's time, end - step."""
+    if not marks or marks[0][0] != "step" or marks[-1][0] != "end":
+        raise ValueError(f"a step's marks run from 'step' to 'end', got {[m for m, _ in marks]}")
+    out = dict.fromkeys(PHASES, 0.0)
+    for (name, at), (_, until) in zip(marks, marks[1:]):
+        out[OPENS[name]] += until - at
+    return out
+
+
+class Clock:
+    """Named marks on the device's timeline: CUDA events recorded on the current stream (their
+    times are the device's, reached when the work before them is done), or on a CPU, where work
+    runs as it is issued, perf_counter."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.marks = cuda, []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            import torch
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def read(self) -> list[list[tuple[str, float]]]:
+        """The marks so far as (name, ms from the first mark), one list per "step" mark (waits
+        for the device)."""
+        if not self.marks:
+            return []
+        first = self.marks[0][1]
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+            times = [(n, first.elapsed_time(e)) for n, e in self.marks]
+        else:
+            times = [(n, (t - first) * 1e3) for n, t in self.marks]
+        steps: list[list[tuple[str, float]]] = []
+        for name, ms in times:
+            if name == "step" or not steps:
+                steps.append([])
+            steps[-1].append((name, ms))
+        return steps
+
+
+@contextlib.contextmanager
+def step_phases(learner, cuda: bool):
+    """A `Clock` marking the phase boundaries (`OPENS`) of a torch learner's
+    (`geo3k_torch.learner.Learner`) steps from outside it: forward pre-hooks on the model (the
+    root: "forward"), the vision tower and the text model ("vision", "text"), forward hooks on
+    those two ("vision_end", "head"); `micro_batch_loss` returning ("loss"); every
+    `Tensor.backward` before and after ("backward", "backward_end"); the gradient clip called
+    ("clip"); `optimizer.step` returning ("optimizer_end"). The head is timed from the text
+    model's output, so a head the learner swaps in for the forward (`geo3k_torch.head.FusedHead`,
+    the chunked head) is in it. The caller marks "step" before each `train_step` and "end" after.
+    Everything is undone on exit."""
+    import torch
+
+    clock = Clock(cuda)
+    model, inner = learner.model, learner.model.model
+    hooks = [model.register_forward_pre_hook(lambda *_: clock.mark("forward")),
+             inner.visual.register_forward_pre_hook(lambda *_: clock.mark("vision")),
+             inner.visual.register_forward_hook(lambda *_: clock.mark("vision_end")),
+             inner.language_model.register_forward_pre_hook(lambda *_: clock.mark("text")),
+             inner.language_model.register_forward_hook(lambda *_: clock.mark("head")),
+             learner.optimizer.register_step_post_hook(lambda *_: clock.mark("optimizer_end"))]
+    loss_fn, backward, clip = learner.micro_batch_loss, torch.Tensor.backward, \
+        torch.nn.utils.clip_grad_norm_
+
+    def micro_batch_loss(*args, **kwargs):
+        out = loss_fn(*args, **kwargs)
+        clock.mark("loss")
+        return out
+
+    def timed_backward(self, *args, **kwargs):
+        clock.mark("backward")
+        backward(self, *args, **kwargs)
+        clock.mark("backward_end")
+
+    def timed_clip(*args, **kwargs):
+        clock.mark("clip")
+        return clip(*args, **kwargs)
+
+    own = "micro_batch_loss" in vars(learner)
+    learner.micro_batch_loss = micro_batch_loss
+    torch.Tensor.backward = timed_backward
+    torch.nn.utils.clip_grad_norm_ = timed_clip
+    try:
+        yield clock
+    finally:
+        for h in hooks:
+            h.remove()
+        torch.Tensor.backward, torch.nn.utils.clip_grad_norm_ = backward, clip
+        if own:
+            learner.micro_batch_loss = loss_fn
+        else:
+            del learner.micro_batch_loss
 
 
 def top_ops(timed: Iterable[tuple[str, float]], wall_ms: float, steps: int, n: int = 25
@@ -235,6 +365,17 @@ def profile_events(prof, cuda: bool) -> tuple[list[tuple[str, float]], list[tupl
                 [(e.time_range.start, e.time_range.end) for e in kernels])
     ops = [e for e in prof.events() if e.device_type == DeviceType.CPU and not e.is_async]
     return [(e.name, e.self_cpu_time_total / 1e3) for e in ops], []
+
+
+def shaped_ops(prof, cuda: bool) -> list[tuple[str, float]]:
+    """A finished `torch.profiler.profile` (record_shapes=True)'s (name and input shapes, ms) of
+    every op: on a GPU the time of the kernels it launched itself (not its children's), on a CPU
+    its own time. For `top_ops`: which GEMM, cast or norm, at which shape, takes the time."""
+    from torch.autograd import DeviceType
+
+    ops = [e for e in prof.events() if e.device_type == DeviceType.CPU and not e.is_async]
+    return [(f"{e.name} {str(e.input_shapes).replace(' ', '')}",
+             (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e3) for e in ops]
 
 
 # The CUDA runtime calls in which the host waits for the device (a profile's CPU-side events).

@@ -5,18 +5,23 @@ of its own (a CUDA error or an out-of-memory cannot take the other sections down
                               accelerator through each entry point's own `build` and the shared
                               loop: reward, tool-call rate, seconds per phase (from metrics.jsonl)
     learner_torch / learner_jax  learner steps of a random-initialised model with a published
-                              model's shapes (configs/models) on 2 and 4 packed micro-batches of
-                              16k and 32k tokens (GRPO groups sharing their prompt and image):
-                              tokens/s, MFU, peak memory; torch once per attention kernel
+                              model's shapes (configs/models) on 2 and 4 packed micro-batches
+                              (GRPO groups sharing their prompt and image): tokens/s, MFU, peak
+                              memory; torch per configuration of `LEARNER_PLAN` at 32k tokens
+                              a micro-batch (the recipe, the fused head, compiled), JAX at 16k
+                              and 32k
     engine_torch / engine_jax  the in-process engines sampling 64 episodes x 512 tokens from the
                               same model (torch again at 256): tokens/s and peak memory; torch
                               also with its decode fast paths on (`FAST_ENGINE`, fast_*)
-    profile_torch             torch.profiler over learner steps and engine calls of that model:
-                              top kernels (ops on a CPU), GPU idle share, host syncs per learner
-                              step (`gpu_profile`); also OUT/profile_torch.json and .md
+    profile_torch             the learner's unprofiled step by phase (`gpu_profile.step_phases`),
+                              torch.profiler over a learner step and an engine call of that
+                              model: top kernels (ops on a CPU), GPU idle share of the
+                              unprofiled step, host syncs per learner step, the top ops by shape
+                              (`gpu_profile`); also OUT/profile_torch.json and .md
     whole_step                whole GRPO steps of that model (the shared step's `grpo_step` and
                               the backend's weight sync) with its local engine on the same device:
-                              seconds of rollout, update and sync, tokens per GPU-second
+                              seconds of rollout, update and sync, tokens per GPU-second as the
+                              learner computed them and as EasyR1 counts them (`step_tokens`)
 
 The learners and engines are the ones `geo3k_torch.main.build` / `geo3k_jax.train.build` make
 (device, process group, loading, sharding, dtype policy, backend) from a checkpoint directory
@@ -324,13 +329,13 @@ def _timed_steps(learner, batches, steps: int) -> tuple[float, dict[str, float]]
 def _learner_rows(learner, config, processor, s: Settings, budget: int, row: dict, reset,
                   peak_gb):
     """A row per count of `s.micro_batches_per_step` at micro-batches of `budget` tokens: one
-    warm-up step on the most of them (kernels, compiles, optimizer state: first_step_s), then
+    warm-up step on the fewest of them (kernels, compiles, optimizer state: first_step_s), then
     `s.timed_steps` steps on each count's first (fullest) micro-batches. reset(): before the
     warm-up; peak_gb(): the peak memory since. A failure becomes its row, with its traceback."""
     try:
         batches = grpo_batches(config, processor, s, budget, max(s.micro_batches_per_step))
         reset()
-        first, _ = _timed_steps(learner, batches, 1)
+        first, _ = _timed_steps(learner, batches[:min(s.micro_batches_per_step)], 1)
     except Exception:  # noqa: BLE001  (reported; the next measurement still runs)
         yield _failed(row)
         return
@@ -399,45 +404,103 @@ def _torch_memory(device):
     return reset, lambda: torch.cuda.max_memory_allocated(device) / 2 ** 30
 
 
-def learner_torch(s: Settings):
-    from geo3k_torch.model import CHECKPOINTING, checkpoint_layers, compile_layers
+# learner_torch's configurations, most telling first (a section stopped at its cap keeps the rows
+# before; the report names those left out): a label and the cfg.train settings it changes from
+# the recipe (configs/base.py), each measured at the largest micro-batch. Compiling cannot be
+# undone: compiled rows come last. Another configuration is one more line: `_switch` sets what
+# it can on the built learner, and any other setting (not in `IN_PLACE`) builds it again.
+LEARNER_PLAN = (
+    ("recipe", {}),
+    ("fused_head", {"fused_head": True}),
+    ("compiled", {"fused_head": True, "compile": True}),
+)
+# The cfg.train settings that `_switch` sets on a built learner (compile only from off to on).
+IN_PLACE = ("activation_checkpointing", "checkpoint_vision", "compile", "compile_backend",
+            "fused_head", "micro_batch_tokens")
+RECORDED = ("activation_checkpointing", "checkpoint_vision", "fused_head", "compile")  # per row
 
-    cfg = _config(s, max(s.micro_batch_tokens))
-    run = _build("torch", s, "learner_torch", cfg)
-    learner, processor = run.learner, run.processor
-    config, device = learner.model.config, learner.device
-    reset, peak = _torch_memory(device)
-    mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
-    kernel = learner_kernel(device)
-    # the recipe's kernel and checkpointing at every size, without checkpointing the vision
-    # blocks at the smallest, then with its blocks compiled at the largest (most telling
-    # first: a section stopped at its cap keeps the rows before); with `s.all_modes` first the
-    # other checkpointing modes and the other kernel
-    # (kernel, checkpointing, vision blocks checkpointed, compiled, tokens a micro-batch)
-    largest, smallest = max(s.micro_batch_tokens), min(s.micro_batch_tokens)
-    plan = [(kernel, mode, True, False, b) for b in s.micro_batch_tokens]
-    if mode != "none":  # the vision blocks left out of it (train.checkpoint_vision=False)
-        plan.append((kernel, mode, False, False, smallest))
+
+def learner_plan(s: Settings) -> list[tuple[str, dict]]:
+    """`LEARNER_PLAN` at micro-batches of the largest `s.micro_batch_tokens`; on a CPU (the
+    rehearsal) without checkpointing, as the CPU learner loads, and with `s.all_modes` the other
+    checkpointing modes and the other attention kernel ("kernel", `TORCH_KERNELS`) before the
+    compiled rows."""
+    recipe = {"micro_batch_tokens": max(s.micro_batch_tokens)}
+    mode = base.get_config().train.activation_checkpointing
+    if s.device != "cuda":
+        recipe["activation_checkpointing"] = mode = "none"
+    plan = [(label, recipe | o) for label, o in LEARNER_PLAN]
     if s.all_modes:
-        plan += [(kernel, m, True, False, largest) for m in CHECKPOINTING if m != mode]
-        plan += [(k, mode, True, False, largest) for k in TORCH_KERNELS if k != kernel]
-    plan.append((kernel, mode, True, True, largest))  # last: compiling cannot be undone
+        from geo3k_torch.model import CHECKPOINTING
+        at = next((i for i, (_, o) in enumerate(plan) if o.get("compile")), len(plan))
+        kernel = "varlen" if s.device == "cuda" else "packed_sdpa"
+        plan[at:at] = ([(m, recipe | {"activation_checkpointing": m}) for m in CHECKPOINTING
+                        if m != mode]
+                       + [(k, recipe | {"kernel": k}) for k in TORCH_KERNELS if k != kernel])
+    return plan
+
+
+def _switch(learner, train, state: dict) -> None:
+    """The built `learner` as `train` (a cfg.train) sets `IN_PLACE`: checkpointing and compiled
+    blocks (`geo3k_torch.model`), the fused head. `state` holds what the model has now (the
+    keys of `_model_state`), updated; the model is compiled or switched only on a change."""
+    from geo3k_torch.model import checkpoint_layers, compile_layers
+
+    want = _model_state(train)
+    if want != state:
+        if want["compile"]:
+            compile_layers(learner.model, want["activation_checkpointing"],
+                           want["checkpoint_vision"], want["compile_backend"])
+        else:
+            checkpoint_layers(learner.model, want["activation_checkpointing"],
+                              want["checkpoint_vision"])
+        state.clear()
+        state.update(want)
+    learner.fused_head = train.fused_head
+
+
+def _model_state(train) -> dict:
+    return {k: train[k] for k in ("compile", "activation_checkpointing", "checkpoint_vision",
+                                  "compile_backend")}
+
+
+def learner_torch(s: Settings):
+    """Rows of `learner_plan`, in order: per configuration its `s.micro_batches_per_step` rows
+    (`_learner_rows`), each naming its configuration (`config`), attention kernel and the
+    settings of `RECORDED` and of the plan's own overrides."""
+    import torch
+
+    device = torch.device(s.device)
+    plan = learner_plan(s)
+    recorded = list(dict.fromkeys(list(RECORDED) + [k for _, o in plan for k in o
+                                                    if k not in ("kernel", "micro_batch_tokens")]))
+    run, built, state = None, None, {}
     try:
-        for kernel, checkpointing, vision, compiled, budget in plan:
+        for label, overrides in plan:
+            kernel = overrides.get("kernel", learner_kernel(device))
+            row = {"framework": "torch", "config": label, "kernel": kernel}
             why = use_kernel(kernel, device)
             if why:
-                yield {"framework": "torch", "kernel": kernel, "status": "skipped", "note": why}
+                yield {**row, "status": "skipped", "note": why}
                 continue
-            if compiled:
-                compile_layers(learner.model, checkpointing, vision)
-            else:
-                checkpoint_layers(learner.model, checkpointing, vision)
-            row = {"framework": "torch", "kernel": kernel, "checkpointing": checkpointing,
-                   "checkpoint_vision": vision, "compiled": compiled,
-                   "micro_batch_tokens": budget}
-            yield from _learner_rows(learner, config, processor, s, budget, row, reset, peak)
+            cfg = _config(s, max(s.micro_batch_tokens))
+            cfg.train.update({k: v for k, v in overrides.items() if k != "kernel"})
+            rebuild = {k: v for k, v in cfg.train.items() if k not in IN_PLACE}
+            if run is None or rebuild != built or (state["compile"] and not cfg.train.compile):
+                if run is not None:
+                    _close(run)
+                run, built = _build("torch", s, "learner_torch", cfg), rebuild
+                mode = cfg.train.activation_checkpointing if device.type == "cuda" else "none"
+                state = _model_state(cfg.train) | {"activation_checkpointing": mode}
+            _switch(run.learner, cfg.train, state)
+            budget = cfg.train.micro_batch_tokens
+            row |= {k: cfg.train[k] for k in recorded} | {"micro_batch_tokens": budget}
+            reset, peak = _torch_memory(device)
+            yield from _learner_rows(run.learner, run.learner.model.config, run.processor, s,
+                                     budget, row, reset, peak)
     finally:
-        _close(run)
+        if run is not None:
+            _close(run)
 
 
 def learner_jax(s: Settings):
@@ -539,43 +602,91 @@ def engine_jax(s: Settings):
 
 
 # ---- where the time goes ---------------------------------------------------------------------
-PROFILE_ROWS = 10  # top kernels per phase in the check's report (the files hold 25)
+PROFILE_ROWS = 10  # top kernels (and ops by shape) per phase in the check's report (files: 25)
 SYNC_SITES = 15  # the learner's sync sites in OUT/profile_torch.json and .md
 
 
-def _profile(work, steps: int, cuda: bool) -> dict:
-    """torch.profiler (CPU and, on a GPU, CUDA activities; shapes recorded) over `work()`, which
-    runs `steps` steps: step_ms (wall), kernel_ms_per_step and kernels_per_step (GPU kernels'
-    time and count; a CPU: ops' self time and count), gpu_idle (`gpu_profile.idle_fraction` of
-    the kernels), host_wait_ms_per_step (`gpu_profile.host_wait_ms`; both "n/a" on a CPU) and
-    the top 25 kernels or ops (`gpu_profile.top_ops`)."""
+def _profiled(work, cuda: bool, shapes: bool = False):
+    """(the finished torch.profiler profile, wall ms) of `work()`: CPU and, on a GPU, CUDA
+    activities; input shapes recorded only with `shapes` (it slows the host's dispatch)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=True) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         start = time.perf_counter()
         work()
         if cuda:
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
+    return prof, wall_ms
+
+
+def _kernel_profile(work, steps: int, cuda: bool) -> dict:
+    """A profile without shapes of `work()`, which runs `steps` steps: profiled_step_ms (its
+    wall time a step: slower than unprofiled), kernel_ms_per_step (the time the GPU's kernels
+    cover, `gpu_profile.busy_time`; a CPU: the ops' self time), kernels_per_step (a CPU: ops),
+    host_wait_ms_per_step (`gpu_profile.host_wait_ms`; "n/a" on a CPU) and the top 25 kernels or
+    ops by time (`gpu_profile.top_ops`)."""
+    prof, wall_ms = _profiled(work, cuda)
     timed, intervals = gpu_profile.profile_events(prof, cuda)
-    return {"steps": steps, "step_ms": wall_ms / steps,
-            "kernel_ms_per_step": sum(ms for _, ms in timed) / steps,
+    busy_ms = gpu_profile.busy_time(intervals) / 1e3 if cuda else sum(ms for _, ms in timed)
+    return {"profiled_step_ms": wall_ms / steps, "kernel_ms_per_step": busy_ms / steps,
             "kernels_per_step": len(timed) / steps,
-            "gpu_idle": gpu_profile.idle_fraction(intervals) if cuda else "n/a",
             "host_wait_ms_per_step": gpu_profile.host_wait_ms(prof) / steps if cuda else "n/a",
             "top": gpu_profile.top_ops(timed, wall_ms, steps)}
 
 
+def _shape_table(work, steps: int, cuda: bool) -> list[dict]:
+    """The top 25 ops by name and input shapes (`gpu_profile.shaped_ops`) of a profile with
+    shapes recorded of `work()` (`steps` steps); shares are of that profile's wall time."""
+    prof, wall_ms = _profiled(work, cuda, shapes=True)
+    return gpu_profile.top_ops(gpu_profile.shaped_ops(prof, cuda), wall_ms, steps)
+
+
+def _phase_steps(learner, batches, steps: int, cuda: bool) -> dict:
+    """`steps` unprofiled learner steps on `batches` timed by phase (`gpu_profile.step_phases`):
+    step_ms, from the call to the end of its work (a GPU: CUDA events on the device's timeline;
+    a CPU: perf_counter), and the mean ms of each phase, <phase>_ms (`gpu_profile.PHASES`,
+    summing to step_ms)."""
+    n_tokens, n_seqs = step_counts(batches)
+    with gpu_profile.step_phases(learner, cuda) as clock:
+        for _ in range(steps):
+            clock.mark("step")
+            learner.train_step(batches, n_tokens, n_seqs)  # (its metrics are host floats)
+            clock.mark("end")
+    marks = clock.read()
+    each = [gpu_profile.phase_ms(m) for m in marks]
+    return {"steps": steps, "step_ms": float(np.mean([m[-1][1] - m[0][1] for m in marks])),
+            **{f"{k}_ms": float(np.mean([e[k] for e in each])) for k in gpu_profile.PHASES}}
+
+
+def _wall_ms(work, cuda: bool) -> float:
+    import torch
+
+    start = time.perf_counter()
+    work()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
 def profile_torch(s: Settings):
-    """Profiles (`_profile`) of `s.timed_steps` learner steps on the fewest of
-    `s.micro_batches_per_step` micro-batches of the largest size, after a warm-up step, then of
-    as many engine calls of `s.episodes` x `s.profile_new_tokens` tokens after a warm-up call.
-    Rows: per phase its summary (the learner's with host_syncs_per_step, `gpu_profile.host_syncs`
-    over one more step) and its top `PROFILE_ROWS` kernels; the top 25 also in
-    OUT/profile_torch.json and OUT/profile_torch.md, with the learner's top `SYNC_SITES` sync
-    sites."""
+    """Where the learner's and the engine's time goes, the recipe as configured, on the fewest of
+    `s.micro_batches_per_step` micro-batches of the largest size (after a warm-up step), and on
+    engine calls of `s.episodes` x `s.profile_new_tokens` tokens (after a warm-up call):
+
+        step_ms            `s.timed_steps` unprofiled steps (calls); the learner's by phase,
+                           <phase>_ms (`_phase_steps`)
+        kernel_ms_per_step ...  one step (call) profiled without shapes (`_kernel_profile`)
+        gpu_idle           1 - kernel_ms_per_step / step_ms (`gpu_profile.idle_share`)
+        host_syncs_per_step  the learner's, one more step (`gpu_profile.host_syncs`)
+        ops by shape       the learner's, one step profiled with shapes (`_shape_table`)
+
+    Rows: per phase (learner, engine) its summary and its top `PROFILE_ROWS` kernels (table
+    "kernels"; a CPU: "ops"), the learner's then its top ops by shape (table "ops by shape");
+    the top 25 of each also in OUT/profile_torch.json and OUT/profile_torch.md, with the
+    learner's top `SYNC_SITES` sync sites."""
     budget = max(s.micro_batch_tokens)
     run = _build("torch", s, "profile_torch", _config(s, budget))
     learner, processor, engine = run.learner, run.processor, run.backend.engine
@@ -586,39 +697,50 @@ def profile_torch(s: Settings):
     try:
         try:
             batches = grpo_batches(config, processor, s, budget, min(s.micro_batches_per_step))
-            _timed_steps(learner, batches, 1)  # kernels, allocator, optimizer state
+            step = lambda: _timed_steps(learner, batches, 1)  # noqa: E731
+            step()  # kernels, allocator, optimizer state
+            timing = _phase_steps(learner, batches, s.timed_steps, cuda)
+            profiled = _kernel_profile(step, 1, cuda)
             syncs = _step_syncs(learner, batches, cuda)
             sites = [{"site": k, "count": n} for k, n in syncs.sites.most_common(SYNC_SITES)]
             unsited = syncs.n - sum(syncs.sites.values())
             if cuda and unsited > 0:  # waits no aten op made (streams, events)
                 sites.append({"site": "(no aten op: a stream or event wait)", "count": unsited})
-            phases["learner"] = {**_profile(lambda: _timed_steps(learner, batches, s.timed_steps),
-                                            s.timed_steps, cuda),
-                                 "host_syncs_per_step": syncs.n, "sync_sites": sites}
-            yield from _profile_rows("learner", kernels["learner"], phases["learner"])
+            phases["learner"] = _summary(timing, profiled, cuda) | {
+                "host_syncs_per_step": syncs.n, "sync_sites": sites}
+            yield from _profile_rows("learner", kernels["learner"], phases["learner"], cuda)
+            phases["learner"]["top_shapes"] = _shape_table(step, 1, cuda)
+            yield from _profile_rows("learner", kernels["learner"], phases["learner"], cuda,
+                                     shapes=True)
         except Exception:  # noqa: BLE001  (reported; the engine is still profiled)
             yield _failed({"framework": "torch", "kernel": kernels["learner"], "phase": "learner"})
         try:
             few = dataclasses.replace(s, new_tokens=s.profile_new_tokens)
             calls = [_requests(config, processor, few, f"call{k}")
-                     for k in range(s.timed_steps + 1)]
+                     for k in range(s.timed_steps + 2)]
 
             def generate(requests):
                 engine.clear_cache()  # every call prefills
                 engine.generate(requests)
 
-            def profiled():
-                for requests in calls[1:]:
-                    generate(requests)
-
             generate(calls[0])  # warm-up
-            phases["engine"] = _profile(profiled, s.timed_steps, cuda)
-            yield from _profile_rows("engine", kernels["engine"], phases["engine"])
+            wall = _wall_ms(lambda: [generate(r) for r in calls[1:-1]], cuda)
+            timing = {"steps": s.timed_steps, "step_ms": wall / s.timed_steps}
+            phases["engine"] = _summary(timing, _kernel_profile(
+                lambda: generate(calls[-1]), 1, cuda), cuda)
+            yield from _profile_rows("engine", kernels["engine"], phases["engine"], cuda)
         except Exception:  # noqa: BLE001
             yield _failed({"framework": "torch", "kernel": kernels["engine"], "phase": "engine"})
     finally:
         _close(run)
         _write_profile(Path(s.out), s, kernels, phases)
+
+
+def _summary(timing: dict, profiled: dict, cuda: bool) -> dict:
+    """An unprofiled timing and a profile (`_kernel_profile`) with the idle share of the two."""
+    idle = (gpu_profile.idle_share(profiled["kernel_ms_per_step"], timing["step_ms"])
+            if cuda else "n/a")
+    return {**timing, **profiled, "gpu_idle": idle}
 
 
 def _step_syncs(learner, batches, cuda: bool):
@@ -638,15 +760,24 @@ def _step_syncs(learner, batches, cuda: bool):
     return syncs
 
 
-def _profile_rows(phase: str, kernel: str, profiled: dict):
+LISTS = ("top", "top_shapes", "sync_sites")  # a phase's tables, not its summary
+
+
+def _profile_rows(phase: str, kernel: str, profiled: dict, cuda: bool, shapes: bool = False):
+    """The summary row and the top `PROFILE_ROWS` kernels' rows of a phase; with `shapes`, its
+    top ops by shape instead."""
     base = {"framework": "torch", "kernel": kernel, "phase": phase}
-    yield {**base, **{k: v for k, v in profiled.items() if k not in ("top", "sync_sites")}}
+    if shapes:
+        for op in profiled["top_shapes"][:PROFILE_ROWS]:
+            yield {**base, "table": "ops by shape", **op}
+        return
+    yield {**base, **{k: v for k, v in profiled.items() if k not in LISTS}}
     for op in profiled["top"][:PROFILE_ROWS]:
-        yield {**base, **op}
+        yield {**base, "table": "kernels" if cuda else "ops", **op}
 
 
 def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
-    """OUT/profile_torch.json (the phases as measured) and OUT/profile_torch.md (a table each)."""
+    """OUT/profile_torch.json (the phases as measured) and OUT/profile_torch.md (tables)."""
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -655,21 +786,43 @@ def _write_profile(out: Path, s: Settings, kernels: dict, phases: dict) -> None:
         indent=1))
     lines = [f"# torch profile: {device}", "",
              f"torch {torch.__version__}; {s.shapes}{' (tiny)' if s.tiny else ''}; attention: "
-             f"learner {kernels['learner']}, engine {kernels['engine']}. Time is the GPU "
-             "kernels' (on a CPU: the ops' self time), share is of the steps' wall time.", ""]
+             f"learner {kernels['learner']}, engine {kernels['engine']}. Step times are of "
+             "unprofiled steps; kernel time is the GPU kernels' (on a CPU: the ops' self time) "
+             "in a step profiled without shapes; GPU idle is 1 - kernel time / step time; "
+             "shares are of the profiled step's wall time.", ""]
     for phase, p in phases.items():
         idle = p["gpu_idle"] if isinstance(p["gpu_idle"], str) else f"{p['gpu_idle']:.1%}"
         syncs = (f", {p['host_syncs_per_step']} host syncs a step"
                  if "host_syncs_per_step" in p else "")
         wait = ("" if isinstance(p["host_wait_ms_per_step"], str) else
                 f", the host waiting for the device {p['host_wait_ms_per_step']:.1f} ms of it")
-        lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}), GPU idle "
-                  f"{idle}{syncs}, {p['kernels_per_step']:,.0f} kernels a step{wait}", ""]
+        lines += [f"## {phase}: {p['step_ms']:.1f} ms a step (over {p['steps']}; profiled "
+                  f"{p['profiled_step_ms']:.1f} ms), GPU idle {idle}{syncs}, "
+                  f"{p['kernels_per_step']:,.0f} kernels a step{wait}", ""]
+        split = {k.removesuffix("_ms"): p[k] for k in p if k.removesuffix("_ms")
+                 in gpu_profile.PHASES}
+        if split:
+            lines += ["Milliseconds a step by phase (unprofiled): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in split.items()) + ".", ""]
         lines += gpu_profile.table(p["top"]) + [""]
+        if p.get("top_shapes"):
+            lines += [f"The {phase}'s ops by input shapes (one step profiled with shapes; on a "
+                      "GPU the time of the kernels each op launched itself):", ""]
+            lines += gpu_profile.table(p["top_shapes"]) + [""]
         if p.get("sync_sites"):
             lines += [f"Where the {phase}'s host syncs of one step come from (the innermost "
                       "frame outside torch, and on a GPU the aten op):", ""] + gpu_profile.table(p["sync_sites"]) + [""]
     (out / "profile_torch.md").write_text("\n".join(lines))
+
+
+def step_tokens(episodes, batches) -> dict[str, float]:
+    """A GRPO step's tokens counted two ways. computed_tokens: those of the learner's packed
+    micro-batches `batches` (what its forward and backward ran over; with `train.share_prefix`
+    a group's prompt once). easyr1_tokens: EasyR1's count, every episode's prompt and response
+    tokens (`episodes`, each with its token_ids), so the prompt counts once per episode: a group
+    of n episodes counts its shared prompt n times."""
+    return {"computed_tokens": float(sum(b.num_tokens for b in batches)),
+            "easyr1_tokens": float(sum(len(e.token_ids) for e in episodes))}
 
 
 def whole_step(s: Settings):
@@ -678,9 +831,10 @@ def whole_step(s: Settings):
     `s.episodes / s.samples_per_group` prompts of the synthetic set with `s.samples_per_group`
     episodes each (turns of at most `s.new_tokens` tokens, env.max_turns as the recipe), the
     torch learner and its local engine on one device. One row: seconds per step of each phase,
-    tokens per step as EasyR1 counts them (every episode's prompt with its image tokens and all
-    its turns) and their rate per GPU. With random weights, episodes rarely call the tool: most
-    end after their first turn (turns_mean says)."""
+    tokens per step as the learner computed them and as EasyR1 counts them (`step_tokens`:
+    every episode's prompt with its image tokens and all its turns), each per GPU-second of the
+    whole step. With random weights, episodes rarely call the tool: most end after their first
+    turn (turns_mean says)."""
     from common import train as loop
     from common.prepare import make_renderer
     from common.step import grpo_step
@@ -699,34 +853,47 @@ def whole_step(s: Settings):
     renderer = run.renderer or make_renderer(cfg, run.processor)
     reset, peak = _torch_memory(learner.device)
     reset()
+    trained, train_step = [], learner.train_step
+
+    def counted(batches, *args, **kwargs):  # the micro-batches the learner is given
+        trained.extend(batches)
+        return train_step(batches, *args, **kwargs)
+
+    learner.train_step = counted
     steps = []
     try:
         for step in range(s.timed_steps + 1):  # step 0 warms up
+            trained.clear()
             start = time.perf_counter()
             trajs, m = grpo_step(list(run.train_set), backend.engine, renderer, learner, step_cfg,
                                  step * prompts, run.comm, backend.train_context)
             with timed(m, "weight_sync"):
                 backend.sync(learner, step + 1)
             steps.append({**m, "step_s": time.perf_counter() - start,
-                          "tokens": float(sum(len(t.token_ids) for t in trajs)),
+                          **step_tokens(trajs, trained),
                           "generated": float(sum(t.num_generated for t in trajs)),
                           "turns": float(sum(len(t.turns) for t in trajs)),
                           "episodes": float(len(trajs))})
         mean = lambda k: float(np.mean([m[k] for m in steps[1:]]))  # noqa: E731
+        per_gpu_s = mean("step_s") * run.comm.world  # GPU-seconds of a step
         yield {"framework": "torch", "kernel": learner_kernel(learner.device),
-               "engine_kernel": ENGINE_KERNEL, "prompts": prompts, "episodes": mean("episodes"),
+               "engine_kernel": ENGINE_KERNEL, "share_prefix": cfg.train.share_prefix,
+               "prompts": prompts, "episodes": mean("episodes"),
                "turns_mean": mean("turns") / mean("episodes"), "steps": len(steps) - 1,
                "first_step_s": steps[0]["step_s"], "step_s": mean("step_s"),
                "rollout_s": mean("time_rollout"), "train_s": mean("time_train"),
-               "sync_s": mean("time_weight_sync"), "tokens": mean("tokens"),
-               "generated_tokens": mean("generated"),
-               "tokens_per_gpu_s": mean("tokens") / mean("step_s") / run.comm.world,
+               "sync_s": mean("time_weight_sync"), "computed_tokens": mean("computed_tokens"),
+               "easyr1_tokens": mean("easyr1_tokens"), "generated_tokens": mean("generated"),
+               "computed_tokens_per_gpu_s": mean("computed_tokens") / per_gpu_s,
+               "easyr1_tokens_per_gpu_s": mean("easyr1_tokens") / per_gpu_s,
                "rollout_tokens_per_s": mean("generated") / mean("time_rollout"),
                "peak_memory_gb": peak()}
     finally:
+        del learner.train_step
         _close(run)
 
 
 SECTIONS = {f.__name__: f for f in (e2e_torch, learner_torch, engine_torch,  # run in this order
                                     profile_torch, whole_step, learner_jax, e2e_jax, engine_jax)}
 JAX_SECTIONS = ("e2e_jax", "learner_jax", "engine_jax")
+PLANS = {"learner_torch": learner_plan}  # a section's planned configurations (labels first)
