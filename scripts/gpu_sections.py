@@ -407,17 +407,21 @@ def _torch_memory(device):
 # learner_torch's configurations, most telling first (a section stopped at its cap keeps the rows
 # before; the report names those left out): a label and the cfg.train settings it changes from
 # the recipe (configs/base.py), each measured at the largest micro-batch. Compiling cannot be
-# undone: compiled rows come last. Another configuration is one more line: `_switch` sets what
-# it can on the built learner, and any other setting (not in `IN_PLACE`) builds it again.
+# undone: compiled rows come last, but for a configuration built anew. Another configuration is
+# one more line: `_switch` sets what it can on the built learner, and any other setting (not in
+# `IN_PLACE`) builds it again.
 LEARNER_PLAN = (
     ("recipe", {}),
     ("fused_head", {"fused_head": True}),
     ("compiled", {"fused_head": True, "compile": True}),
+    # the learner as the earlier checks measured it: FSDP2 at world size 1 (a new build)
+    ("fsdp", {"fsdp": "always"}),
 )
 # The cfg.train settings that `_switch` sets on a built learner (compile only from off to on).
 IN_PLACE = ("activation_checkpointing", "checkpoint_vision", "compile", "compile_backend",
             "fused_head", "micro_batch_tokens")
-RECORDED = ("activation_checkpointing", "checkpoint_vision", "fused_head", "compile")  # per row
+RECORDED = ("activation_checkpointing", "checkpoint_vision", "fused_head", "compile",
+            "fsdp")  # per row
 
 
 def learner_plan(s: Settings) -> list[tuple[str, dict]]:

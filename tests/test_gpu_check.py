@@ -217,13 +217,14 @@ def test_the_learner_plan_runs_the_recipe_first_and_compiles_last(sections, tmp_
     assert sections.learner_plan(gpu) == [
         ("recipe", {"micro_batch_tokens": 32768}),
         ("fused_head", {"micro_batch_tokens": 32768, "fused_head": True}),
-        ("compiled", {"micro_batch_tokens": 32768, "fused_head": True, "compile": True})]
+        ("compiled", {"micro_batch_tokens": 32768, "fused_head": True, "compile": True}),
+        ("fsdp", {"micro_batch_tokens": 32768, "fsdp": "always"})]
     tiny = sections.learner_plan(sections.Settings.tiny_settings(str(tmp_path), None))
     assert [label for label, _ in tiny] == ["recipe", "fused_head", "full", "selective",
-                                            "varlen", "compiled"]
+                                            "varlen", "compiled", "fsdp"]
     assert all(o["activation_checkpointing"] == "none" for label, o in tiny
                if label not in ("full", "selective"))
-    assert tiny[-1][1]["compile"] and not any(o.get("compile") for _, o in tiny[:-1])
+    assert tiny[-2][1]["compile"] and not any(o.get("compile") for _, o in tiny[:-2])
 
 
 def test_the_report_names_the_planned_rows_left_out(check):
@@ -397,18 +398,20 @@ def test_tiny_check_runs_every_section(tmp_path):
         assert row["steps"] == 2 and 0 <= row["reward_mean"] <= 1
         assert 0 <= row["tool_call_rate"] <= 1
     # torch: the recipe on the CPU (no checkpointing), the fused head, the other two modes,
-    # then compiled with the fused head (the other kernel, varlen, is skipped on a CPU)
+    # then compiled with the fused head (the other kernel, varlen, is skipped on a CPU), then
+    # built anew with train.fsdp=always (on one CPU process still plain: the rebuild is run)
     assert [(r["config"], r["activation_checkpointing"], r["fused_head"], r["compile"],
              r["micro_batches"]) for r in rows["learner_torch"]] == [
         (c, m, f, k, n) for c, m, f, k in [("recipe", "none", False, False),
                                            ("fused_head", "none", True, False),
                                            ("full", "full", False, False),
                                            ("selective", "selective", False, False),
-                                           ("compiled", "none", True, True)] for n in (2, 4)]
+                                           ("compiled", "none", True, True),
+                                           ("fsdp", "none", False, False)] for n in (2, 4)]
     (skipped,) = [r for r in report["sections"]["learner_torch"]["rows"] if r["status"] != "ok"]
     assert skipped["status"] == "skipped" and skipped["config"] == "varlen"
     assert report["sections"]["learner_torch"]["planned"] == [
-        "recipe", "fused_head", "full", "selective", "varlen", "compiled"]
+        "recipe", "fused_head", "full", "selective", "varlen", "compiled", "fsdp"]
     for name in ("learner_torch", "learner_jax"):
         assert {(r["micro_batch_tokens"], r["micro_batches"]) for r in rows[name]} == {
             (256, 2), (256, 4)}
