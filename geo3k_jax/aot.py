@@ -70,6 +70,7 @@ from flax import nnx  # noqa: E402
 from common.flops import row_flops  # noqa: E402
 from geo3k_jax.compiled import CHIPS, GiB, Chip, report  # noqa: E402,F401 (re-exported)
 from geo3k_jax.layers import remat_of  # noqa: E402
+from geo3k_jax.phases import frees_engine, offloaded_parts  # noqa: E402
 from geo3k_jax.splash import resolve_attention  # noqa: E402
 from geo3k_jax.topology import TOPOLOGIES, topology_devices  # noqa: E402,F401 (re-exported)
 
@@ -154,6 +155,20 @@ def learner_resident(learner) -> int:
                if t is not None)
 
 
+def learner_parts(learner) -> dict[str, int]:
+    """`learner_resident` by part, bytes per device: "params", "moments" (the optimizer
+    state), "reference" (the KL reference; 0 without one)."""
+    ref = learner.ref_params
+    return {"params": device_bytes(learner.params), "moments": device_bytes(learner.opt_state),
+            "reference": device_bytes(ref) if ref is not None else 0}
+
+
+def offloaded(parts: dict, offload: str) -> int:
+    """Bytes per device of the learner's `parts` that `jax.offload` keeps in host memory
+    during rollouts (`geo3k_jax.phases.offloaded_parts`)."""
+    return sum(parts[k] for k in offloaded_parts(offload))
+
+
 def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dict:
     """`learner`'s gradient and update compiled for its mesh (of abstract or real devices):
     their `report`s and the run's figures."""
@@ -179,6 +194,7 @@ def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dic
         programs.append(report(name, compiled, chip, resident[name], time.perf_counter() - t0,
                                model_flops[name]))
     return {"topology": topology, "chip": chip.name, "devices": len(devices),
+            "parts": learner_parts(learner),
             "attention": resolve_attention(cfg.jax.attention, devices[0].platform).kind,
             "params": sum(math.prod(v.shape) for v in learner.params.values()),
             "slice": dict(learner.shape, rows=learner.rows_per_slice), "programs": programs,
@@ -190,43 +206,60 @@ def program_peak(p: dict) -> int:
     return p["peak"] - p["resident"]
 
 
-def budget(learner: dict, engine: dict | None, hbm: float, overlap: bool) -> dict:
+def budget(learner: dict, engine: dict | None, hbm: float, overlap: bool, free: bool = False,
+           offload: str = "none") -> dict:
     """One device's bytes in each phase of a step, learner and engine on the same chips.
     learner: `compile_learner`'s report; engine: `geo3k_jax.engine_aot.compile_engine`'s
     (None: rollouts elsewhere); overlap: rollouts run while the learner trains
-    (train.max_staleness >= 1).
+    (train.max_staleness >= 1); free: the engine's cache and weights are freed during the
+    learner's step (`jax.free_engine`, never with overlap); offload: the learner's state kept
+    in host memory during rollouts (`jax.offload`, `offloaded`).
 
-    rollout: the learner's state (parameters, optimizer state, reference) + the engine's
-    costliest program (its weights and cache are arguments of each); weight copy: the learner's
-    state + the cache + the engine's weights twice (the new copy is made before the old one
-    goes); train: the learner's costliest program (its optimizer state included) + the engine's
-    weights and cache; overlapped: both costliest programs. Slots that fit: the engine's slots
-    scaled by what is left over the cache per slot (the cache grows linearly in slots; the
-    decode's gathered pages, a layer's share, come out of what the rounding leaves)."""
+    rollout: the learner's state (parameters, optimizer state, reference; less what is
+    offloaded) + the engine's costliest program (its weights and cache are arguments of each);
+    weight copy: the learner's state + the new weights, and without `free` the cache and the
+    old weights too (the new copy is made before the old one goes); train: the learner's
+    costliest program (its optimizer state included), and without `free` the engine's weights
+    and cache beside it; overlapped: both costliest programs. Slots that fit: the engine's
+    slots scaled by what the phases holding the cache leave over it per slot (the cache grows
+    linearly in slots; the decode's gathered pages, a layer's share, come out of what the
+    rounding leaves)."""
     refused = [p["program"] for p in learner["programs"] + (engine or {}).get("programs", [])
                if "refused" in p]
     if refused:
         return {"phases": {}, "refused": refused, "hbm": hbm, "fits": False}
+    if free and overlap:
+        raise ValueError("the engine's memory cannot be freed while it generates during the "
+                         "learner's step (train.max_staleness >= 1)")
     lpeak = max(p["peak"] for p in learner["programs"])
-    phases = {}
+    phases, cached = {}, set()  # cached: the phases that hold the engine's cache
     if engine is None:
         phases["train"] = lpeak
     else:
         epeak = max(program_peak(p) for p in engine["programs"])
-        resident = engine["weights"] + engine["cache"]
-        phases["rollout"] = learner["resident"] + epeak
-        phases["weight copy"] = learner["resident"] + engine["cache"] + 2 * engine["weights"]
-        phases["train"] = lpeak + resident
+        state = learner["resident"]
+        phases["rollout"] = state - offloaded(learner.get("parts", {}), offload) + epeak
+        cached.add("rollout")
+        if free:
+            phases["weight copy"] = state + engine["weights"]
+            phases["train"] = lpeak
+        else:
+            phases["weight copy"] = state + engine["cache"] + 2 * engine["weights"]
+            phases["train"] = lpeak + engine["weights"] + engine["cache"]
+            cached |= {"weight copy", "train"}
         if overlap:
             phases["overlapped"] = lpeak + epeak
+            cached.add("overlapped")
     worst = max(phases, key=phases.get)
     out = {"phases": phases, "worst": worst, "peak": phases[worst], "hbm": hbm,
-           "fits": phases[worst] <= hbm and all(p["fits"] for p in learner["programs"])}
+           "fits": phases[worst] <= hbm and all(p["fits"] for p in learner["programs"]),
+           "free": free, "offload": offload}
     if engine is not None:
         per_slot = engine["cache"] / engine["slots"]
         unit = engine["data_shards"]  # each device holds as many slots
-        more = math.floor((hbm - phases[worst]) / per_slot)
-        out["slots_fit"] = max(0, (engine["slots"] + more) // unit * unit)
+        more = math.floor(min((hbm - phases[k]) / per_slot for k in cached))
+        room = all(v <= hbm for k, v in phases.items() if k not in cached)
+        out["slots_fit"] = max(0, (engine["slots"] + more) // unit * unit) if room else 0
     return out
 
 
@@ -239,6 +272,12 @@ def format_budget(b: dict, slots: int | None = None) -> str:
         lines.append(f"{name:14s} {v / GiB:8.2f}{'  <- peak' if name == b['worst'] else ''}")
     verdict = "fits" if b["fits"] else "DOES NOT FIT"
     lines.append(f"peak {b['peak'] / GiB:.2f} of {b['hbm'] / GiB:.2f} GiB per device: {verdict}")
+    if b.get("free"):
+        lines.append("the engine's cache and weights freed during the learner's step "
+                     "(jax.free_engine)")
+    if b.get("offload", "none") != "none":
+        lines.append(f"the learner's {b['offload']} state in host memory during rollouts "
+                     "(jax.offload)")
     if "slots_fit" in b:
         lines.append(f"engine slots: {slots} asked, about {b['slots_fit']} fit "
                      "(engine.slots; the cache grows linearly in them)")
@@ -249,7 +288,8 @@ def format_programs(programs: list[dict]) -> str:
     """Programs' `report`s as a table, bytes in GiB per device."""
     g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
     lines = ["program       argument  output   alias    temp    code  +state    peak /  HBM GiB"
-             "   fits  TFLOP (model)  GB accessed  roofline ms  compile s"]
+             "   fits  TFLOP (model)  GB accessed  roofline ms (f: flop-, m: memory-bound)"
+             "  compile s"]
     for p in programs:
         if "refused" in p:
             lines.append(f"{p['program']:12s} refused by the compiler after {p['compile_s']:.0f} "
@@ -260,7 +300,8 @@ def format_programs(programs: list[dict]) -> str:
                      f"{p['hbm'] / GiB:6.2f}  {'yes' if p['fits'] else 'NO ':>5s} "
                      f"{p['flops'] / 1e12:6.1f} ({p['model_flops'] / 1e12:6.1f})  "
                      f"{p['bytes_accessed'] / 1e9:11.1f}  "
-                     f"{p['roofline_s'] * 1e3:11.1f}  {p['compile_s']:9.0f}")
+                     f"{p['roofline_s'] * 1e3:11.1f}{p.get('bound', '?')[0]} "
+                     f"{p['compile_s']:9.0f}")
     return "\n".join(lines)
 
 
@@ -310,7 +351,9 @@ def compile_run(cfg, learner, config, chip: Chip, topology: str = "",
     if cfg.engine.backend == "local":
         engine = r["engine"] = compile_engine(cfg, learner, config, chip, engine_programs,
                                                 topology)
-    r["budget"] = budget(r, engine, chip.hbm, cfg.train.max_staleness >= 1)
+    overlap = cfg.train.max_staleness >= 1
+    r["budget"] = budget(r, engine, chip.hbm, overlap, free=frees_engine(cfg),
+                         offload=cfg.jax.offload)
     r["fits"] = r["budget"]["fits"]
     return r
 
