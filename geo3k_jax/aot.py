@@ -169,6 +169,24 @@ def offloaded(parts: dict, offload: str) -> int:
     return sum(parts[k] for k in offloaded_parts(offload))
 
 
+def compile_offload(learner, offload: str) -> dict:
+    """The move of the learner's state that `jax.offload` keeps in host memory during rollouts
+    (`geo3k_jax.phases.offloaded_parts`), compiled for its devices: per device, the bytes the
+    compiler puts in device memory and in host memory at the move's end (its outputs) and the
+    bytes the move takes off the device (its device arguments)."""
+    from geo3k_jax.phases import HOST
+    parts = offloaded_parts(offload)
+    trees = [t for name, t in (("moments", learner.opt_state), ("params", learner.params),
+                               ("reference", learner.ref_params))
+             if name in parts and t is not None]
+    host = jax.tree.map(lambda a: a.sharding.with_memory_kind(HOST), trees)
+    t0 = time.perf_counter()
+    mem = jax.jit(lambda t: t, out_shardings=host).lower(trees).compile().memory_analysis()
+    return {"offload": offload, "device_out": mem.output_size_in_bytes,
+            "host_out": mem.host_output_size_in_bytes, "moved": mem.argument_size_in_bytes,
+            "compile_s": time.perf_counter() - t0}
+
+
 def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dict:
     """`learner`'s gradient and update compiled for its mesh (of abstract or real devices):
     their `report`s and the run's figures."""
@@ -317,6 +335,12 @@ def format_report(r: dict) -> str:
                   f"{e['context']} tokens (cache {e['cache'] / GiB:.2f} GiB, bf16 weights "
                   f"{e['weights'] / GiB:.2f} GiB per device), largest prefills (rows, new "
                   f"tokens) {e['prefill_shapes']}, {e['compile_set']} programs in all", format_programs(e["programs"])]
+    o = r.get("offload")
+    if o is not None:
+        lines.append(f"jax.offload={o['offload']}: the move to host memory, compiled, leaves "
+                     f"{o['device_out'] / GiB:.3f} GiB per device in device memory and puts "
+                     f"{o['host_out'] / GiB:.2f} GiB in host memory (of {o['moved'] / GiB:.2f} "
+                     "GiB moved)")
     if "budget" in r:
         lines.append(format_budget(r["budget"], e["slots"] if e else None))
     else:
@@ -347,6 +371,8 @@ def compile_run(cfg, learner, config, chip: Chip, topology: str = "",
     (`engine.backend=local`) and the `budget` of both."""
     from geo3k_jax.engine_aot import compile_engine
     r = compile_learner(learner, cfg, config, chip, topology)
+    if cfg.jax.offload != "none":
+        r["offload"] = compile_offload(learner, cfg.jax.offload)
     engine = None
     if cfg.engine.backend == "local":
         engine = r["engine"] = compile_engine(cfg, learner, config, chip, engine_programs,

@@ -75,6 +75,7 @@ def same(a, b) -> None:
         np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
 
 
+@pytest.mark.slow
 def test_freeing_the_engine_changes_nothing_and_compiles_nothing(setup, kept):
     """The engine's cache and weights are gone inside train_context and the next rollout
     samples the same tokens with the same log-probs (bit for bit: the same weights, a zero
@@ -91,6 +92,7 @@ def test_freeing_the_engine_changes_nothing_and_compiles_nothing(setup, kept):
     assert kept["new_compiles"] == (0, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload", ["moments", "all"])
 def test_offloaded_state_changes_nothing(setup, kept, offload):
     """The learner's moments (or its whole state) wait in host memory during rollouts (JAX's

@@ -198,7 +198,7 @@ def test_each_host_writes_its_own_bf16_shard(ckpt, tmp_path, monkeypatch):
         np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]).astype(ml_dtypes.bfloat16))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_each_parameter_is_gathered_to_its_writer_alone(tmp_path):
     """`weights.gather_to` on 2 CPU processes of 2 devices each (gloo; mesh fsdp 2 x tensor 2,
     a tensor group a process): each layout comes whole to the owner and to no one else, by
