@@ -14,7 +14,11 @@ program's arguments, outputs, temporaries and code, the compiler's flops and byt
 a roofline bound on the program's time (max of flops / peak and bytes / bandwidth), then the
 run's budget (`budget`): each phase of a step — rollout, weight copy, training, and both at once
 when rollouts overlap training — as the peak of the program running plus what the other side
-keeps resident, the largest against the chip's HBM, and the engine slots that would fit. Exits 1
+keeps resident (nothing of the engine's during training with `jax.free_engine`, less the
+learner's moments during rollouts with `jax.offload`: `geo3k_jax.phases`), the largest against
+the chip's HBM, and the engine slots that would fit. The engine's programs carry the model's
+FLOPs and bytes (`geo3k_jax.engine_aot.model_costs`) in their roofline: a decode step reads
+every weight and its slots' keys for little arithmetic, so it is bound by the HBM's bandwidth. Exits 1
 when it does not fit; a run with `jax.hbm_check` refuses to start on the same numbers
 (`check_run`). Nothing runs on a TPU: a compile that fits is no proof of speed.
 
