@@ -256,6 +256,11 @@ def test_the_table_row_reads_a_report():
     assert table.row(r) == (
         "| qwen3_vl_2b | v5p-8 | grad 30.0 | prefill 27.0 (weights 4.0, cache 20.0) | rollout "
         "37.0, weight copy 38.0, train 54.0 | 54.0 / 95.74 | yes | 128 / 392 | 1420 |")
+    # --rebudget: the same programs with the engine freed for the learner's step: the train
+    # phase is the gradient program alone and only the rollout holds the cache
+    assert table.row(table.rebudget(r)) == (
+        "| qwen3_vl_2b | v5p-8 | grad 30.0 | prefill 27.0 (weights 4.0, cache 20.0) | rollout "
+        "37.0, weight copy 14.0, train 30.0 | 37.0 / 95.74 | yes | 128 / 500 | 1420 |")
     r["programs"] = [dict(program="grad", refused="RESOURCE_EXHAUSTED: 40G", fits=False,
                           compile_s=300.0)] + learner[1:]
     assert "refused: grad (RESOURCE_EXHAUSTED: 40G)" in table.row(r) and "**no**" in table.row(r)
