@@ -128,7 +128,8 @@ def define_flags() -> None:
     """The command's flags (defined when it runs, not when a test imports its functions)."""
     flags.DEFINE_string("out", "docs/aot", "where the per-compile JSON reports go")
     # docs/tpu.md's six cells, each at the engine slots and settings that fit, if any
-    flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v6e-8@40",
+    flags.DEFINE_list("cells", ["qwen3_vl_2b@v5p-8", "qwen3_vl_2b@v5p-8@256",
+                               "qwen3_vl_2b@v6e-8@40",
                                "qwen3_vl_2b@v6e-16@40", "qwen3_vl_8b@v5p-8@128",
                                "qwen3_vl_8b@v6e-8@24@jax.mesh.tensor=4@train.micro_batch_tokens="
                                "8448@jax.slice.targets=8448",
