@@ -307,6 +307,12 @@ def get_config() -> ml_collections.ConfigDict:
     # device's memory (its own, or jax.hbm_gib GiB): `python -m geo3k_jax.aot`'s budget.
     c.jax.hbm_check = False
     c.jax.hbm_gib = 0.0
+    # Device memory between a step's phases (geo3k_jax.phases), with train.max_staleness = 0:
+    # free the JAX engine's KV cache and weights during the learner's step (no result changes;
+    # ignored, with a line saying so, where rollouts overlap training), and keep the learner's
+    # Adam moments ("moments") or its whole state ("all") in host memory during rollouts.
+    c.jax.free_engine = True
+    c.jax.offload = "none"  # none | moments | all
     c.jax.check = ml_collections.ConfigDict()
     c.jax.check.dtype = "float32"  # float32 | bfloat16 (both backends' weights in that dtype)
     c.jax.check.prompts = 3  # synthetic problems; each episode answers wrong, then right

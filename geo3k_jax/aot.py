@@ -14,7 +14,11 @@ program's arguments, outputs, temporaries and code, the compiler's flops and byt
 a roofline bound on the program's time (max of flops / peak and bytes / bandwidth), then the
 run's budget (`budget`): each phase of a step — rollout, weight copy, training, and both at once
 when rollouts overlap training — as the peak of the program running plus what the other side
-keeps resident, the largest against the chip's HBM, and the engine slots that would fit. Exits 1
+keeps resident (nothing of the engine's during training with `jax.free_engine`, less the
+learner's moments during rollouts with `jax.offload`: `geo3k_jax.phases`), the largest against
+the chip's HBM, and the engine slots that would fit. The engine's programs carry the model's
+FLOPs and bytes (`geo3k_jax.engine_aot.model_costs`) in their roofline: a decode step reads
+every weight and its slots' keys for little arithmetic, so it is bound by the HBM's bandwidth. Exits 1
 when it does not fit; a run with `jax.hbm_check` refuses to start on the same numbers
 (`check_run`). Nothing runs on a TPU: a compile that fits is no proof of speed.
 
@@ -70,6 +74,7 @@ from flax import nnx  # noqa: E402
 from common.flops import row_flops  # noqa: E402
 from geo3k_jax.compiled import CHIPS, GiB, Chip, report  # noqa: E402,F401 (re-exported)
 from geo3k_jax.layers import remat_of  # noqa: E402
+from geo3k_jax.phases import frees_engine, offloaded_parts  # noqa: E402
 from geo3k_jax.splash import resolve_attention  # noqa: E402
 from geo3k_jax.topology import TOPOLOGIES, topology_devices  # noqa: E402,F401 (re-exported)
 
@@ -154,6 +159,38 @@ def learner_resident(learner) -> int:
                if t is not None)
 
 
+def learner_parts(learner) -> dict[str, int]:
+    """`learner_resident` by part, bytes per device: "params", "moments" (the optimizer
+    state), "reference" (the KL reference; 0 without one)."""
+    ref = learner.ref_params
+    return {"params": device_bytes(learner.params), "moments": device_bytes(learner.opt_state),
+            "reference": device_bytes(ref) if ref is not None else 0}
+
+
+def offloaded(parts: dict, offload: str) -> int:
+    """Bytes per device of the learner's `parts` that `jax.offload` keeps in host memory
+    during rollouts (`geo3k_jax.phases.offloaded_parts`)."""
+    return sum(parts[k] for k in offloaded_parts(offload))
+
+
+def compile_offload(learner, offload: str) -> dict:
+    """The move of the learner's state that `jax.offload` keeps in host memory during rollouts
+    (`geo3k_jax.phases.offloaded_parts`), compiled for its devices: per device, the bytes the
+    compiler puts in device memory and in host memory at the move's end (its outputs) and the
+    bytes the move takes off the device (its device arguments)."""
+    from geo3k_jax.phases import HOST
+    parts = offloaded_parts(offload)
+    trees = [t for name, t in (("moments", learner.opt_state), ("params", learner.params),
+                               ("reference", learner.ref_params))
+             if name in parts and t is not None]
+    host = jax.tree.map(lambda a: a.sharding.with_memory_kind(HOST), trees)
+    t0 = time.perf_counter()
+    mem = jax.jit(lambda t: t, out_shardings=host).lower(trees).compile().memory_analysis()
+    return {"offload": offload, "device_out": mem.output_size_in_bytes,
+            "host_out": mem.host_output_size_in_bytes, "moved": mem.argument_size_in_bytes,
+            "compile_s": time.perf_counter() - t0}
+
+
 def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dict:
     """`learner`'s gradient and update compiled for its mesh (of abstract or real devices):
     their `report`s and the run's figures."""
@@ -179,6 +216,7 @@ def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dic
         programs.append(report(name, compiled, chip, resident[name], time.perf_counter() - t0,
                                model_flops[name]))
     return {"topology": topology, "chip": chip.name, "devices": len(devices),
+            "parts": learner_parts(learner),
             "attention": resolve_attention(cfg.jax.attention, devices[0].platform).kind,
             "params": sum(math.prod(v.shape) for v in learner.params.values()),
             "slice": dict(learner.shape, rows=learner.rows_per_slice), "programs": programs,
@@ -190,43 +228,60 @@ def program_peak(p: dict) -> int:
     return p["peak"] - p["resident"]
 
 
-def budget(learner: dict, engine: dict | None, hbm: float, overlap: bool) -> dict:
+def budget(learner: dict, engine: dict | None, hbm: float, overlap: bool, free: bool = False,
+           offload: str = "none") -> dict:
     """One device's bytes in each phase of a step, learner and engine on the same chips.
     learner: `compile_learner`'s report; engine: `geo3k_jax.engine_aot.compile_engine`'s
     (None: rollouts elsewhere); overlap: rollouts run while the learner trains
-    (train.max_staleness >= 1).
+    (train.max_staleness >= 1); free: the engine's cache and weights are freed during the
+    learner's step (`jax.free_engine`, never with overlap); offload: the learner's state kept
+    in host memory during rollouts (`jax.offload`, `offloaded`).
 
-    rollout: the learner's state (parameters, optimizer state, reference) + the engine's
-    costliest program (its weights and cache are arguments of each); weight copy: the learner's
-    state + the cache + the engine's weights twice (the new copy is made before the old one
-    goes); train: the learner's costliest program (its optimizer state included) + the engine's
-    weights and cache; overlapped: both costliest programs. Slots that fit: the engine's slots
-    scaled by what is left over the cache per slot (the cache grows linearly in slots; the
-    decode's gathered pages, a layer's share, come out of what the rounding leaves)."""
+    rollout: the learner's state (parameters, optimizer state, reference; less what is
+    offloaded) + the engine's costliest program (its weights and cache are arguments of each);
+    weight copy: the learner's state + the new weights, and without `free` the cache and the
+    old weights too (the new copy is made before the old one goes); train: the learner's
+    costliest program (its optimizer state included), and without `free` the engine's weights
+    and cache beside it; overlapped: both costliest programs. Slots that fit: the engine's
+    slots scaled by what the phases holding the cache leave over it per slot (the cache grows
+    linearly in slots; the decode's gathered pages, a layer's share, come out of what the
+    rounding leaves)."""
     refused = [p["program"] for p in learner["programs"] + (engine or {}).get("programs", [])
                if "refused" in p]
     if refused:
         return {"phases": {}, "refused": refused, "hbm": hbm, "fits": False}
+    if free and overlap:
+        raise ValueError("the engine's memory cannot be freed while it generates during the "
+                         "learner's step (train.max_staleness >= 1)")
     lpeak = max(p["peak"] for p in learner["programs"])
-    phases = {}
+    phases, cached = {}, set()  # cached: the phases that hold the engine's cache
     if engine is None:
         phases["train"] = lpeak
     else:
         epeak = max(program_peak(p) for p in engine["programs"])
-        resident = engine["weights"] + engine["cache"]
-        phases["rollout"] = learner["resident"] + epeak
-        phases["weight copy"] = learner["resident"] + engine["cache"] + 2 * engine["weights"]
-        phases["train"] = lpeak + resident
+        state = learner["resident"]
+        phases["rollout"] = state - offloaded(learner.get("parts", {}), offload) + epeak
+        cached.add("rollout")
+        if free:
+            phases["weight copy"] = state + engine["weights"]
+            phases["train"] = lpeak
+        else:
+            phases["weight copy"] = state + engine["cache"] + 2 * engine["weights"]
+            phases["train"] = lpeak + engine["weights"] + engine["cache"]
+            cached |= {"weight copy", "train"}
         if overlap:
             phases["overlapped"] = lpeak + epeak
+            cached.add("overlapped")
     worst = max(phases, key=phases.get)
     out = {"phases": phases, "worst": worst, "peak": phases[worst], "hbm": hbm,
-           "fits": phases[worst] <= hbm and all(p["fits"] for p in learner["programs"])}
+           "fits": phases[worst] <= hbm and all(p["fits"] for p in learner["programs"]),
+           "free": free, "offload": offload}
     if engine is not None:
         per_slot = engine["cache"] / engine["slots"]
         unit = engine["data_shards"]  # each device holds as many slots
-        more = math.floor((hbm - phases[worst]) / per_slot)
-        out["slots_fit"] = max(0, (engine["slots"] + more) // unit * unit)
+        more = math.floor(min((hbm - phases[k]) / per_slot for k in cached))
+        room = all(v <= hbm for k, v in phases.items() if k not in cached)
+        out["slots_fit"] = max(0, (engine["slots"] + more) // unit * unit) if room else 0
     return out
 
 
@@ -239,6 +294,12 @@ def format_budget(b: dict, slots: int | None = None) -> str:
         lines.append(f"{name:14s} {v / GiB:8.2f}{'  <- peak' if name == b['worst'] else ''}")
     verdict = "fits" if b["fits"] else "DOES NOT FIT"
     lines.append(f"peak {b['peak'] / GiB:.2f} of {b['hbm'] / GiB:.2f} GiB per device: {verdict}")
+    if b.get("free"):
+        lines.append("the engine's cache and weights freed during the learner's step "
+                     "(jax.free_engine)")
+    if b.get("offload", "none") != "none":
+        lines.append(f"the learner's {b['offload']} state in host memory during rollouts "
+                     "(jax.offload)")
     if "slots_fit" in b:
         lines.append(f"engine slots: {slots} asked, about {b['slots_fit']} fit "
                      "(engine.slots; the cache grows linearly in them)")
@@ -249,7 +310,8 @@ def format_programs(programs: list[dict]) -> str:
     """Programs' `report`s as a table, bytes in GiB per device."""
     g = lambda b: f"{b / GiB:7.2f}"  # noqa: E731
     lines = ["program       argument  output   alias    temp    code  +state    peak /  HBM GiB"
-             "   fits  TFLOP (model)  GB accessed  roofline ms  compile s"]
+             "   fits  TFLOP (model)  GB accessed  roofline ms (f: flop-, m: memory-bound)"
+             "  compile s"]
     for p in programs:
         if "refused" in p:
             lines.append(f"{p['program']:12s} refused by the compiler after {p['compile_s']:.0f} "
@@ -260,7 +322,8 @@ def format_programs(programs: list[dict]) -> str:
                      f"{p['hbm'] / GiB:6.2f}  {'yes' if p['fits'] else 'NO ':>5s} "
                      f"{p['flops'] / 1e12:6.1f} ({p['model_flops'] / 1e12:6.1f})  "
                      f"{p['bytes_accessed'] / 1e9:11.1f}  "
-                     f"{p['roofline_s'] * 1e3:11.1f}  {p['compile_s']:9.0f}")
+                     f"{p['roofline_s'] * 1e3:11.1f}{p.get('bound', '?')[0]} "
+                     f"{p['compile_s']:9.0f}")
     return "\n".join(lines)
 
 
@@ -276,6 +339,12 @@ def format_report(r: dict) -> str:
                   f"{e['context']} tokens (cache {e['cache'] / GiB:.2f} GiB, bf16 weights "
                   f"{e['weights'] / GiB:.2f} GiB per device), largest prefills (rows, new "
                   f"tokens) {e['prefill_shapes']}, {e['compile_set']} programs in all", format_programs(e["programs"])]
+    o = r.get("offload")
+    if o is not None:
+        lines.append(f"jax.offload={o['offload']}: the move to host memory, compiled, leaves "
+                     f"{o['device_out'] / GiB:.3f} GiB per device in device memory and puts "
+                     f"{o['host_out'] / GiB:.2f} GiB in host memory (of {o['moved'] / GiB:.2f} "
+                     "GiB moved)")
     if "budget" in r:
         lines.append(format_budget(r["budget"], e["slots"] if e else None))
     else:
@@ -306,11 +375,15 @@ def compile_run(cfg, learner, config, chip: Chip, topology: str = "",
     (`engine.backend=local`) and the `budget` of both."""
     from geo3k_jax.engine_aot import compile_engine
     r = compile_learner(learner, cfg, config, chip, topology)
+    if cfg.jax.offload != "none":
+        r["offload"] = compile_offload(learner, cfg.jax.offload)
     engine = None
     if cfg.engine.backend == "local":
         engine = r["engine"] = compile_engine(cfg, learner, config, chip, engine_programs,
                                                 topology)
-    r["budget"] = budget(r, engine, chip.hbm, cfg.train.max_staleness >= 1)
+    overlap = cfg.train.max_staleness >= 1
+    r["budget"] = budget(r, engine, chip.hbm, overlap, free=frees_engine(cfg),
+                         offload=cfg.jax.offload)
     r["fits"] = r["budget"]["fits"]
     return r
 

@@ -7,6 +7,12 @@ learner splits it and replicated over the data axes (`engine_shardings`: a decod
 every weight, so none is gathered per step as the learner's FSDP layout would need). The
 engine's KV cache is its own too (`geo3k_jax.kv_budget`). Every sync drops the parked caches
 and gives the engine the step as its weights' version (a part of every request's key).
+
+With `free` (`jax.free_engine`, rollouts and training taking turns: `geo3k_jax.phases`) the
+engine's cache and weights are deleted for the learner's step (`train_context`) and before each
+weight copy (one bf16 copy alive at a time); the copy makes new weights and the first request a
+new cache of the same shapes. With `offload` (`jax.offload`) the learner's moments (or its whole
+state) wait in host memory from each weight copy to the next step (`Learner.offload`).
 """
 
 from __future__ import annotations
@@ -82,11 +88,16 @@ class JaxBackend:
 
     def __init__(self, learner, processor, config, *, seed: int, slots: int = 8,
                  context: int = 1024, memory_fraction: float = 0.9, prefill_rows: int = 0,
-                 prefill_tokens: int = 0, warm_up: bool = False):
+                 prefill_tokens: int = 0, warm_up: bool = False, free: bool = False,
+                 offload: str = "none"):
         """learner: a `geo3k_jax.learner.Learner`; config: the transformers config of its
         model; slots, context, memory_fraction, prefill_rows, prefill_tokens: `JaxEngine`'s
         (per process); warm_up: compile the engine's whole compile set now
-        (`JaxEngine.warm_up`), else each program at its first use."""
+        (`JaxEngine.warm_up`), else each program at its first use; free: release the engine's
+        cache and weights during the learner's step; offload: "none", "moments" or "all" of
+        the learner's state in host memory during rollouts (the last two: only where
+        rollouts and training take turns, `geo3k_jax.phases.check_phases`)."""
+        self.free, self.offload, self._learner = free, offload, learner
         dtype = learner.compute_dtype
         several = learner.comm.world > 1
         merge, mesh = engine_mesh(learner.merge, learner.params, learner.mesh, several)
@@ -95,7 +106,7 @@ class JaxBackend:
         self._copy = jax.jit(lambda p: jax.tree.map(
             lambda a: a if dtype is None else a.astype(dtype), p), out_shardings=shardings)
         self.params = self._placed(learner)
-        self.engine = JaxEngine(merge, lambda: self.params, processor, config,
+        self.engine = JaxEngine(merge, self._weights, processor, config,
                                 seed=seed, compute_dtype=dtype, slots=slots, context=context,
                                 mesh=mesh, memory_fraction=memory_fraction,
                                 prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
@@ -112,14 +123,37 @@ class JaxBackend:
         copy = self._copy(learner.params)
         return copy if self._host is None else on_host(copy, self._host)
 
+    def _weights(self) -> dict:
+        if self.params is None:
+            raise RuntimeError("the JAX engine's weights were freed for the learner's step "
+                               "(jax.free_engine); the weight copy (sync) makes new ones")
+        return self.params
+
+    def _release(self) -> None:
+        """Delete the engine's cache and weights now (`free`)."""
+        self.engine.free()
+        if self.params is not None:
+            for a in jax.tree.leaves(self.params):
+                a.delete()
+            self.params = None
+
     def sync(self, learner, step: int) -> None:
         # a copy in device memory: the learner's next step donates its own buffers, and
         # rollouts may run while it trains (train.max_staleness >= 1)
+        if self.free:  # the old weights go before the new ones come (already, after a step)
+            self._release()
         self.params = self._placed(learner)
         self.engine.clear_cache(step)  # the KV caches were computed with the old weights
+        if self.offload != "none":  # made from the parameters: now they may wait on the host
+            learner.offload(self.offload)
 
+    @contextlib.contextmanager
     def train_context(self):
-        return contextlib.nullcontext()
+        if self.free:
+            self._release()
+        if self.offload != "none":
+            self._learner.onload()  # into the room the engine left
+        yield
 
     def rng_state(self) -> list[int]:
         return self.engine.rng_state()

@@ -29,13 +29,15 @@ CHIPS = {  # by the device_kind libtpu reports
 
 
 def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
-           model_flops: float = 0.0) -> dict:
+           model_flops: float = 0.0, model_bytes: float = 0.0) -> dict:
     """One program's per-device figures. resident: bytes of the learner's state that stay in
     HBM while it runs without being its arguments (the optimizer state, during a gradient).
     model_flops: the program's model FLOPs per device (`common.flops`): the compiler's own count
     sees one pass of a scanned layer and nothing inside a Pallas kernel, so the roofline takes
     the larger of the two (its bytes accessed are undercounted the same way: the roofline stays
-    a lower bound)."""
+    a lower bound). model_bytes: the bytes the program must read and write per device by the
+    model's count (the engine's weights and the KV it reads), taken where larger than the
+    compiler's bytes accessed."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -44,11 +46,14 @@ def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
            "temp": mem.temp_size_in_bytes, "code": mem.generated_code_size_in_bytes,
            "resident": resident, "flops": float(cost.get("flops", 0.0)),
            "bytes_accessed": float(cost.get("bytes accessed", 0.0)), "compile_s": seconds,
-           "model_flops": model_flops}
+           "model_flops": model_flops, "model_bytes": model_bytes}
     out["peak"] = (out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
                    + resident)
     out["hbm"] = chip.hbm
     out["fits"] = out["peak"] <= chip.hbm
     out["roofline_s"] = max(max(out["flops"], model_flops) / chip.peak_flops,
-                            out["bytes_accessed"] / chip.hbm_bandwidth)
+                            max(out["bytes_accessed"], model_bytes) / chip.hbm_bandwidth)
+    out["bound"] = ("flops" if max(out["flops"], model_flops) / chip.peak_flops
+                    >= max(out["bytes_accessed"], model_bytes) / chip.hbm_bandwidth
+                    else "memory")
     return out

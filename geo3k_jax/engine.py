@@ -76,7 +76,7 @@ from common.processor import image_inputs, image_key
 from geo3k_jax.batch import HostRow, pad_patches
 from geo3k_jax.buckets import bucket
 from geo3k_jax.decode import decode, prefill
-from geo3k_jax.kv_budget import (CacheShape, allocate, cache_shardings, cache_specs,
+from geo3k_jax.kv_budget import (CacheShape, allocator, cache_shardings, cache_specs,
                                  check_kv_budget)
 from geo3k_jax.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table,
                               paged_attention)
@@ -269,7 +269,9 @@ class JaxEngine:
         self._decode = jax.jit(self._decode_fn, donate_argnums=1)
         spec = cache_specs(self.mesh, self.shape, slots)
         self._data_shards = math.prod(self.mesh.shape[a] for a in spec[2])
-        self._cache = None  # allocated at the first request
+        self._cache = None  # allocated at the first request (and again after `free`)
+        self._allocate = allocator(self.shape, slots, self.capacity, self.dtype, self.mesh)
+        self.frees = 0  # times `free` released the cache
         self._slots = [_Slot() for _ in range(slots)]
         self._state = self._empty_state()
         self._waiting: collections.deque[_Job] = collections.deque()
@@ -342,6 +344,26 @@ class JaxEngine:
             for slot in self._slots:
                 if slot.job is None:
                     slot.ids, slot.session = (), ""
+
+    def free(self) -> None:
+        """Release the KV cache's device memory now (between rollouts: `JaxBackend`'s
+        `jax.free_engine`, around the learner's step); the next request allocates it again,
+        same shapes and shardings, so nothing is compiled anew. Every parked slot is forgotten
+        (its keys go with the cache). Raises while a request is in flight or waiting."""
+        with self._lock:
+            if self._waiting or self._state["live"].any():
+                raise RuntimeError("JaxEngine.free with requests in flight: the cache is "
+                                   "freed only between rollouts (train.max_staleness = 0)")
+        self.close()  # the idle driver thread's last look at the queue
+        with self._lock:
+            self._epoch += 1
+            for slot in self._slots:
+                slot.ids, slot.session = (), ""
+            if self._cache is not None:
+                for a in self._cache:
+                    a.delete()
+                self._cache = None
+                self.frees += 1
 
     def close(self) -> None:
         """Stop the driver thread (it exits by itself when idle too)."""
@@ -523,8 +545,7 @@ class JaxEngine:
         waits for a compile. Returns (programs compiled, seconds)."""
         t0, before = time.perf_counter(), self.compiles
         if self._cache is None:
-            self._cache = allocate(self.shape, self.n_slots, self.capacity, self.dtype,
-                                   self.mesh)
+            self._cache = self._allocate()
         params, cache = self.params(), self._cache
         dest = np.full(self.n_slots, self.n_slots, np.int32)  # every request: nowhere
 
@@ -593,8 +614,7 @@ class JaxEngine:
         dest = np.r_[[a[2] for a in admitted],
                      np.full(self.n_slots - len(jobs), self.n_slots)].astype(np.int32)
         if self._cache is None:
-            self._cache = allocate(self.shape, self.n_slots, self.capacity, self.dtype,
-                                   self.mesh)
+            self._cache = self._allocate()
         args = self._prefill_args(arrays, expand, jobs, [j.seed for j in jobs])
         tok, lp, rows = self._prefill(self.params(), self._cache, *args)
         self._cache = self._insert(self._cache, rows, dest, args[3], lengths)

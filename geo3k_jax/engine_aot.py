@@ -97,6 +97,38 @@ def engine_programs(engine, params: dict) -> dict[str, Callable]:
     return programs
 
 
+def model_costs(engine, config, weights: int) -> dict[str, tuple[float, float]]:
+    """{program: (model FLOPs, model bytes) per device} at `engine_programs`' shapes: what the
+    model's matrix products (`common.flops`) and its reads of the weights (`weights` bytes a
+    device) and of the KV cache cost at least, each program's rows split over the devices.
+    A prefill's rows attend over a whole context each (the cached prefix and their own new
+    tokens, causally), its images counted as one merged token's patches each (their
+    attention left out: a lower bound, whatever the images); the decode is per call, its
+    `DECODE_CHUNK` steps each reading the weights and every slot's whole context (a slot's
+    own pages at most: the decode's costliest page table)."""
+    from common.flops import image_flops, text_flops
+    from geo3k_jax.engine import DECODE_CHUNK
+
+    devices = engine.mesh.devices.size
+    kv_token = engine.shape.bytes(1, 1, engine.dtype)  # keys and values of a token, all layers
+    m2 = engine.merge_size ** 2
+    n = engine.capacity
+
+    def prefill(rows, new):
+        flops = (text_flops(config, rows * new, rows, rows * new * (n - new + (new + 1) / 2))
+                 + rows * new * image_flops(config, m2))
+        return flops / devices, weights + rows * n * kv_token / devices
+
+    shapes = engine.prefill_shapes()
+    out = {"prefill": prefill(*shapes[0]), "insert": (0.0, 0.0)}
+    if len(shapes) > 1:
+        out["prefill_long"] = prefill(*shapes[1])
+    slots = engine.n_slots
+    step = text_flops(config, slots, slots, slots * n) / devices
+    out["decode"] = (DECODE_CHUNK * step, DECODE_CHUNK * (weights + engine.cache_bytes))
+    return out
+
+
 def weight_bytes(params: dict) -> int:
     """Bytes one device holds of the engine's abstract weights."""
     return int(sum(math.prod(p.sharding.shard_shape(p.shape)) * np.dtype(p.dtype).itemsize
@@ -106,8 +138,11 @@ def weight_bytes(params: dict) -> int:
 def compile_engine(cfg, learner, config, chip, names=None, topology: str = "") -> dict:
     """The engine's programs (`names`, default all) compiled for the learner's chips (a host's
     of `topology`, `abstract_engine`): their `geo3k_jax.aot.report`s (the cache and weights are
-    arguments of each) and what stays resident between them (weights, cache), per device."""
+    arguments of each) and what stays resident between them (weights, cache), per device;
+    each with its model FLOPs and bytes (`model_costs`) in its roofline. The decode's figures
+    are per call: `decode_steps` steps."""
     from geo3k_jax.compiled import report
+    from geo3k_jax.engine import DECODE_CHUNK
 
     engine, params = abstract_engine(cfg, learner, config, memory=2 ** 62, topology=topology)
     programs = engine_programs(engine, params)
@@ -115,6 +150,7 @@ def compile_engine(cfg, learner, config, chip, names=None, topology: str = "") -
     if unknown:
         raise SystemExit(f"no engine program {sorted(unknown)}: the programs are "
                          f"{', '.join(programs)}")
+    costs = model_costs(engine, config, weight_bytes(params))
     out = []
     for name in names or programs:
         t0 = time.perf_counter()
@@ -124,8 +160,8 @@ def compile_engine(cfg, learner, config, chip, names=None, topology: str = "") -
             out.append({"program": name, "refused": str(e).splitlines()[0][:300], "fits": False,
                         "compile_s": time.perf_counter() - t0})
             continue
-        out.append(report(name, compiled, chip, 0, time.perf_counter() - t0))
+        out.append(report(name, compiled, chip, 0, time.perf_counter() - t0, *costs[name]))
     return {"slots": engine.n_slots, "context": engine.capacity, "data_shards": engine._data_shards,
             "devices": engine.mesh.devices.size, "prefill_shapes": engine.prefill_shapes(),
-            "compile_set": len(engine.compile_set()),
+            "compile_set": len(engine.compile_set()), "decode_steps": DECODE_CHUNK,
             "weights": weight_bytes(params), "cache": int(engine.cache_bytes), "programs": out}

@@ -70,14 +70,20 @@ def cache_shardings(mesh, shape: CacheShape, slots: int) -> tuple | None:
     return s, s
 
 
-def allocate(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None) -> tuple:
-    """A zero cache: (keys, values), each (Hkv, layers, S, L, D), each device allocating only
-    its own share."""
+def allocator(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None):
+    """A compiled function of no arguments returning a zero cache (`allocate`): keep it to
+    allocate the cache again (after `geo3k_jax.engine.JaxEngine.free`) without a new compile."""
     dims = (shape.kv_heads, shape.layers, slots, capacity, shape.head_dim)
 
     def zeros():
         return jnp.zeros(dims, dtype), jnp.zeros(dims, dtype)
-    return jax.jit(zeros, out_shardings=cache_shardings(mesh, shape, slots))()
+    return jax.jit(zeros, out_shardings=cache_shardings(mesh, shape, slots))
+
+
+def allocate(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None) -> tuple:
+    """A zero cache: (keys, values), each (Hkv, layers, S, L, D), each device allocating only
+    its own share."""
+    return allocator(shape, slots, capacity, dtype, mesh)()
 
 
 def device_memory(device) -> int:

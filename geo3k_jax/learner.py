@@ -24,6 +24,7 @@ log-probs and the loss in fp32 — the JAX counterpart of torch autocast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -166,6 +167,7 @@ class Learner:
         self.compiles = 0  # traces of the compiled functions: each one compilation
         self._shapes = []  # the slice shapes used so far (`buckets.reuse`)
         self._saver = None  # the orbax checkpointer of `save`, kept for its background writes
+        self._offloaded = "none"  # the state in host memory (`offload`)
         self.tx = make_optimizer(train_cfg, params)
         self.param_sh = None if mesh is None else param_shardings(params, mesh, rules)
         # Without a mesh, the state lives committed to this process's device, as a restored
@@ -194,10 +196,49 @@ class Learner:
     def reset(self, params: dict) -> None:
         """Start from `params` (copied into place) with a fresh optimizer state. Parameters given
         as ShapeDtypeStructs make a learner of shapes alone, which only `lower`s its programs."""
-        self.params = self._place(params)
+        self.params, self._offloaded = self._place(params), "none"
         init = jax.jit(self.tx.init, out_shardings=self.home or self.opt_sh)
         self.opt_state = (jax.eval_shape(init, self.params) if _abstract(params)
                           else init(self.params))
+
+    def offload(self, what: str) -> None:
+        """Move the optimizer state ("moments") or the whole state ("all": parameters and KL
+        reference too) into host memory (`geo3k_jax.phases`) until `onload`, which every
+        program of this learner calls first."""
+        from geo3k_jax.phases import HOST, offloaded_parts, to_memory
+        if what == self._offloaded:
+            return
+        self.onload()
+        parts = offloaded_parts(what)
+        if "moments" in parts:
+            self.opt_state = to_memory(self.opt_state, HOST)
+        if "params" in parts:
+            self.params = to_memory(self.params, HOST)
+            if self.ref_params is not None:
+                self.ref_params = to_memory(self.ref_params, HOST)
+        self._offloaded = what
+
+    def onload(self) -> None:
+        """Back from host memory (`offload`) into the learner's own shardings in device memory
+        (as placed at the start: the compiled programs take them as they are)."""
+        if self._offloaded == "none":
+            return
+        self.opt_state = jax.device_put(self.opt_state, self.home or self.opt_sh)
+        if self._offloaded == "all":
+            self.params = jax.device_put(self.params, self.home or self.param_sh)
+            if self.ref_params is not None:
+                self.ref_params = jax.device_put(self.ref_params, self.home or self.param_sh)
+        self._offloaded = "none"
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """The state in device memory inside, offloaded again after as it was."""
+        was = self._offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            self.offload(was)
 
     def export_hf(self, out_dir: Path) -> None:
         """The parameters as a transformers checkpoint in the compute dtype (bf16 on
@@ -208,8 +249,9 @@ class Learner:
         if self.config is None or self.model_dir is None:
             raise ValueError("exporting a Hugging Face directory needs the learner's config "
                              "and model_dir (the source of its tokenizer and processor files)")
-        save_hf(self.merge(self.params), self.config, out_dir,
-                dtype=self.compute_dtype or np.float32, source_dir=self.model_dir)
+        with self._on_device():
+            save_hf(self.merge(self.params), self.config, out_dir,
+                    dtype=self.compute_dtype or np.float32, source_dir=self.model_dir)
 
     def save(self, directory: Path) -> None:
         """Orbax copies the parameters and optimizer state, then writes them in the background
@@ -220,8 +262,9 @@ class Learner:
         self.wait_saved()
         _quiet_orbax()
         self._saver = self._saver or ocp.StandardCheckpointer()
-        self._saver.save(_state_dir(directory),
-                         {"params": self.params, "opt_state": self.opt_state})
+        with self._on_device():  # saved as placed in device memory: restored the same way
+            self._saver.save(_state_dir(directory),
+                             {"params": self.params, "opt_state": self.opt_state})
         if jax.process_index() == 0:  # the shapes used so far: a resumed run pads the same
             (storage.path(directory) / SHAPES_FILE).write_text(json.dumps(self._shapes))
 
@@ -235,6 +278,7 @@ class Learner:
         continues bit for bit, padding each step as the uninterrupted run would."""
         import orbax.checkpoint as ocp
 
+        self.onload()
         path = _state_dir(directory)
         if not path.exists():
             raise FileNotFoundError(f"{directory} has no {STATE_DIR}: not a JAX learner "
@@ -274,6 +318,7 @@ class Learner:
         if not slices:
             raise ValueError("a step needs at least one slice (a process with no micro-batch "
                              "runs a filler: common.step.even_out)")
+        self.onload()
         acc, sums = self._program("zeros")(), None  # the gradient accumulator (fp32, sharded)
         for sl in slices:
             grad_fn, shardings = self._compiled("grad", sl)
@@ -286,6 +331,7 @@ class Learner:
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
         """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
         mask): the behaviour policy when several updates share one rollout."""
+        self.onload()
         slices = self._slices(batches, 1.0, 1.0)
         local = len(slices[0]["input_ids"])  # this process's rows per slice
         out = []

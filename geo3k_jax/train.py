@@ -38,6 +38,7 @@ from geo3k_jax.compiler import use_compilation_cache
 from geo3k_jax.layers import remat_of
 from geo3k_jax.learner import DTYPES, Learner
 from geo3k_jax.model import split_params
+from geo3k_jax.phases import check_phases, frees_engine
 from geo3k_jax.sharding import make_mesh
 from geo3k_jax.splash import resolve_attention
 from geo3k_jax.weights import load_model
@@ -92,6 +93,10 @@ def build(cfg, workdir: str) -> loop.Run:
                          f"{cfg.jax.compute_dtype!r}")
     comm = JaxCollectives()
     check_config(cfg, comm.world)
+    notes = check_phases(cfg)  # jax.offload and jax.free_engine against the schedule
+    if jax.process_index() == 0:
+        for note in notes:
+            print(note, flush=True)
     micro_batch.require_fixed(cfg.train.micro_batch_tokens, "the JAX learner (it compiles its "
                               "row length)")
     loss_cfg = to_dataclass(LossConfig, cfg.loss)
@@ -117,7 +122,8 @@ def build(cfg, workdir: str) -> loop.Run:
             learner, processor, config, seed=cfg.seed, slots=cfg.engine.slots,
             context=cfg.rollout.max_context_tokens,
             memory_fraction=cfg.engine.kv_memory_fraction, prefill_rows=cfg.engine.prefill_rows,
-            prefill_tokens=cfg.engine.prefill_tokens, warm_up=cfg.engine.warm_up))
+            prefill_tokens=cfg.engine.prefill_tokens, warm_up=cfg.engine.warm_up,
+            free=frees_engine(cfg), offload=cfg.jax.offload))
     counters = backend.metrics if isinstance(backend, JaxBackend) else dict
     return loop.Run(learner, backend, comm, processor, train_set, test_set, counters=counters)
 

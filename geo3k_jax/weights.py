@@ -19,6 +19,7 @@ hosts each writes a shard of its own (transformers' sharded layout, with its ind
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
@@ -150,22 +152,74 @@ def shard_name(index: int, count: int) -> str:
     return SINGLE_FILE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def host_params(model, dtype=None, keep=lambda key: True) -> dict[str, np.ndarray]:
-    """{checkpoint key: numpy array} of the (possibly sharded) parameters for which
-    `keep(parameter key)` holds, decoder layers unstacked, cast to `dtype` on the devices
-    before they leave them. A parameter that spans several hosts is all-gathered, one at a
-    time, and every process calls this with the same `dtype` (`keep` may differ: a process
-    drops what it does not keep as soon as it arrives)."""
-    def gather(v):
-        if dtype is not None:
-            v = v.astype(dtype)
-        if v.is_fully_addressable:
-            return np.asarray(jax.device_get(v))
-        return np.asarray(multihost_utils.process_allgather(v, tiled=True))
-    out = {}
-    for k, v in split_params(model)[1].items():
-        value = gather(v)
-        if keep(k):
+def _block(index: tuple) -> tuple:
+    """A device's block of an array (`Sharding.devices_indices_map`'s slices) as a key."""
+    return tuple((i.start, i.stop, i.step) for i in index)
+
+
+def gather_plan(devices: list, index: dict, owner: int) -> list[list[tuple[int, int]]]:
+    """The rounds of point-to-point sends that bring process `owner` every block of an array
+    it does not hold: [[(source, receiver) positions in `devices`, ...], ...]. devices: the
+    array's mesh's devices in the mesh's order; index: {device: its block's slices}. Each
+    block missing from the owner's devices leaves one device that holds it (a replicated block
+    travels once), the owner's devices take turns receiving (one block each a round)."""
+    mine = [i for i, d in enumerate(devices) if d.process_index == owner]
+    have = {_block(index[devices[i]]) for i in mine}
+    sources = {}
+    for i, d in enumerate(devices):
+        block = _block(index[d])
+        if block not in have and block not in sources:
+            sources[block] = i
+    todo = list(sources.values())
+    return [list(zip(todo[r:r + len(mine)], mine)) for r in range(0, len(todo), len(mine))]
+
+
+@functools.lru_cache(maxsize=None)
+def _sender(mesh, spec, rounds: tuple):
+    """A compiled shard_map over `mesh`: every device's block of an array laid out by `spec`,
+    sent along each round's (source, receiver) pairs (`gather_plan`); out: (rounds, *block)
+    on every device, what it received (zeros where nothing came)."""
+    axes = tuple(mesh.axis_names)
+
+    def body(x):
+        return jnp.stack([jax.lax.ppermute(x, axes, perm=list(pairs)) for pairs in rounds])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=P(axes)))
+
+
+def gather_to(v: jax.Array, owner: int) -> np.ndarray | None:
+    """`v` whole as numpy on process `owner` (None on the others; every process calls this):
+    the owner copies its own devices' blocks and receives each other block once, point to
+    point (`gather_plan`: a collective permute), so no process but the owner receives any of
+    it; on one process, or where the owner's devices hold every block, nothing crosses."""
+    me = jax.process_index()
+    if v.is_fully_addressable:
+        return np.asarray(jax.device_get(v)) if me == owner else None
+    devices = list(v.sharding.mesh.devices.flat)
+    index = v.sharding.devices_indices_map(v.shape)
+    rounds = gather_plan(devices, index, owner)
+    got = (_sender(v.sharding.mesh, v.sharding.spec, tuple(map(tuple, rounds)))(v)
+           if rounds else None)
+    if me != owner:
+        return None
+    out = np.empty(v.shape, v.dtype)
+    for shard in v.addressable_shards:
+        out[shard.index] = np.asarray(shard.data)
+    if got is not None:
+        received = {s.device: np.asarray(s.data) for s in got.addressable_shards}
+        for r, pairs in enumerate(rounds):
+            for src, dst in pairs:
+                out[index[devices[src]]] = received[devices[dst]][r]
+    return out
+
+
+def owned_params(params: dict, owner: dict[str, int], dtype=None) -> dict[str, np.ndarray]:
+    """{checkpoint key: numpy array} of the parameters `owner` gives this process, decoder
+    layers unstacked, cast to `dtype` on the devices; each parameter gathered to its owner
+    alone (`gather_to`), one at a time. Every process calls this with the same arguments."""
+    me, out = jax.process_index(), {}
+    for k, v in params.items():
+        value = gather_to(v if dtype is None else v.astype(dtype), owner[k])
+        if owner[k] == me:
             out[k] = value
     return to_hf(out)
 
@@ -175,8 +229,10 @@ def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
     """Write `model` as a transformers checkpoint directory; returns it. Every process calls
     this (parameters may span hosts). One process writes `model.safetensors`; with several,
     each writes the parameters `owners` gives it into a shard of its own
-    (model-0000k-of-0000n.safetensors: each host holds and writes ~1/n of the model) and process
-    0 the index, the config and the side files; all of them are in place when any returns.
+    (model-0000k-of-0000n.safetensors: each host holds and writes ~1/n of the model; each
+    parameter is gathered to its writer alone, `gather_to`, so a host receives only what it
+    writes) and process 0 the index, the config and the side files; all of them are in place
+    when any returns.
 
     dtype: float32 or ml_dtypes bfloat16 (`jnp.bfloat16`); parameters are cast on the devices,
     so a bf16 export moves half the bytes between hosts. Tokenizer / processor files are
@@ -186,7 +242,7 @@ def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
     itemsize = np.dtype(dtype).itemsize
     owner = owners({k: v.size * itemsize for k, v in params.items()}, world)
     tensors = {k: np.ascontiguousarray(v) for k, v in
-               host_params(model, dtype, keep=lambda k: owner[k] == me).items()}
+               owned_params(params, owner, dtype).items()}
     writers = sorted(set(owner.values()))  # every process, unless there are more than tensors
     files = {p: shard_name(i, len(writers)) for i, p in enumerate(writers)}
     index = None

@@ -196,3 +196,48 @@ def test_each_host_writes_its_own_bf16_shard(ckpt, tmp_path, monkeypatch):
     a, b = split_params(model)[1], split_params(back)[1]
     for k in a:
         np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]).astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.heavy
+def test_each_parameter_is_gathered_to_its_writer_alone(tmp_path):
+    """`weights.gather_to` on 2 CPU processes of 2 devices each (gloo; mesh fsdp 2 x tensor 2,
+    a tensor group a process): each layout comes whole to the owner and to no one else, by
+    point-to-point sends (a collective permute, no all-gather), the owner receiving only the
+    blocks its own devices lack: 2 of an array split over fsdp and tensor (4 blocks, 2 of them
+    its own), 1 of one split over fsdp alone (its copy on the other process's second device
+    does not travel too); none of one split over tensor alone or replicated (its devices hold
+    every block). An
+    all-gather would give the other process the array too, and its program an all-gather."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(root),
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.jax_export_worker", str(i),
+                               str(port), str(tmp_path)], cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs[0][-3000:] + logs[1][-3000:]
+    runs = [json.loads((tmp_path / f"gather_{i}.json").read_text()) for i in range(2)]
+    for pid, r in enumerate(runs):
+        for name in ("fsdp_tensor", "tensor", "fsdp", "replicated"):
+            for owner in (0, 1):
+                assert r["got"][f"{name}_{owner}"] is (True if owner == pid else None)
+        p = r["programs"]
+        for owner in (0, 1):
+            mine = owner == pid
+            assert p[f"fsdp_tensor_{owner}"] == {"rounds": 1, "blocks_received": 2 * mine,
+                                                 "permute": True, "all_gather": False}
+            assert p[f"fsdp_{owner}"] == {"rounds": 1, "blocks_received": 1 * mine,
+                                          "permute": True, "all_gather": False}
+            for name in ("tensor", "replicated"):
+                assert p[f"{name}_{owner}"]["rounds"] == 0
