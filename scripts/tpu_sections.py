@@ -24,8 +24,9 @@ of its own by the check (a section that takes the chips down cannot take the oth
 Every section builds the run as `geo3k_jax.train.build` does from configs/tpu.py (`recipe`): on
 one host (`jax.distributed` off: a slice of several hosts is measured one host's chips at a
 time), the synthetic set, the model of `model.path` (the recipe's Qwen3-VL-2B, from the Hub, or
---model). `Settings.tiny_settings` is configs/tpu.py:cpu's tiny checkpoint and counts, on a CPU,
-with the splash and paged attention kernels in Pallas' interpret mode: the same code paths.
+--model). `Settings.tiny_settings` is configs/tpu.py:cpu's tiny checkpoint and counts, on a CPU (the
+decode and numerics sections with the splash and paged attention kernels in Pallas' interpret
+mode, the others with the CPU's attention): the same code paths.
 Each section yields rows (flat dicts); a row that raises is recorded with its traceback and the
 next one still runs.
 """
@@ -168,10 +169,9 @@ def recipe(s: Settings, overrides=()):
     cfg.train.prompts_per_step = s.step_prompts
     if s.model:
         cfg.model.path = s.model
-    if s.tiny:  # an unprimed tiny checkpoint of its own; the TPU's kernels, interpreted
+    if s.tiny:  # an unprimed tiny checkpoint of its own, short turns
         cfg.model.tiny_dir = str(Path(s.out) / "tiny-model")
         cfg.model.tiny_prime_steps = 0
-        cfg.jax.attention = "splash"
         cfg.rollout.max_response_tokens = 16
     for o in tuple(s.overrides) + tuple(overrides):
         if not set_override(cfg, o):
@@ -363,7 +363,8 @@ def decode(s: Settings):
     """Tokens/s of the engine with every slot decoding, per `megacore_mode` this chip takes."""
     import jax
 
-    cfg = recipe(s)
+    # the TPU's kernels, interpreted on a CPU (slow: in this section only)
+    cfg = recipe(s, ("jax.attention=splash",) if s.tiny else ())
     run = build(s, cfg, "decode")
     engine = run.backend.engine
     chip = chip_of(jax.devices()[0].device_kind)
