@@ -346,16 +346,24 @@ def _requests(run, s: Settings, slots: int, tag: str):
     return gpu_sections._requests(run.learner.config, run.processor, at, tag)
 
 
-def use_megacore(mode: str | None) -> None:
+def use_megacore(mode: str | None, interpret: bool = False) -> None:
     """The engine's decode through the paged attention kernel with `megacore_mode` (the
     config has no setting for it: the module's kernel function, wrapped), and JAX's traces
-    dropped so that the next call compiles with it."""
+    dropped so that the next call compiles with it. interpret: Pallas' TPU interpreter, which
+    must simulate two cores for a megacore mode (with one it waits forever)."""
     import jax
+    from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
     from geo3k_jax import ragged
 
-    ragged.pallas_paged = functools.partial(paged_attention, megacore_mode=mode)
+    def kernel(*args, **kwargs):
+        if not (mode and interpret):
+            return paged_attention(*args, megacore_mode=mode, **kwargs)
+        with pltpu.force_tpu_interpret_mode(pltpu.InterpretParams(num_cores_or_threads=2)):
+            return paged_attention(*args, megacore_mode=mode, **kwargs)
+
+    ragged.pallas_paged = kernel
     jax.clear_caches()
 
 
@@ -368,6 +376,7 @@ def decode(s: Settings):
     run = build(s, cfg, "decode")
     engine = run.backend.engine
     chip = chip_of(jax.devices()[0].device_kind)
+    plain = None  # the tokens without megacore: a split kernel should draw the same
     try:
         for mode in MEGACORE_MODES:
             row = {"megacore_mode": str(mode), "slots": engine.n_slots,
@@ -381,19 +390,23 @@ def decode(s: Settings):
                        "note": "one TensorCore a chip: nothing to split"}
                 continue
             try:
-                use_megacore(mode)
-                times, done = [], []
-                for call in ("first", "second"):  # the first compiles
-                    requests = _requests(run, s, engine.n_slots, f"{mode}-{call}")
-                    engine.clear_cache()
+                use_megacore(mode, engine.attention.interpret)
+                times = []
+                for version, call in ((2, "first"), (3, "second")):  # the first compiles
+                    requests = _requests(run, s, engine.n_slots, call)
+                    # a version other than the current one counts requests afresh: each mode's
+                    # calls draw with the same keys
+                    engine.clear_cache(version)
                     steps = engine.decode_steps
                     t0 = time.perf_counter()
                     done = engine.generate(requests)
                     times.append(time.perf_counter() - t0)
-                tokens = sum(len(c.token_ids) for c in done)
-                yield {**row, "first_call_s": times[0], "seconds": times[1], "tokens": tokens,
-                       "decode_steps": engine.decode_steps - steps,
-                       "tokens_per_s": tokens / times[1]}
+                tokens = [c.token_ids for c in done]
+                plain = plain or tokens
+                n = sum(map(len, tokens))
+                yield {**row, "first_call_s": times[0], "seconds": times[1], "tokens": n,
+                       "decode_steps": engine.decode_steps - steps, "tokens_per_s": n / times[1],
+                       "same_tokens": tokens == plain}
             except Exception:  # noqa: BLE001
                 yield _failed(row)
     finally:
