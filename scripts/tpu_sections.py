@@ -68,6 +68,9 @@ CHIPS = (
     (("v5p", "v5"), Chip("v5p", 459e12, 2765e9, 95 * GiB)),
     (("v4",), Chip("v4", 275e12, 1200e9, 32 * GiB)),
 )
+# --tiny's stand-in for a chip, so that the rehearsal computes a roofline too (its numbers say
+# nothing about the CPU)
+NOMINAL = Chip("nominal (tiny rehearsal)", 1e12, 1e11, 16 * GiB)
 MEGACORE = ("v5p", "v4")  # two TensorCores a chip, one JAX device
 MEGACORE_MODES = (None, "kv_head", "batch")  # the paged attention kernel's `megacore_mode`
 # The memory section's variants: (label, config overrides as --config would take them). The
@@ -494,14 +497,14 @@ def learner(s: Settings):
         seconds = (time.perf_counter() - t0) / s.timed_steps
         chips = jax.device_count()
         kind = jax.devices()[0].device_kind
-        chip = chip_of(kind)
+        chip = chip_of(kind) or (NOMINAL if s.tiny else None)
         slices = math.ceil(len(batches) / lrn.rows_per_slice)
         flops = gpu_sections.train_flops(config, batches, processor)
         row = {"device_kind": kind, "chips": chips, "rows": len(batches),
                "row_tokens": budget, "slices": slices, "tokens": sum(b.num_tokens
                                                                      for b in batches),
                "loss": loss, "first_step_s": first, "step_s": seconds,
-               "model_tflop": flops / 1e12}
+               "model_tflop": flops / 1e12, "chip": chip.name if chip else "unknown"}
         if chip is None:
             yield {**row, "note": f"no published peak for {kind!r}: no roofline"}
             return

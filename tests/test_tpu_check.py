@@ -197,7 +197,9 @@ def test_tiny_check_runs_every_section(tmp_path):
     assert 0 < second["prefill_share"] + second["decode_share"] <= 1
     (step,) = rows["learner"]
     assert step["rows"] == 2 and math.isfinite(step["loss"])
-    assert "no roofline" in step["note"]  # a CPU has no published peak
+    assert step["chip"] == "nominal (tiny rehearsal)"  # a CPU has no published peak
+    assert step["roofline_s"] == max(step["compute_s"], step["memory_s"]) > 0
+    assert step["compute_s"] == pytest.approx(step["model_tflop"] * 1e12 / 1e12)  # 1 TFLOP/s
     assert {r["quantity"] for r in rows["numerics"]} >= {"logits", "loss"}
     for name, rs in rows.items():
         numbers = [(k, v) for r in rs for k, v in r.items() if k in MEASURED
