@@ -11,7 +11,8 @@ of its own by the check (a section that takes the chips down cannot take the oth
               config lacks is a skipped row with its note), each in a fresh process
     decode    the engine at the recipe's slots, every slot decoding `new_tokens` tokens (no stop
               token): tokens/s; on a chip of two TensorCores (v5p, v4) again with the paged
-              attention kernel's `megacore_mode` "kv_head" and "batch"
+              attention kernel's `megacore_mode` "kv_head" and "batch", each drawing with the
+              same keys (same_tokens: whether it sampled the plain kernel's tokens)
     rollout   the recipe's multi-turn rollouts of `step_prompts` prompts (after one that
               compiles): the engine's prefill and decode seconds and their shares
     learner   the learner's step on `micro_batches` packed rows of GRPO groups: seconds against
