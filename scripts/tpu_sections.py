@@ -418,21 +418,41 @@ def decode(s: Settings):
         _close(run)
 
 
-def _timed_method(engine, name: str, totals: dict) -> None:
-    """Time every call of `engine.<name>` into totals[name], waiting for the cache it wrote
-    (the insert runs asynchronously after the prefill returns)."""
-    import jax
+def overlap(spans, start: float, end: float) -> float:
+    """Seconds of the (start, end) spans that fall inside the window [start, end]."""
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
 
-    inner = getattr(engine, name)
 
-    def timed(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            jax.block_until_ready(engine._cache)
-            totals[name] += time.perf_counter() - t0
-    setattr(engine, name, timed)
+class PhaseClock:
+    """When the engine's driver thread is inside `engine.<name>` (each call's start and end,
+    waiting for the cache it wrote: the insert runs asynchronously after the prefill returns).
+    A call still running counts up to now: the last decode chunk sets the last future before
+    it returns, so a rollout can end inside it."""
+
+    def __init__(self, engine, names: tuple[str, ...]):
+        self.spans = {n: [] for n in names}
+        self.running: dict[str, float] = {}
+        for name in names:
+            self._wrap(engine, name)
+
+    def _wrap(self, engine, name: str) -> None:
+        import jax
+
+        inner = getattr(engine, name)
+
+        def timed(*args, **kwargs):
+            self.running[name] = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                jax.block_until_ready(engine._cache)
+                self.spans[name].append((self.running.pop(name), time.perf_counter()))
+        setattr(engine, name, timed)
+
+    def seconds(self, name: str, start: float, end: float) -> float:
+        """Seconds inside `engine.<name>` within [start, end]."""
+        now = [(self.running[name], end)] if name in self.running else []
+        return overlap(self.spans[name] + now, start, end)
 
 
 def rollout(s: Settings):
@@ -445,28 +465,26 @@ def rollout(s: Settings):
     cfg = recipe(s)
     run = build(s, cfg, "rollout")
     engine = run.backend.engine
-    totals = {"_prefill_admitted": 0.0, "_decode_chunk": 0.0}
-    _timed_method(engine, "_prefill_admitted", totals)
-    _timed_method(engine, "_decode_chunk", totals)
+    clock = PhaseClock(engine, ("_prefill_admitted", "_decode_chunk"))
     step_cfg = loop.step_config(cfg, run.processor)
     renderer = run.renderer or make_renderer(cfg, run.processor)
     prompts = list(run.train_set)
     try:
         for call in ("first", "second"):
             engine.clear_cache()  # every episode prefilled afresh
-            before = (dict(totals), engine.prefilled, engine.decode_steps)
+            before = (engine.prefilled, engine.decode_steps)
             t0 = time.perf_counter()
             trajs, _ = collect(prompts[:s.step_prompts], engine, renderer, step_cfg, 0)
-            seconds = time.perf_counter() - t0
-            prefill = totals["_prefill_admitted"] - before[0]["_prefill_admitted"]
-            dec = totals["_decode_chunk"] - before[0]["_decode_chunk"]
+            t1 = time.perf_counter()
+            prefill = clock.seconds("_prefill_admitted", t0, t1)
+            dec = clock.seconds("_decode_chunk", t0, t1)
             yield {"call": call, "episodes": len(trajs),
                    "turns_mean": sum(len(t.turns) for t in trajs) / len(trajs),
                    "generated_tokens": sum(t.num_generated for t in trajs),
-                   "prefilled_tokens": engine.prefilled - before[1],
-                   "decode_steps": engine.decode_steps - before[2], "rollout_s": seconds,
-                   "prefill_s": prefill, "decode_s": dec, "prefill_share": prefill / seconds,
-                   "decode_share": dec / seconds}
+                   "prefilled_tokens": engine.prefilled - before[0],
+                   "decode_steps": engine.decode_steps - before[1], "rollout_s": t1 - t0,
+                   "prefill_s": prefill, "decode_s": dec, "prefill_share": prefill / (t1 - t0),
+                   "decode_share": dec / (t1 - t0)}
     finally:
         _close(run)
 

@@ -61,6 +61,33 @@ def test_chip_of_a_cpu_is_none(sections):
     assert sections.chip_of("cpu") is None
 
 
+def test_phase_seconds_are_clipped_to_the_rollout(sections):
+    """Spans 0-2, 3-5 and 9-12 in a rollout from 1 to 10: 1 + 2 + 1 = 4 s. Whole spans would
+    give 7 (more than a share of 1 of the 9 s window allows once phases add up)."""
+    assert sections.overlap([(0, 2), (3, 5), (9, 12)], 1, 10) == 4
+    assert sections.overlap([(11, 12)], 1, 10) == 0
+
+
+def test_a_phase_still_running_counts_up_to_the_window_end(sections):
+    """The engine's last decode chunk sets the last future before it returns: the rollout ends
+    inside it. A call wrapped by the clock records its span; one still running (started at 8)
+    counts to the window's end (10): 2 s more."""
+    class Engine:
+        _cache = None
+
+        def _decode_chunk(self):
+            return "done"
+
+    engine = Engine()
+    clock = sections.PhaseClock(engine, ("_decode_chunk",))
+    assert engine._decode_chunk() == "done"
+    (span,) = clock.spans["_decode_chunk"]
+    assert 0 <= span[1] - span[0] < 1
+    clock.spans["_decode_chunk"] = [(2.0, 3.0)]
+    clock.running["_decode_chunk"] = 8.0
+    assert clock.seconds("_decode_chunk", 1.0, 10.0) == 3.0
+
+
 def test_the_caps_fill_the_budget_under_an_hour(check, sections):
     assert set(check.CAPS_S) == set(sections.SECTIONS)
     assert sum(check.CAPS_S.values()) == check.BUDGET_S == 3300 < 3600
