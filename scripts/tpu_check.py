@@ -60,7 +60,7 @@ import tpu_sections  # noqa: E402
 CAPS_S = {"compile": 1200, "memory": 600, "decode": 420, "rollout": 360, "learner": 480,
           "numerics": 240}
 BUDGET_S = 3300.0  # the caps' sum: 55 minutes
-TINY_BUDGET_S = 3000.0  # --tiny on a slow shared CPU (2 loaded cores: about 20 minutes)
+TINY_BUDGET_S = 3000.0  # --tiny on a slow shared CPU (2 loaded cores: 6 to 20 minutes)
 MIN_SECTION_S = 30.0  # less time left than this: the section is not started
 VERSIONED = ("jax", "jaxlib", "libtpu", "flax", "optax", "transformers", "torch")
 

@@ -196,7 +196,7 @@ MEASURED = ("build_s", "learner_grad_s", "learner_apply_s", "engine_s", "total_s
 
 
 @pytest.mark.slow
-@pytest.mark.heavy  # 15-25 minutes on 2 loaded cores: 7 builds, 2 x 45 engine programs
+@pytest.mark.heavy  # 6-20 minutes on 2 loaded cores: 7 builds, 2 x 45 engine programs
 @pytest.mark.timeout(3600)
 def test_tiny_check_runs_every_section(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPTS / "tpu_check.py"), "--tiny",
