@@ -17,8 +17,10 @@ page`, so layer `layer` is an offset into the page ids, never a copy.
 The kernel is JAX's `jax.experimental.pallas.ops.tpu.paged_attention` (one query per
 sequence, the decode's shape): it walks each slot's pages up to its length in blocks of
 `KERNEL_BLOCK` pages and skips slots of length 0. (JAX's ragged paged attention kernel, which
-also takes prefills, wants keys and values interleaved by head and does not run in JAX 0.10's
-interpret mode, so no test on a CPU could check it.) The XLA path's page ids are `local slot x
+also takes prefills, wants keys and values interleaved by head; unmodified, it compiles for v5p
+and v6e at the project's shapes, but fails both of JAX 0.10's interpreters on a CPU, on an
+in-place reshape of a buffer ref and an interpreter bounds bug: docs/tpu_engine.md,
+scripts/ragged_kernel_check.py.) The XLA path's page ids are `local slot x
 L / PAGE + page`; -1 pads a shard's list to N, a bucket shared by the shards (a compile per
 bucket); each page's scores are reduced on their own (max, sum, weighted values) and the pages
 of a slot combined by their maxima, the way the kernel does, in fp32.
