@@ -375,11 +375,13 @@ class Learner:
         ShapeDtypeStructs), lowered for the mesh's devices and not run: "grad" (one slice's
         gradient added into the donated accumulator) and "apply" (the update, which donates the
         parameters and optimizer state). All a learner of shapes alone can do:
-        `geo3k_jax.aot` compiles them for a TPU slice on a host without one."""
+        `geo3k_jax.aot` compiles them for a TPU slice on a host without one. An offloaded
+        state (`offload`) is lowered as the programs take it, in device memory."""
         like = lambda x, sh=None: jax.ShapeDtypeStruct(  # noqa: E731
             x.shape, x.dtype, sharding=sh if sh is not None else getattr(x, "sharding", None))
-        params, opt_state = (jax.tree.map(like, t) for t in (self.params, self.opt_state))
-        ref = None if self.ref_params is None else jax.tree.map(like, self.ref_params)
+        with self._on_device():  # the shapes and shardings of the state as the programs run
+            params, opt_state = (jax.tree.map(like, t) for t in (self.params, self.opt_state))
+            ref = None if self.ref_params is None else jax.tree.map(like, self.ref_params)
         grad_fn, shardings = self._compiled("grad", sl)
         sl = jax.tree.map(like, sl) if shardings is None else jax.tree.map(like, sl, shardings)
         acc = jax.eval_shape(self._program("zeros"))

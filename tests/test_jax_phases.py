@@ -160,3 +160,22 @@ def test_budget_phases():
     assert every["phases"]["rollout"] / G == 14
     with pytest.raises(ValueError, match="cannot be freed"):
         budget(learner, engine, 40 * G, True, free=True)
+
+
+@pytest.mark.slow
+def test_an_offloaded_learner_lowers_its_programs_for_device_memory(setup):
+    """`lower` (what `geo3k_jax.aot` and scripts/tpu_check.py's memory section compile) on a
+    learner whose whole state waits in host memory: its programs are lowered for the state in
+    device memory, and the state stays offloaded. (Under a mesh, lowering from the host
+    arrays' shardings failed in tpu_check's memory section: "memory_space of all inputs passed
+    to `gather` must be the same"; that section's --tiny run, tests/test_tpu_check.py, covers
+    the mesh; on one device, as here, the programs' shardings hid it.)"""
+    from geo3k_jax.aot import abstract_slice
+
+    length = setup.batch["input_ids"].shape[1]
+    learner = setup.learner(LossConfig(), train_config(), shape={
+        "length": length, "targets": 64, "patches": 64, "window": length, "prefix_window": 0})
+    learner.offload("all")
+    lowered = learner.lower(abstract_slice(learner, setup.config))
+    assert set(lowered) == {"grad", "apply"}
+    assert {a.sharding.memory_kind for a in jax.tree.leaves(learner.params)} == {HOST}
