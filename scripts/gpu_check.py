@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
 import json
 import os
 import resource
@@ -55,13 +54,13 @@ import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
 import gpu_profile  # noqa: E402
 import gpu_sections  # noqa: E402
+from check_runner import record_rows, tail, versions  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets), matched in order against the device name.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
@@ -109,21 +108,8 @@ def run_here(name: str, s: gpu_sections.Settings, path: Path, device: str) -> No
     """Run section `name`, writing its JSON (the device, versions and rows) after every row (a
     crash keeps what came before); a row or the section that raises is recorded with its
     traceback."""
-    result = {"status": "running", "device": device, "versions": _versions(), "rows": []}
-
-    def write():
-        path.write_text(json.dumps(result, indent=1))
-
-    write()
-    try:
-        for row in gpu_sections.SECTIONS[name](s):
-            result["rows"].append({"status": "ok", **row})
-            write()
-        failed = any(r["status"] == "failed" for r in result["rows"])
-        result["status"] = "failed" if failed else "ok"
-    except Exception:  # noqa: BLE001  (recorded, and the exit status says so)
-        result.update(status="failed", error=traceback.format_exc())
-    write()
+    record_rows(lambda: gpu_sections.SECTIONS[name](s), path,
+                {"device": device, "versions": versions(VERSIONED)})
 
 
 def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: float,
@@ -152,10 +138,10 @@ def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: flo
     result["seconds"] = time.perf_counter() - start
     result["cpu_s"] = _children_cpu_s() - cpu  # on a busy host, wall time says little
     if rc is None:
-        result.update(status="timeout", error=f"stopped after {timeout:.0f} s\n" + _tail(log))
+        result.update(status="timeout", error=f"stopped after {timeout:.0f} s\n" + tail(log))
     elif result.get("status") not in ("ok", "failed"):  # it died before writing its end
         result.update(status="failed",
-                      error=f"the process exited with status {rc}\n" + _tail(log))
+                      error=f"the process exited with status {rc}\n" + tail(log))
     return result
 
 
@@ -177,8 +163,6 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _tail(log: Path, lines: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -273,7 +257,7 @@ def main(argv=None) -> int:
     s = settings(str(out), args.tiny, peak)
     report = {"device": name, "tiny": args.tiny, "peak_tflops": peak, "shapes": s.shapes,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "settings": dataclasses.asdict(s), "versions": _versions(), "sections": {}}
+              "settings": dataclasses.asdict(s), "versions": versions(VERSIONED), "sections": {}}
     budget = args.budget_s or (1800.0 if args.tiny else BUDGET_S)
     order = [n for n in gpu_sections.SECTIONS if n in wanted]
     signal.signal(signal.SIGTERM, _interrupted)
@@ -320,14 +304,6 @@ def write_report(out: Path, report: dict, start: float) -> None:
     (out / "gpu_check.md").write_text(markdown(report))
 
 
-def _versions() -> dict:
-    out = {}
-    for pkg in VERSIONED:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "absent"
-    return out
 
 
 if __name__ == "__main__":

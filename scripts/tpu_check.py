@@ -37,20 +37,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's packages
 
 import gpu_profile  # noqa: E402  (its markdown table)
 import tpu_sections  # noqa: E402
+from check_runner import record_rows, tail, versions  # noqa: E402
 
 # The seconds a section is sure of (it may also use what the sections before it left unused).
 # No TPU has run them: sized from the compiles on a 2-core CPU host (docs/tpu.md: the 2B
@@ -78,21 +77,7 @@ def section_timeout(section: str, order: list[str], left: float, tiny: bool) -> 
 def run_here(name: str, s: tpu_sections.Settings, path: Path) -> None:
     """Run section `name`, writing its rows to `path` after every row (a crash keeps what came
     before); a row or the section that raises is recorded with its traceback."""
-    result = {"status": "running", "rows": []}
-
-    def write():
-        path.write_text(json.dumps(result, indent=1, default=str))
-
-    write()
-    try:
-        for row in tpu_sections.SECTIONS[name](s):
-            result["rows"].append({"status": "ok", **row})
-            write()
-        failed = any(r["status"] == "failed" for r in result["rows"])
-        result["status"] = "failed" if failed else "ok"
-    except Exception:  # noqa: BLE001  (recorded, and the exit status says so)
-        result.update(status="failed", error=traceback.format_exc())
-    write()
+    record_rows(lambda: tpu_sections.SECTIONS[name](s), path)
 
 
 def child_command(args: argparse.Namespace, section: str, out: Path) -> list[str]:
@@ -122,10 +107,10 @@ def run_child(cmd: list[str], path: Path, log: Path, timeout: float, tiny: bool)
     result = json.loads(path.read_text()) if path.exists() else {"rows": []}
     result["seconds"] = time.perf_counter() - start
     if rc is None:
-        result.update(status="timeout", error=f"stopped after {timeout:.0f} s\n" + _tail(log))
+        result.update(status="timeout", error=f"stopped after {timeout:.0f} s\n" + tail(log))
     elif result.get("status") not in ("ok", "failed"):  # it died before writing its end
         result.update(status="failed",
-                      error=f"the process exited with status {rc}\n" + _tail(log))
+                      error=f"the process exited with status {rc}\n" + tail(log))
     return result
 
 
@@ -142,8 +127,6 @@ def probe(tiny: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _tail(log: Path, lines: int = 40) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -207,7 +190,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"JAX sees {device['platform']} devices, no TPU: this check is for a "
                          "TPU host (add --tiny for its CPU rehearsal)")
     report = {"device": device, "tiny": args.tiny, "model": args.model,
-              "overrides": args.override, "versions": _versions(), "sections": {},
+              "overrides": args.override, "versions": versions(VERSIONED), "sections": {},
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     budget = args.budget_s or (TINY_BUDGET_S if args.tiny else BUDGET_S)
     start = time.perf_counter()
@@ -233,14 +216,6 @@ def main(argv=None) -> int:
     return 1 if report["failed"] else 0
 
 
-def _versions() -> dict:
-    out = {}
-    for pkg in VERSIONED:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "absent"
-    return out
 
 
 if __name__ == "__main__":
