@@ -16,6 +16,7 @@ compute, fp32 master weights, fp32 gradient reduction.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -26,7 +27,10 @@ import torch.distributed as dist
 def init(device_type: str, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join the process group (torchrun's environment; on CUDA also alone, for FSDP2 at world
     size 1). timeout_s: how long a collective waits for the other ranks (`train.
-    collective_timeout_s`; they wait while rank 0 starts SGLang). Returns (rank, world_size)."""
+    collective_timeout_s`; they wait while rank 0 starts SGLang). Returns (rank, world_size).
+    The group is destroyed at exit if nothing did so before (`shutdown`): a gloo group left to
+    the interpreter's finalization can abort the process (SIGABRT) as its worker threads free
+    tensors after Python is gone, failing a run that had finished."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = device_type == "cuda"
     if world == 1 and not cuda:
@@ -41,10 +45,12 @@ def init(device_type: str, timeout_s: float = 1800.0) -> tuple[int, int]:
         else:  # one process, not launched by torchrun
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
+        atexit.register(shutdown)
     return dist.get_rank(), dist.get_world_size()
 
 
 def shutdown() -> None:
+    """Leave the process group (nothing when none was joined, or it was left already)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -465,9 +465,15 @@ def test_several_processes_need_a_workdir_unless_the_entry_point_shares_one(tmp_
 
 
 TORCHRUN_CHILD = """
-import os, sys, time
+import atexit, os, sys, time
 from pathlib import Path
 sys.path.insert(0, {root!r})
+import torch.distributed as dist
+
+def left_the_group():  # registered first, so it runs after every handler the run registers
+    Path(f"left_{{os.environ['RANK']}}").write_text(str(not dist.is_initialized()))
+
+atexit.register(left_the_group)
 if os.environ["RANK"] == "1":
     time.sleep(1.5)  # the ranks read their clocks in different seconds
 from common import cli
@@ -486,7 +492,9 @@ cli.main(train, rank=lambda: int(os.environ["RANK"]), grpo=True, same_workdir=sa
 def test_under_torchrun_every_rank_uses_rank_0s_run_folder(tmp_path):
     """Two CPU processes (gloo) under torchrun, no --workdir, rank 1 reading its clock 1.5 s
     after rank 0: both write into the one folder rank 0 named (`geo3k_torch.prepare.
-    same_workdir`, the torch entry points' broadcast), and rank 0 alone prints `done:`."""
+    same_workdir`, the torch entry points' broadcast), and rank 0 alone prints `done:`. The
+    `train` here never leaves the group: each process has left it before exiting all the same
+    (`distributed.init`'s exit handler; a gloo group left to finalization aborted a rank)."""
     from tests.test_fsdp import free_port
     child = tmp_path / "child.py"
     child.write_text(TORCHRUN_CHILD.format(root=str(ROOT)))
@@ -500,6 +508,7 @@ def test_under_torchrun_every_rank_uses_rank_0s_run_folder(tmp_path):
     assert len(folders) == 1, folders
     assert sorted(p.name for p in folders[0].iterdir()) == ["rank_0", "rank_1"]
     assert out.stdout.count("done: runs/") == 1
+    assert [(tmp_path / f"left_{r}").read_text() for r in (0, 1)] == ["True", "True"]
 
 
 @pytest.mark.slow
