@@ -1,9 +1,11 @@
 """Independent replicates of the CPU default, and their table (docs/results.md).
 
-Replicate k runs `configs/cpu_perception.py` with `seed`, `model.tiny_seed` and
-`data.synthetic_seed` all k: its own tiny checkpoint (pretrained on its own figures, primed with
-its own draws) and its own train and test splits, each built deterministically from k into
-data/rep<k>/ (replicate 0 is `make train` itself, in the config's default folders).
+Replicate k of a learner runs `configs/cpu_perception.py` with `seed`, `model.tiny_seed` and
+`data.synthetic_seed` all equal to its seed: k for torch, k + 100 for JAX (`SEED_BASE`), so no
+checkpoint or data is shared between the two learners' replicates. Each builds its own tiny
+checkpoint (pretrained on its own figures, primed with its own draws) and its own train and test
+splits, deterministically from the seed, into data/rep<seed>/ (seed 0 is `make train` itself, in
+the config's default folders).
 
     python scripts/replicates.py run --learner=torch --replicates 0 1 2 3 4 [--cpu=0]
     python scripts/replicates.py run --learner=jax --replicates 0 1 2 3 4
@@ -12,11 +14,9 @@ data/rep<k>/ (replicate 0 is `make train` itself, in the config's default folder
         --curve docs/cpu_perception_curve.png --chart docs/eval_cpu_perception.png
 
 `run` trains one replicate after the other into runs/rep/<learner>-<k> (`--cpu` pins them to
-one core with taskset, so two learners can run side by side on a 2-core machine); a replicate's
-checkpoint and data are built by whichever learner reaches it first, so start the two learners'
-first new replicate one after the other. `table` reads each workdir's metrics.jsonl: the
-greedy evaluation at step 0 and at the last evaluated step, judged against the target once
-the run has reached its `train.steps` (config.json).
+one core with taskset, so two learners can run side by side on a 2-core machine). `table` reads
+each workdir's metrics.jsonl and config.json: the greedy evaluation at step 0 and at the last
+evaluated step, judged against the target once the run has reached its `train.steps`.
 """
 
 from __future__ import annotations
@@ -31,25 +31,33 @@ import time
 from pathlib import Path
 
 MODULES = {"torch": "geo3k_torch.main", "jax": "geo3k_jax.train"}
-# (header, metrics key) of each number the table shows for an evaluation
+SEED_BASE = {"torch": 0, "jax": 100}  # replicate k's seed: k + its learner's base
+# (header, metrics key, its standard error's key or None) of each number the table shows
 COLUMNS = (
-    ("first try", "eval/greedy_first_try_accuracy"),
-    ("with feedback", "eval/greedy_accuracy"),
-    ("cond.", "eval/greedy_conditional_line"),
-    ("recovery", "eval/greedy_recovery_after_miss"),
-    ("blank first try", "eval/blank/greedy_first_try_accuracy"),
-    ("blank with feedback", "eval/blank/greedy_accuracy"),
+    ("first try", "eval/greedy_first_try_accuracy", "eval/greedy_first_try_accuracy_se"),
+    ("own-miss recovery", "eval/greedy_recovery_after_miss", "eval/greedy_recovery_after_miss_se"),
+    ("lookup share", "eval/greedy_retry_lookup_share", None),
+    ("forced-miss recovery", "eval/forced/greedy_recovery", "eval/forced/greedy_recovery_se"),
+    ("blind line", "eval/forced/greedy_blind_retry_line", None),
+    ("blank first try", "eval/blank/greedy_first_try_accuracy", "eval/blank/greedy_first_try_accuracy_se"),
+    ("blank turn 2 valid", "eval/blank/greedy_turn_2_valid_answer_rate", None),
+    ("blank turn 2 repeats", "eval/blank/greedy_turn_2_repeat_rate", None),
 )
-ELIMINATION_RECOVERY = 2 / 3  # blind non-repeating elimination after a miss: 4 choices, 3 turns
+TARGET = "first try >= 0.5, forced-miss recovery >= blind line + 2 SE"
+
+
+def seed(learner: str, k: int) -> int:
+    return SEED_BASE[learner] + k
 
 
 def command(learner: str, k: int, workdir: Path) -> list[str]:
-    """The command line of replicate k (the same for both learners but the module)."""
+    """The command line of replicate k of `learner` (its own seed, checkpoint and data)."""
+    s = seed(learner, k)
     cmd = [sys.executable, "-m", MODULES[learner], "--config=configs/cpu_perception.py",
-           f"--config.seed={k}", f"--config.model.tiny_seed={k}", f"--config.data.synthetic_seed={k}"]
-    if k:
-        cmd += [f"--config.model.tiny_dir=data/rep{k}/tiny",
-                f"--config.data.synthetic_dir=data/rep{k}/synthetic"]
+           f"--config.seed={s}", f"--config.model.tiny_seed={s}", f"--config.data.synthetic_seed={s}"]
+    if s:
+        cmd += [f"--config.model.tiny_dir=data/rep{s}/tiny",
+                f"--config.data.synthetic_dir=data/rep{s}/synthetic"]
     return cmd + [f"--workdir={workdir / f'{learner}-{k}'}"]
 
 
@@ -79,32 +87,41 @@ def evaluations(metrics: Path) -> dict[int, dict]:
     return out
 
 
-def planned_steps(workdir: Path) -> int:
-    """The run's `train.steps`, from the config.json its run wrote (0 when there is none: the
-    last evaluation is taken as final)."""
+def run_config(workdir: Path) -> dict:
+    """The config its run wrote to config.json ({} when there is none)."""
     path = workdir / "config.json"
-    return int(json.loads(path.read_text())["config"]["train"]["steps"]) if path.exists() else 0
+    return json.loads(path.read_text())["config"] if path.exists() else {}
 
 
-def meets_target(row: dict) -> bool:
-    """Issue 48's target: first try >= 0.5, with feedback above the conditional line and recovery
-    after a miss above blind elimination's 2/3."""
+def meets_target(row: dict) -> bool | None:
+    """First try >= 0.5 and forced-miss recovery above its figure-blind line by at least two
+    standard errors; None when the row has no forced-miss evaluation to judge."""
+    need = ("eval/forced/greedy_recovery", "eval/forced/greedy_recovery_se",
+            "eval/forced/greedy_blind_retry_line")
+    if not all(k in row for k in need):
+        return None
     return (row["eval/greedy_first_try_accuracy"] >= 0.5
-            and row["eval/greedy_accuracy"] > row["eval/greedy_conditional_line"]
-            and row["eval/greedy_recovery_after_miss"] > ELIMINATION_RECOVERY)
+            and row[need[0]] >= row[need[2]] + 2 * row[need[1]])
 
 
 def _cells(row: dict) -> list[str]:
-    return [f"{row[key]:.3f}" if key in row else "-" for _, key in COLUMNS]
+    out = []
+    for _, key, se in COLUMNS:
+        cell = f"{row[key]:.3f}" if key in row else "-"
+        if key in row and se in row:
+            cell += f" ± {row[se]:.3f}"
+        out.append(cell)
+    return out
 
 
 def table(root: Path) -> str:
-    """The markdown table of every <learner>-<k> workdir under `root`, and a line per learner
-    with how many replicates meet the target. Raises FileNotFoundError when none has an
-    evaluation."""
-    header = ["learner", "k", "step"] + [name for name, _ in COLUMNS] + ["target"]
+    """The markdown table of every <learner>-<k> workdir under `root` (its seeds from its
+    config.json), and a line per learner with how many finished replicates meet the target.
+    Raises FileNotFoundError when none has an evaluation."""
+    header = ["learner", "k", "seeds (run, tiny, data)", "step"] + [c[0] for c in COLUMNS] + ["target"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     met: dict[str, list[bool]] = {}
+    builds: dict[tuple, list[str]] = {}  # (tiny, data) seeds -> the workdirs built from them
     dirs = sorted(root.glob("*-*"), key=lambda d: (d.name.rsplit("-", 1)[0], _index(d.name)))
     for d in dirs:
         learner, k = d.name.rsplit("-", 1)
@@ -113,7 +130,14 @@ def table(root: Path) -> str:
         evals = evaluations(d / "metrics.jsonl")
         if not evals:
             continue
-        last, steps = max(evals), planned_steps(d)
+        cfg = run_config(d)
+        seeds = (", ".join(str(x) for x in (cfg["seed"], cfg["model"]["tiny_seed"],
+                                            cfg["data"]["synthetic_seed"]))
+                 if cfg.get("model") and cfg.get("data") else "-")
+        if seeds != "-":
+            builds.setdefault((cfg["model"]["tiny_seed"], cfg["data"]["synthetic_seed"]),
+                              []).append(d.name)
+        last, steps = max(evals), cfg.get("train", {}).get("steps", 0)
         for step in sorted({min(evals), last}):
             row = evals[step]
             target = ""
@@ -121,15 +145,22 @@ def table(root: Path) -> str:
                 target = f"(running: {steps} steps)"
             elif step == last and step:
                 ok = meets_target(row)
-                met.setdefault(learner, []).append(ok)
-                target = "yes" if ok else "**no**"
-            lines.append("| " + " | ".join([learner, k, str(step)] + _cells(row) + [target]) + " |")
-    if not met and len(lines) == 2:
+                if ok is None:
+                    target = "no forced-miss row"
+                else:
+                    met.setdefault(learner, []).append(ok)
+                    target = "yes" if ok else "**no**"
+            lines.append("| " + " | ".join([learner, k, seeds, str(step)] + _cells(row) + [target])
+                         + " |")
+    if len(lines) == 2:
         raise FileNotFoundError(f"no <learner>-<k> workdir with an evaluation under {root}")
     lines.append("")
     for learner, oks in met.items():
-        lines.append(f"{learner}: {sum(oks)} of {len(oks)} replicates meet the target "
-                     "(first try >= 0.5, with feedback > cond., recovery > 2/3)")
+        lines.append(f"{learner}: {sum(oks)} of {len(oks)} replicates meet the target ({TARGET})")
+    for (tiny, data), names in builds.items():
+        if len(names) > 1:
+            lines.append(f"{' and '.join(names)} share their build seeds (tiny {tiny}, data "
+                         f"{data}): the same data and checkpoint recipe, not independent replicates")
     return "\n".join(lines) + "\n"
 
 
