@@ -2,7 +2,7 @@
 
 The loop (`common.train`) and the GRPO step (`common.step`) see a learner only through these
 protocols, so the torch learner (`geo3k_torch.learner`) and the JAX learner
-(`geo3k_jax.learner`) are interchangeable. Every process of a run calls every method, in the
+(`geo3k_jax.learner.learner`) are interchangeable. Every process of a run calls every method, in the
 same order: collectives may happen inside.
 
 A learner whose step runs in the background (JAX dispatches a step and returns at once) returns

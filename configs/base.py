@@ -286,11 +286,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)
     c.jax.remat = False  # recompute each decoder layer and vision block in the backward pass
     # what a rematerialised layer keeps: full (nothing) | projections (the dense projections'
-    # outputs: geo3k_jax.layers.REMAT_POLICIES)
+    # outputs: geo3k_jax.models.layers.REMAT_POLICIES)
     c.jax.remat_policy = "full"
-    c.jax.attention = "auto"  # auto | splash | windowed (auto: splash on TPU; geo3k_jax.splash)
-    # Learner row lengths (geo3k_jax.buckets.Ladder): lengths an octave (a power of two) and how
-    # much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
+    # auto | splash | windowed (auto: splash on TPU; geo3k_jax.kernels.splash)
+    c.jax.attention = "auto"
+    # Learner row lengths (geo3k_jax.core.buckets.Ladder): lengths an octave (a power of two) and
+    # how much longer a compiled shape may be than a slice needs; finer pads less, compiles more.
     c.jax.row_rungs = 4
     c.jax.reuse_slack = 1.5  # a compiled row may be this much longer than needed
     # Or one slice shape for the whole run (a TPU compile takes minutes): rows of the micro-batch
@@ -307,10 +308,11 @@ def get_config() -> ml_collections.ConfigDict:
     # device's memory (its own, or jax.hbm_gib GiB): `python -m geo3k_jax.aot`'s budget.
     c.jax.hbm_check = False
     c.jax.hbm_gib = 0.0
-    # Device memory between a step's phases (geo3k_jax.phases), with train.max_staleness = 0:
-    # free the JAX engine's KV cache and weights during the learner's step (no result changes;
-    # ignored, with a line saying so, where rollouts overlap training), and keep the learner's
-    # Adam moments ("moments") or its whole state ("all") in host memory during rollouts.
+    # Device memory between a step's phases (geo3k_jax.learner.phases), with
+    # train.max_staleness = 0: free the JAX engine's KV cache and weights during the learner's
+    # step (no result changes; ignored, with a line saying so, where rollouts overlap training),
+    # and keep the learner's Adam moments ("moments") or its whole state ("all") in host memory
+    # during rollouts.
     c.jax.free_engine = True
     c.jax.offload = "none"  # none | moments | all
     c.jax.check = ml_collections.ConfigDict()

@@ -9,7 +9,7 @@ Learner: parameters and optimizer state sharded FSDP-style over every chip (`jax
 bf16 compute with fp32 state, decoder layers rematerialised, the LM head 1,024 trained tokens
 of a row at a time, 16,384-token rows; on a multi-host slice every host runs this command
 (`jax.distributed`). Rollouts: the in-process JAX engine on the slice's own chips
-(`geo3k_jax.backend.JaxBackend`): every host samples its own share of the episodes on its own
+(`geo3k_jax.engine.backend.JaxBackend`): every host samples its own share of the episodes on its own
 chips, from a bf16 copy of the learner's parameters made in device memory after every step (no
 export, no host copy). `--config.engine.backend=sglang --config.engine.sglang_urls=...` sends
 them to SGLang servers instead (GPU machines the slice can reach), synced from a bf16 export in
@@ -50,7 +50,7 @@ def get_config(arg=None):
         c.engine.slots = 8
         c.jax.hbm_check = False  # minutes of compiling on a CPU; tests/test_jax_aot.py turns it on
         c.engine.warm_up = False  # the same: tests/test_jax_engine.py warms an engine up
-    # A compile takes minutes here: one slice shape for the run (geo3k_jax.buckets.one_shape).
+    # A compile takes minutes here: one slice shape for the run (geo3k_jax.core.buckets.one_shape).
     # Rows of the micro-batch budget (16,384 tokens), any of them trained; 2,048 image patches
     # (a row holds a few groups, each prompt's image encoded once); a sequence is at most
     # rollout.max_context_tokens (8,192) long, so a query block sees at most that + 128 of its

@@ -1,3 +1,8 @@
-"""geo3k_jax: the JAX/Flax learner of geo3k-rl (Qwen-VL models, sharded GRPO step, numerics
-check against torch). The package holds no code yet: its issue is open. The shared core it will
-build on (`common/`) is already framework-free."""
+"""geo3k_jax: the JAX/Flax learner of geo3k-rl (Qwen-VL models, sharded GRPO step, in-process
+rollout engine, numerics check against torch).
+
+One folder per component, each importing only the folders listed before it: `core` (mesh,
+batches, slices), `kernels` (attention), `models` (Flax Qwen-VL, checkpoints), `learner` and
+`engine` (which never import each other), `tpu` (compiling for TPU slices) and `check` (JAX
+against torch). The entry points `train`, `main` and `aot` sit at the top and may import any
+folder. tests/test_jax_layout.py holds the order."""

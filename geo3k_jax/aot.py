@@ -9,15 +9,15 @@ and the update — with the parameters built abstractly from a model's published
 (`configs/models`, or a checkpoint directory's config.json: no weights), the mesh and partition
 rules of `--config`, and one slice of its one shape (`config.jax.slice`, one row per
 data-parallel device); with `engine.backend=local` also the JAX engine's programs on the same
-chips at their largest shapes (`geo3k_jax.engine_aot`). It prints, per device, the bytes of each
+chips at their largest shapes (`geo3k_jax.tpu.engine_aot`). It prints, per device, the bytes of each
 program's arguments, outputs, temporaries and code, the compiler's flops and bytes accessed and
 a roofline bound on the program's time (max of flops / peak and bytes / bandwidth), then the
 run's budget (`budget`): each phase of a step — rollout, weight copy, training, and both at once
 when rollouts overlap training — as the peak of the program running plus what the other side
 keeps resident (nothing of the engine's during training with `jax.free_engine`, less the
-learner's moments during rollouts with `jax.offload`: `geo3k_jax.phases`), the largest against
-the chip's HBM, and the engine slots that would fit. The engine's programs carry the model's
-FLOPs and bytes (`geo3k_jax.engine_aot.model_costs`) in their roofline: a decode step reads
+learner's moments during rollouts with `jax.offload`: `geo3k_jax.learner.phases`), the largest
+against the chip's HBM, and the engine slots that would fit. The engine's programs carry the model's
+FLOPs and bytes (`geo3k_jax.tpu.engine_aot.model_costs`) in their roofline: a decode step reads
 every weight and its slots' keys for little arithmetic, so it is bound by the HBM's bandwidth. Exits 1
 when it does not fit; a run with `jax.hbm_check` refuses to start on the same numbers
 (`check_run`). Nothing runs on a TPU: a compile that fits is no proof of speed.
@@ -34,12 +34,12 @@ PROGRAMS_HELP = "the engine's programs to compile"
 
 
 def define_flags(flag_values, programs_help: str = PROGRAMS_HELP) -> None:
-    """This command's flags (and `geo3k_jax.engine_aot`'s) on `flag_values`; imports no jax
+    """This command's flags (and `geo3k_jax.tpu.engine_aot`'s) on `flag_values`; imports no jax
     (--help lists them before it loads)."""
     from absl import flags
     from ml_collections import config_flags
 
-    from geo3k_jax.topology import TOPOLOGIES
+    from geo3k_jax.tpu.topology import TOPOLOGIES
     fv = flag_values
     config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "a geo3k-rl config file",
                                     flag_values=fv)
@@ -72,11 +72,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from common.flops import row_flops  # noqa: E402
-from geo3k_jax.compiled import CHIPS, GiB, Chip, report  # noqa: E402,F401 (re-exported)
-from geo3k_jax.layers import remat_of  # noqa: E402
-from geo3k_jax.phases import frees_engine, offloaded_parts  # noqa: E402
-from geo3k_jax.splash import resolve_attention  # noqa: E402
-from geo3k_jax.topology import TOPOLOGIES, topology_devices  # noqa: E402,F401 (re-exported)
+from geo3k_jax.tpu.compiled import CHIPS, GiB, Chip, report  # noqa: E402,F401 (re-exported)
+from geo3k_jax.models.layers import remat_of  # noqa: E402
+from geo3k_jax.learner.phases import frees_engine, offloaded_parts  # noqa: E402
+from geo3k_jax.kernels.splash import resolve_attention  # noqa: E402
+from geo3k_jax.tpu.topology import TOPOLOGIES, topology_devices  # noqa: E402,F401 (re-exported)
 
 
 def model_config(shapes: str):
@@ -95,14 +95,14 @@ def model_config(shapes: str):
 
 
 def abstract_learner(cfg, config, devices):
-    """A `geo3k_jax.learner.Learner` of shapes alone (no weights) on a mesh of `devices`."""
+    """A `geo3k_jax.learner.learner.Learner` of shapes alone (no weights) on a mesh of `devices`."""
     from common.grpo import LossConfig
     from configs import to_dataclass
-    from geo3k_jax.buckets import one_shape
-    from geo3k_jax.learner import Learner
-    from geo3k_jax.model import QwenVL, split_params
-    from geo3k_jax.sharding import make_mesh
-    from geo3k_jax.learner import DTYPES
+    from geo3k_jax.core.buckets import one_shape
+    from geo3k_jax.learner.learner import Learner
+    from geo3k_jax.models.model import QwenVL, split_params
+    from geo3k_jax.core.sharding import make_mesh
+    from geo3k_jax.learner.learner import DTYPES
 
     mesh = make_mesh(dict(cfg.jax.mesh), devices)
     attention = resolve_attention(cfg.jax.attention, devices[0].platform, mesh)
@@ -122,7 +122,7 @@ def abstract_learner(cfg, config, devices):
 
 def abstract_slice(learner, config) -> dict:
     """One global slice of the learner's shape: all padding, one row per data-parallel device."""
-    from geo3k_jax.batch import assemble
+    from geo3k_jax.core.batch import assemble
     s = learner.shape
     return assemble([], config, n_rows=learner.rows_per_slice, length=s["length"],
                     n_targets=s["targets"], n_patches=s["patches"], min_window=s["window"],
@@ -169,16 +169,16 @@ def learner_parts(learner) -> dict[str, int]:
 
 def offloaded(parts: dict, offload: str) -> int:
     """Bytes per device of the learner's `parts` that `jax.offload` keeps in host memory
-    during rollouts (`geo3k_jax.phases.offloaded_parts`)."""
+    during rollouts (`geo3k_jax.learner.phases.offloaded_parts`)."""
     return sum(parts[k] for k in offloaded_parts(offload))
 
 
 def compile_offload(learner, offload: str) -> dict:
     """The move of the learner's state that `jax.offload` keeps in host memory during rollouts
-    (`geo3k_jax.phases.offloaded_parts`), compiled for its devices: per device, the bytes the
-    compiler puts in device memory and in host memory at the move's end (its outputs) and the
+    (`geo3k_jax.learner.phases.offloaded_parts`), compiled for its devices: per device, the bytes
+    the compiler puts in device memory and in host memory at the move's end (its outputs) and the
     bytes the move takes off the device (its device arguments)."""
-    from geo3k_jax.phases import HOST
+    from geo3k_jax.learner.phases import HOST
     parts = offloaded_parts(offload)
     trees = [t for name, t in (("moments", learner.opt_state), ("params", learner.params),
                                ("reference", learner.ref_params))
@@ -231,7 +231,7 @@ def program_peak(p: dict) -> int:
 def budget(learner: dict, engine: dict | None, hbm: float, overlap: bool, free: bool = False,
            offload: str = "none") -> dict:
     """One device's bytes in each phase of a step, learner and engine on the same chips.
-    learner: `compile_learner`'s report; engine: `geo3k_jax.engine_aot.compile_engine`'s
+    learner: `compile_learner`'s report; engine: `geo3k_jax.tpu.engine_aot.compile_engine`'s
     (None: rollouts elsewhere); overlap: rollouts run while the learner trains
     (train.max_staleness >= 1); free: the engine's cache and weights are freed during the
     learner's step (`jax.free_engine`, never with overlap); offload: the learner's state kept
@@ -353,7 +353,7 @@ def format_report(r: dict) -> str:
 
 
 def setup(argv, programs_help: str):
-    """The command line of this module and `geo3k_jax.engine_aot` (its flags in their own
+    """The command line of this module and `geo3k_jax.tpu.engine_aot` (its flags in their own
     FlagValues, so a process that has defined another `--config` can call it): (flags, config,
     chip, abstract learner, model config)."""
     from absl import flags
@@ -373,7 +373,7 @@ def compile_run(cfg, learner, config, chip: Chip, topology: str = "",
                 engine_programs: list | None = None) -> dict:
     """The learner's report (`compile_learner`), with the engine's on the same chips
     (`engine.backend=local`) and the `budget` of both."""
-    from geo3k_jax.engine_aot import compile_engine
+    from geo3k_jax.tpu.engine_aot import compile_engine
     r = compile_learner(learner, cfg, config, chip, topology)
     if cfg.jax.offload != "none":
         r["offload"] = compile_offload(learner, cfg.jax.offload)
@@ -410,7 +410,7 @@ def check_run(cfg, learner, config, memory: int) -> dict:
 def main(argv) -> None:
     fv, cfg, chip, learner, config = setup(argv, PROGRAMS_HELP)
     if fv.engine_only:
-        from geo3k_jax.engine_aot import compile_engine
+        from geo3k_jax.tpu.engine_aot import compile_engine
         r = dict(compile_engine(cfg, learner, config, chip, fv.programs or None, fv.topology),
                  shapes=fv.shapes, topology=fv.topology)
         print(f"{fv.topology}: the JAX engine's programs alone, {r['slots']} slots of "

@@ -9,7 +9,7 @@
         --config.jax.mesh.data=2 --config.jax.mesh.tensor=2         # sharded on 8 CPU devices
 
 With `model.path` empty the tiny checkpoint of `model.tiny_dir` is used, built first if missing
-(as `geo3k_torch.main` does). Prints the table of `geo3k_jax.numerics` and exits 1 if any
+(as `geo3k_torch.main` does). Prints the table of `geo3k_jax.check.numerics` and exits 1 if any
 quantity is outside its tolerance.
 """
 
@@ -37,7 +37,7 @@ import jax
 from absl import app, flags
 
 from common.processor import load_processor
-from geo3k_jax.numerics import print_table, run_check
+from geo3k_jax.check.numerics import print_table, run_check
 
 
 def main(argv):

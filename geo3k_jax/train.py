@@ -5,13 +5,14 @@
 
 Builds the JAX pieces (mesh, Flax model from the HF checkpoint, learner) and a rollout backend,
 then runs `common.train.train`, the loop the torch learner runs too. Rollouts: with
-`engine.backend=local` (the default) the in-process JAX engine (`geo3k_jax.backend.JaxBackend`),
-sampling from the learner's own parameters (no torch model is built); with `engine.backend=torch`
-the in-process torch engine (`geo3k_torch.backend.LocalBackend`), loaded after every step with
-the weights this learner exports; with `engine.backend=sglang`, SGLang servers synced from the
-same export. Same workdir as `python -m geo3k_torch.main`; checkpoints
-hold the HF export, the orbax learner state (`jax_state/`) and the slice shapes the run has
-used (`jax_shapes.json`: a resumed run pads its steps as the uninterrupted one).
+`engine.backend=local` (the default) the in-process JAX engine
+(`geo3k_jax.engine.backend.JaxBackend`), sampling from the learner's own parameters (no torch
+model is built); with `engine.backend=torch` the in-process torch engine
+(`geo3k_torch.backend.LocalBackend`), loaded after every step with the weights this learner
+exports; with `engine.backend=sglang`, SGLang servers synced from the same export. Same workdir
+as `python -m geo3k_torch.main`; checkpoints hold the HF export, the orbax learner state
+(`jax_state/`) and the slice shapes the run has used (`jax_shapes.json`: a resumed run pads its
+steps as the uninterrupted one).
 """
 
 from __future__ import annotations
@@ -31,17 +32,17 @@ from common.processor import load_processor
 from common.hub import checkpoint_dir
 from common.prepare import check_config, load_data, model_dir_everywhere
 from configs import to_dataclass
-from geo3k_jax.distributed import JaxCollectives
-from geo3k_jax.backend import JaxBackend
-from geo3k_jax.buckets import Ladder, one_shape
-from geo3k_jax.compiler import use_compilation_cache
-from geo3k_jax.layers import remat_of
-from geo3k_jax.learner import DTYPES, Learner
-from geo3k_jax.model import split_params
-from geo3k_jax.phases import check_phases, frees_engine
-from geo3k_jax.sharding import make_mesh
-from geo3k_jax.splash import resolve_attention
-from geo3k_jax.weights import load_model
+from geo3k_jax.core.distributed import JaxCollectives
+from geo3k_jax.engine.backend import JaxBackend
+from geo3k_jax.core.buckets import Ladder, one_shape
+from geo3k_jax.core.compiler import use_compilation_cache
+from geo3k_jax.models.layers import remat_of
+from geo3k_jax.learner.learner import DTYPES, Learner
+from geo3k_jax.models.model import split_params
+from geo3k_jax.learner.phases import check_phases, frees_engine
+from geo3k_jax.core.sharding import make_mesh
+from geo3k_jax.kernels.splash import resolve_attention
+from geo3k_jax.models.weights import load_model
 
 
 
@@ -58,7 +59,7 @@ def check_budget(cfg, learner, config) -> None:
     """Refuse to start when the learner's step and the JAX engine's largest programs do not fit
     a device together (`geo3k_jax.aot.check_run`; `jax.hbm_check`)."""
     from geo3k_jax.aot import check_run
-    from geo3k_jax.kv_budget import device_memory
+    from geo3k_jax.engine.kv_budget import device_memory
     if learner.shape is None:
         raise SystemExit("jax.hbm_check compiles the run's one slice shape: set jax.slice "
                          "(targets, patches, window, prefix_window) as configs/tpu.py does")

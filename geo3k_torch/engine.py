@@ -7,7 +7,7 @@ One `generate` call decodes its requests in a fixed number of slots of one preal
 cache (`geo3k_torch.decode.Slots`: rows x capacity, capacity = the call's longest prompt plus
 its max_new_tokens; with `keep_slots` the slots and their captured steps are kept for the next
 calls, and replaced only by a call they are too small for), refilled as rows finish
-(continuous batching, as `geo3k_jax.engine`):
+(continuous batching, as `geo3k_jax.engine.engine`):
 
     waiting requests ──admit──> prefill (HF forward, new tokens only) ──copy K/V──> free slots
     decode: every slot one token a step (`decode.Decoder`, a CUDA graph on GPUs, sampling

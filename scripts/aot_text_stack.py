@@ -8,11 +8,13 @@ TPU): the splash shared-prefix choice and the scanned layer stack, measured by t
 configs/models/). Parameters are abstract (bf16, sharded over `fsdp` by configs/base.py's
 rules), one row of `--tokens` per chip of `--topology`, splash attention, remat.
 
-layers: compile seconds of the whole text stack, scanned (`geo3k_jax.text.DecoderStack.run`)
-        and unrolled (the same layers called one by one in Python).
+layers: compile seconds of the whole text stack, scanned
+        (`geo3k_jax.models.text.DecoderStack.run`) and unrolled (the same layers called one by
+        one in Python).
 prefix: one decoder layer with a shared-prefix row, three ways: splash's two passes merged
-        (`geo3k_jax.splash`), the prompt kept per sample (a row `--unshared` tokens long, one
-        pass), and splash's dynamic (T, T) mask; per-chip flops, bytes accessed, temporaries.
+        (`geo3k_jax.kernels.splash`), the prompt kept per sample (a row `--unshared` tokens
+        long, one pass), and splash's dynamic (T, T) mask; per-chip flops, bytes accessed,
+        temporaries.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from configs.base import JAX_RULES  # noqa: E402
-from geo3k_jax.model import split_params  # noqa: E402
-from geo3k_jax.sharding import BATCH_AXES, param_shardings  # noqa: E402
-from geo3k_jax.splash import Attention, _block_sizes, block_for, text_attention  # noqa: E402
-from geo3k_jax.text import TextModel  # noqa: E402
+from geo3k_jax.models.model import split_params  # noqa: E402
+from geo3k_jax.core.sharding import BATCH_AXES, param_shardings  # noqa: E402
+from geo3k_jax.kernels.splash import (  # noqa: E402
+    Attention, _block_sizes, block_for, text_attention)
+from geo3k_jax.models.text import TextModel  # noqa: E402
 
 
 def text_config(path: str):

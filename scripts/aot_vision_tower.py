@@ -25,10 +25,10 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from geo3k_jax.aot import model_config, topology_devices  # noqa: E402
-from geo3k_jax.splash import Attention  # noqa: E402
-from geo3k_jax.vision import build_vision_tower  # noqa: E402
-from geo3k_jax.vision_grid import vision_aux  # noqa: E402
-from geo3k_jax.model import split_params  # noqa: E402
+from geo3k_jax.kernels.splash import Attention  # noqa: E402
+from geo3k_jax.models.vision import build_vision_tower  # noqa: E402
+from geo3k_jax.core.vision_grid import vision_aux  # noqa: E402
+from geo3k_jax.models.model import split_params  # noqa: E402
 
 
 def main() -> None:

@@ -3,10 +3,10 @@
     python scripts/benchmark_jax.py --config=configs/cpu.py [--steps=5]
     python scripts/benchmark_jax.py --config.model.path=/models/Qwen3-VL-2B-Instruct
 
-The batch is the cross-backend check's (`geo3k_jax.check_batch`: scripted multi-turn episodes on
-synthetic problems, `config.jax.check.*`). One step = forward + backward over every micro-batch,
+The batch is the cross-backend check's (`geo3k_jax.check.check_batch`: scripted multi-turn episodes
+on synthetic problems, `config.jax.check.*`). One step = forward + backward over every micro-batch,
 clipping and AdamW: `geo3k_torch.learner.Learner.train_step` (gradient accumulation over the
-micro-batches) and `geo3k_jax.learner.Learner.train_step` (the same accumulation inside one
+micro-batches) and `geo3k_jax.learner.learner.Learner.train_step` (the same accumulation inside one
 compiled step, rows padded to the longest micro-batch). Both include turning the micro-batches
 into model inputs (images through the processor, M-RoPE positions). The first
 JAX call compiles; its excess over the median step is reported as compile time. Prints the median
@@ -29,12 +29,12 @@ from rich.table import Table
 from common.grpo import LossConfig
 from common.processor import load_processor
 from configs import to_dataclass
-from geo3k_jax.buckets import Ladder
-from geo3k_jax.check_batch import batches_from_config
-from geo3k_jax.layers import remat_of
-from geo3k_jax.learner import Learner as JaxLearner
-from geo3k_jax.model import split_params
-from geo3k_jax.weights import load_model as load_jax_model
+from geo3k_jax.core.buckets import Ladder
+from geo3k_jax.check.check_batch import batches_from_config
+from geo3k_jax.models.layers import remat_of
+from geo3k_jax.learner.learner import Learner as JaxLearner
+from geo3k_jax.models.model import split_params
+from geo3k_jax.models.weights import load_model as load_jax_model
 from geo3k_torch.learner import Learner as TorchLearner
 from geo3k_torch.model import load_model as load_torch_model
 from geo3k_torch.prepare import prepare_model_dir

@@ -36,7 +36,7 @@ import numpy as np
 from absl import app, flags
 
 from common.engine import Request, SamplingParams
-from geo3k_jax.engine import JaxEngine
+from geo3k_jax.engine.engine import JaxEngine
 from simulated_mix import (BUDGET, DECODE_MS, FEEDBACK_TOKENS, PREFILL_MS, PROMPT_TOKENS,
                            TURNS, draw_turn)
 from tests.test_jax_model import jax_copy

@@ -65,10 +65,10 @@ def record(cfg, path: Path) -> None:
 
 def learners(cfg, model_dir: str) -> dict:
     """A fresh torch and a fresh JAX learner on `model_dir`, in the config's settings."""
-    from geo3k_jax.buckets import Ladder
-    from geo3k_jax.learner import Learner as JaxLearner
-    from geo3k_jax.model import split_params
-    from geo3k_jax.weights import load_model as load_jax
+    from geo3k_jax.core.buckets import Ladder
+    from geo3k_jax.learner.learner import Learner as JaxLearner
+    from geo3k_jax.models.model import split_params
+    from geo3k_jax.models.weights import load_model as load_jax
     from geo3k_torch.learner import Learner as TorchLearner
     from geo3k_torch.model import load_model as load_torch
 

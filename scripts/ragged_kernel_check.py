@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 32  # Qwen3-VL-2B; geo3k_jax.ragged.PAGE
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 16, 8, 128, 32  # Qwen3-VL-2B; geo3k_jax.kernels.ragged.PAGE
 SLOTS, CONTEXT = 32, 8192  # a v5p-8 chip's share of configs/tpu.py's 128 slots
 KV_BLOCK, Q_BLOCK = 16, 32  # pages and queries a block (the tuned table needs a TPU)
 REF_RESHAPE = "      kv_ref = cur_async_copy_kv.wait().reshape("

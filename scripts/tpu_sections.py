@@ -18,7 +18,7 @@ of its own by the check (a section that takes the chips down cannot take the oth
     learner   the learner's step on `micro_batches` packed rows of GRPO groups: seconds against
               its roofline (`roofline`: model FLOPs / (chips x peak), the compiler's bytes
               accessed / HBM bandwidth, peaks from `CHIPS`)
-    numerics  `geo3k_jax.numerics` (torch on the host against JAX on the devices, the check of
+    numerics  `geo3k_jax.check.numerics` (torch on the host against JAX on the devices, the check of
               `python -m geo3k_jax.main`) under configs/tpu.py:cpu: the tiny checkpoint, bf16
               compute, remat, the TPU's attention
 
@@ -62,7 +62,7 @@ class Chip:
 # Per chip, from the Cloud TPU data sheets (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e):
 # bf16 peak, HBM bandwidth, HBM. Matched against `device_kind` in this order ("TPU v5p" and
 # "TPU v5" are v5p, "TPU v5 lite" and "TPU v5e" v5e: jax/_src/pallas/mosaic/tpu_info.py).
-# The v5p, v6e and v5e peaks are geo3k_jax.compiled.CHIPS's too (its HBM is the compiler's).
+# The v5p, v6e and v5e peaks are geo3k_jax.tpu.compiled.CHIPS's too (its HBM is the compiler's).
 CHIPS = (
     (("v5 lite", "v5e"), Chip("v5e", 197e12, 819e9, 16 * GiB)),
     (("v6 lite", "v6e"), Chip("v6e", 918e12, 1640e9, 32 * GiB)),
@@ -271,7 +271,7 @@ def memory_pass(s: Settings) -> dict:
     from common.prepare import make_renderer
     from common.step import collect, learn
     from geo3k_jax.aot import compile_run
-    from geo3k_jax.compiled import Chip as AotChip
+    from geo3k_jax.tpu.compiled import Chip as AotChip
 
     cfg = recipe(s)
     run = build(s, cfg, "memory")
@@ -359,7 +359,7 @@ def use_megacore(mode: str | None, interpret: bool = False) -> None:
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-    from geo3k_jax import ragged
+    from geo3k_jax.kernels import ragged
 
     def kernel(*args, **kwargs):
         if not (mode and interpret):
@@ -497,7 +497,7 @@ def learner(s: Settings):
 
     import gpu_sections
     from geo3k_jax.aot import compile_learner
-    from geo3k_jax.compiled import Chip as AotChip
+    from geo3k_jax.tpu.compiled import Chip as AotChip
 
     cfg = recipe(s)
     run = build(s, cfg, "learner")
@@ -540,14 +540,14 @@ def learner(s: Settings):
 
 
 def numerics(s: Settings):
-    """`geo3k_jax.numerics.run_check` under configs/tpu.py:cpu (the tiny checkpoint, bf16
+    """`geo3k_jax.check.numerics.run_check` under configs/tpu.py:cpu (the tiny checkpoint, bf16
     compute, remat, the TPU's attention on a TPU, in interpret mode elsewhere): a row per
     quantity, torch (on the host) against JAX (on the devices)."""
     import jax
 
     from common.processor import load_processor
     from configs import tpu
-    from geo3k_jax.numerics import run_check
+    from geo3k_jax.check.numerics import run_check
     try:
         from geo3k_torch.prepare import prepare_model_dir
     except ImportError as e:  # the tpu extra brings no torch

@@ -37,14 +37,14 @@ _CPU_FLAGS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_use_xnnpack=false"
 if _CPU_FLAGS not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CPU_FLAGS}".strip()
 
-# JAX's persistent compilation cache (geo3k_jax.compiler, as a run uses it), in one folder for the
-# whole session that starts empty: a program that several tests build again (a fresh learner or
+# JAX's persistent compilation cache (geo3k_jax.core.compiler, as a run uses it), in one folder for
+# the whole session that starts empty: a program that several tests build again (a fresh learner or
 # engine on the same model and shapes), in any test worker, compiles once. The first process
 # (pytest itself) makes the folder and removes it at exit; its workers inherit the variable.
 if "GEO3K_TEST_JAX_CACHE" not in os.environ:
     os.environ["GEO3K_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="geo3k-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["GEO3K_TEST_JAX_CACHE"], ignore_errors=True)
-from geo3k_jax.compiler import use_compilation_cache  # noqa: E402
+from geo3k_jax.core.compiler import use_compilation_cache  # noqa: E402
 
 use_compilation_cache(os.environ["GEO3K_TEST_JAX_CACHE"])
 

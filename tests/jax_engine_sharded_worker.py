@@ -11,9 +11,9 @@ import jax
 import numpy as np
 
 from configs.base import JAX_RULES
-from geo3k_jax.backend import engine_shardings
-from geo3k_jax.engine import JaxEngine
-from geo3k_jax.sharding import make_mesh, param_shardings
+from geo3k_jax.engine.backend import engine_shardings
+from geo3k_jax.engine.engine import JaxEngine
+from geo3k_jax.core.sharding import make_mesh, param_shardings
 from tests.test_jax_engine import episodes
 from tests.test_jax_model import jax_copy
 from tests.tiny_models import ImageOnlyProcessor, qwen3_vl

@@ -1,5 +1,5 @@
 """One JAX process of a 2-process CPU run (gloo, 2 devices each), for tests/test_jax_weights.py:
-`geo3k_jax.weights.gather_to` brings arrays of several layouts whole to one process, the
+`geo3k_jax.models.weights.gather_to` brings arrays of several layouts whole to one process, the
 other receiving nothing. Writes what it got and the gather programs' collectives as JSON.
 
     python -m tests.jax_export_worker PROCESS_ID PORT OUT_DIR
@@ -19,8 +19,8 @@ def main(pid: int, port: int, out: str) -> None:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from geo3k_jax.sharding import make_mesh
-    from geo3k_jax.weights import _sender, gather_plan, gather_to
+    from geo3k_jax.core.sharding import make_mesh
+    from geo3k_jax.models.weights import _sender, gather_plan, gather_to
 
     mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 2})  # fsdp 2 (a device a process)
     layouts = {"fsdp_tensor": P("fsdp", "tensor"), "tensor": P(None, "tensor"),

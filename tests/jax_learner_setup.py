@@ -10,9 +10,9 @@ from flax import nnx
 from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
 
 from common.batching import pack
-from geo3k_jax.batch import device_batch
-from geo3k_jax.learner import Learner
-from geo3k_jax.model import QwenVL, split_params
+from geo3k_jax.core.batch import device_batch
+from geo3k_jax.learner.learner import Learner
+from geo3k_jax.models.model import QwenVL, split_params
 from tests.test_jax_model import sequences
 from tests.tiny_models import IDS, VOCAB, ImageOnlyProcessor
 

@@ -3,10 +3,10 @@ data path. Each process packs its own micro-batches; the learner agrees the step
 processes, assembles global arrays from the per-process rows and steps once on an fsdp=2 mesh
 (one device per process, the parameters split over the processes); the HF export all-gathers
 the parameters one at a time and each process writes its own shard.
-Before the step, each process's JAX engine (`geo3k_jax.backend.JaxBackend`, on its own device)
-runs its share of a few multi-turn sessions from the initial weights. MODE `splash`: the model's
-attention is the splash kernel (interpret mode) mapped over the learner's 2-process mesh, and
-only the engines run (each must map its vision attention over its own devices).
+Before the step, each process's JAX engine (`geo3k_jax.engine.backend.JaxBackend`, on its own
+device) runs its share of a few multi-turn sessions from the initial weights. MODE `splash`: the
+model's attention is the splash kernel (interpret mode) mapped over the learner's 2-process mesh,
+and only the engines run (each must map its vision attention over its own devices).
 
     python -m tests.jax_multihost_worker PROCESS_ID PORT OUT_DIR [MODE]
 """
@@ -25,8 +25,8 @@ def main(pid: int, port: int, out: str, mode: str = "") -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     from common.grpo import LossConfig
     from configs.base import JAX_RULES
-    from geo3k_jax.distributed import JaxCollectives
-    from geo3k_jax.sharding import make_mesh
+    from geo3k_jax.core.distributed import JaxCollectives
+    from geo3k_jax.core.sharding import make_mesh
     from tests.jax_learner_setup import model_and_batch, train_config
 
     comm = JaxCollectives()
@@ -36,13 +36,13 @@ def main(pid: int, port: int, out: str, mode: str = "") -> None:
     if mode == "splash":
         import dataclasses
 
-        from geo3k_jax.model import with_attention
-        from geo3k_jax.splash import Attention
+        from geo3k_jax.models.model import with_attention
+        from geo3k_jax.kernels.splash import Attention
         setup = dataclasses.replace(setup, merge=with_attention(
             setup.merge, setup.params, lambda a: Attention("splash", mesh, interpret=True)))
     learner = setup.learner(LossConfig(tis_cap=2.0), train_config(), mesh=mesh,
                             rules=JAX_RULES, comm=comm, model_dir=out)
-    from geo3k_jax.backend import JaxBackend
+    from geo3k_jax.engine.backend import JaxBackend
     from tests.test_jax_engine import episodes
     backend = JaxBackend(learner, setup.processor, setup.config, seed=11, slots=2, context=512)
     turns = episodes(backend.engine, setup.processor, 3, turns=2, max_new=8, n=5,

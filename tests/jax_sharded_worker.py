@@ -13,8 +13,8 @@ import numpy as np
 
 from common.grpo import LossConfig
 from configs.base import JAX_RULES
-from geo3k_jax.model import token_logprobs
-from geo3k_jax.sharding import batch_shardings, make_mesh
+from geo3k_jax.models.model import token_logprobs
+from geo3k_jax.core.sharding import batch_shardings, make_mesh
 from tests.jax_learner_setup import VISION, model_and_batch, train_config
 from tests.tiny_models import VOCAB
 

@@ -42,10 +42,11 @@ def test_jax_learner_needs_no_torch():
     """The JAX learner and its engine run where torch is absent (TPU hosts); only the
     cross-backend check (numerics, main) imports torch, inside the functions that compare
     against it."""
-    modules = [f"geo3k_jax.{m}" for m in ("layers", "vision_grid", "vision", "text", "model", "weights",
-                                           "sharding", "batch", "buckets", "learner",
-                                           "check_batch", "numerics", "main", "decode",
-                                           "engine", "backend", "train")]
+    modules = [f"geo3k_jax.{m}" for m in (
+        "models.layers", "core.vision_grid", "models.vision", "models.text", "models.model",
+        "models.weights", "core.sharding", "core.batch", "core.buckets", "learner.learner",
+        "check.check_batch", "check.numerics", "main", "engine.decode", "engine.engine",
+        "engine.backend", "train")]
     code = (f"import sys, importlib\nfor m in {modules!r}: importlib.import_module(m)\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -73,7 +73,8 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
 
 
 def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
-    from geo3k_jax import aot, engine_aot
+    from geo3k_jax import aot
+    from geo3k_jax.tpu import engine_aot
 
     program = dict(program="grad", argument=1, output=1, alias=0, temp=2 * aot.GiB, code=1,
                    resident=0, peak=2 * aot.GiB, hbm=aot.GiB, fits=False, flops=1.0,
@@ -303,8 +304,8 @@ def test_a_hosts_engine_is_laid_on_a_topology_of_that_host():
     from jax.sharding import Mesh
 
     from geo3k_jax import aot
-    from geo3k_jax.backend import host_mesh
-    from geo3k_jax.topology import one_host
+    from geo3k_jax.engine.backend import host_mesh
+    from geo3k_jax.tpu.topology import one_host
 
     devices = aot.topology_devices("v6e-16")
     for tensor in (1, 2, 4):
@@ -330,8 +331,8 @@ def test_a_tensor_group_of_a_multi_host_mesh_lies_within_one_host():
     """jax.make_mesh lays a v6e-16's axes along its 4 x 4 links, and a 4-chip tensor axis then
     spans two hosts, whose JAX engines each sample on their own chips (host_mesh refused it)."""
     from geo3k_jax import aot
-    from geo3k_jax.backend import host_mesh
-    from geo3k_jax.sharding import make_mesh
+    from geo3k_jax.engine.backend import host_mesh
+    from geo3k_jax.core.sharding import make_mesh
 
     devices = aot.topology_devices("v6e-16")
     for tensor in (2, 4):
@@ -365,7 +366,7 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     from transformers import Qwen3VLConfig
 
     from geo3k_jax import aot
-    from geo3k_jax.engine_aot import abstract_engine, engine_programs
+    from geo3k_jax.tpu.engine_aot import abstract_engine, engine_programs
     from tests.jax_learner_setup import IDS, TEXT, VISION
 
     hf = Qwen3VLConfig(text_config=dict(TEXT, head_dim=128, rope_scaling={

@@ -1,4 +1,4 @@
-"""Windowed attention (geo3k_jax.windowed + batch.attention_windows) equals dense causal
+"""Windowed attention (geo3k_jax.kernels.windowed + batch.attention_windows) equals dense causal
 same-segment attention on packed rows of every layout."""
 
 import jax
@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geo3k_jax.batch import NO_PREFIX, PREFIX_UNIT, attention_windows
-from geo3k_jax.layers import attention
-from geo3k_jax.windowed import (WINDOW_AXES, block_classes, window_classes, window_mask,
+from geo3k_jax.core.batch import NO_PREFIX, PREFIX_UNIT, attention_windows
+from geo3k_jax.models.layers import attention
+from geo3k_jax.kernels.windowed import (WINDOW_AXES, block_classes, window_classes, window_mask,
                                 windowed_attention)
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -100,7 +100,7 @@ LONG_GROUP = ([400] + [60] * 10 + [30, 100], [-1] + [0] * 10 + [-1, 11])  # 1,13
 def test_windows_reach_shared_prefixes(layout, length, min_prefix_window):
     """Segments that continue a shared prefix see all of it (and themselves causally): the
     windowed attention with prefix-aware masks and windows equals the dense reference, also
-    with a prefix window grown to a bucket (`geo3k_jax.buckets.row_sizes`)."""
+    with a prefix window grown to a bucket (`geo3k_jax.core.buckets.row_sizes`)."""
     b = len(layout)
     seg, prefix, allowed = shared_rows(layout, length)
     windows = attention_windows(seg, prefix, min_prefix_window=min_prefix_window)

@@ -1,4 +1,4 @@
-"""JAX's persistent compilation cache (geo3k_jax.compiler): every compile is kept, and a later
+"""JAX's persistent compilation cache (geo3k_jax.core.compiler): every compile is kept, and a later
 process loads it."""
 
 from pathlib import Path
@@ -12,7 +12,8 @@ def test_the_cache_keeps_even_a_fast_compile(tmp_path):
     it is written to the cache all the same, and a second process loads it from there."""
     import subprocess
     import sys
-    code = ("import jax, jax.numpy as jnp; from geo3k_jax.compiler import use_compilation_cache; "
+    code = ("import jax, jax.numpy as jnp; "
+            "from geo3k_jax.core.compiler import use_compilation_cache; "
             f"use_compilation_cache({str(tmp_path / 'cache')!r}); "
             "print(float(jax.jit(lambda x: x + 1)(jnp.float32(1))))")
     run = lambda: subprocess.run([sys.executable, "-c", code], capture_output=True,  # noqa

@@ -1,6 +1,6 @@
-"""The JAX rollout engine (geo3k_jax.engine) on the tiny checkpoints, fp32 on CPU: its log-probs
-are the JAX learner's over multi-turn episodes, its greedy tokens are the torch engine's, and it
-stops, bans and seeds as the rollout requires of any engine."""
+"""The JAX rollout engine (geo3k_jax.engine.engine) on the tiny checkpoints, fp32 on CPU: its
+log-probs are the JAX learner's over multi-turn episodes, its greedy tokens are the torch engine's,
+and it stops, bans and seeds as the rollout requires of any engine."""
 
 import dataclasses
 
@@ -13,8 +13,8 @@ from common.batching import TrainSequence, pack
 from common.engine import Request, SamplingParams
 from common.processor import image_key
 from common.grpo import LossConfig
-from geo3k_jax.engine import DECODE_CHUNK, JaxEngine
-from geo3k_jax.learner import Learner
+from geo3k_jax.engine.engine import DECODE_CHUNK, JaxEngine
+from geo3k_jax.learner.learner import Learner
 from geo3k_torch.engine import LocalEngine
 from tests.jax_learner_setup import train_config
 from tests.test_jax_model import jax_copy
@@ -315,7 +315,7 @@ def test_the_same_call_again_is_not_traced_again(tiny):
     shapes reuses the compiled prefill, insert and decode: the key that came back from the
     first is placed as a fresh one (a device key would be traced again as another input)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from geo3k_jax.sharding import make_mesh
+    from geo3k_jax.core.sharding import make_mesh
     placed = jax.device_put(tiny.params, NamedSharding(
         make_mesh({"data": 1, "fsdp": -1, "tensor": 1}), P()))
     engine = JaxEngine(tiny.merge, lambda: placed, tiny.processor, tiny.hf.config, slots=2)
@@ -333,8 +333,8 @@ def test_backend_samples_from_a_copy_in_the_engines_layout(tiny, capsys):
     learner's layout kept (replicated over the data axes, as decoding reads every weight). The
     backend prints the engine's compile set's size at start."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from geo3k_jax.backend import JaxBackend, engine_shardings
-    from geo3k_jax.sharding import make_mesh
+    from geo3k_jax.engine.backend import JaxBackend, engine_shardings
+    from geo3k_jax.core.sharding import make_mesh
     learner = Learner(tiny.merge, tiny.params, LossConfig(), train_config(), 1.0,
                       processor=tiny.processor, config=tiny.hf.config)
     backend = JaxBackend(learner, tiny.processor, tiny.hf.config, seed=0, slots=2)
@@ -470,7 +470,7 @@ def test_budget_check_refuses_a_cache_that_does_not_fit(tiny):
     over tensor: a config over it stops before allocating, naming the numbers and the setting;
     Qwen3-VL-2B's (28 layers, 8 KV heads of 128) at 256 slots x 4096 tokens in bf16 is
     112 GiB, 28 GiB on each of a v5p-8's 4 chips (95 GiB: fits), 112 GiB on one (does not)."""
-    from geo3k_jax.kv_budget import CacheShape, check_kv_budget
+    from geo3k_jax.engine.kv_budget import CacheShape, check_kv_budget
     qwen2b = CacheShape(layers=28, kv_heads=8, head_dim=128)
     assert qwen2b.bytes(256, 4096, jax.numpy.bfloat16) == 112 * 2**30
     with pytest.raises(ValueError, match=r"256 slots x 4096 tokens x 28 layers x 8 KV heads.*"
@@ -496,7 +496,7 @@ def test_draws_follow_the_softmax_and_never_a_zero_probability_token(vocab, bloc
     block excluded. The frequencies of 40,000 draws per row are within 5 standard errors of
     the probabilities, for flat to sharp rows; -inf ids (banned, outside the nucleus) are never
     drawn, wherever they sit, nor is an out-of-range id returned."""
-    from geo3k_jax.engine import draw
+    from geo3k_jax.engine.engine import draw
     n = 40_000
     scale = np.asarray([[0.5], [2.0], [6.0]])
     scaled = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (3, vocab))) * scale
@@ -522,7 +522,7 @@ def test_draws_follow_the_softmax_and_never_a_zero_probability_token(vocab, bloc
 def test_sampling_without_top_p_skips_the_sort_and_draws_the_same():
     """With every top_p = 1 the sort is skipped (`nucleus=False`): same tokens and log-probs
     from the same key as through the nucleus path; placeholders stay banned."""
-    from geo3k_jax.engine import power_of_two, sample
+    from geo3k_jax.engine.engine import power_of_two, sample
     logits = jax.random.normal(jax.random.PRNGKey(1), (6, 50)) * 3
     logits = logits.at[:, 7].set(100.0)  # a placeholder that would always win
     temperature = jax.numpy.asarray([1.0, 0.7, 0.0, 1.3, 1.0, 0.0])
@@ -640,8 +640,8 @@ def test_the_pallas_decode_samples_what_the_xla_decode_samples(tiny):
     greedy and sampled, give the XLA decode's tokens, log-probs within 2e-3 (the kernel's
     matmuls round fp32 operands to bf16, as a TPU's default precision does; the vision tower
     runs splash too)."""
-    from geo3k_jax.model import with_attention
-    from geo3k_jax.splash import Attention
+    from geo3k_jax.models.model import with_attention
+    from geo3k_jax.kernels.splash import Attention
     merge = with_attention(tiny.merge, tiny.params,
                            lambda a: Attention("splash", None, interpret=True))
     kernel = JaxEngine(merge, lambda: tiny.params, tiny.processor, tiny.hf.config, seed=5,

@@ -17,11 +17,11 @@ import pytest
 from common.grpo import LossConfig, policy_loss
 from common.learner import Deferred
 from common.schedule import lr_table
-from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import (SHAPE_KEYS, Ladder, agree, bucket, reuse, slice_sizes,
+from geo3k_jax.core.batch import host_row
+from geo3k_jax.core.buckets import (SHAPE_KEYS, Ladder, agree, bucket, reuse, slice_sizes,
                                step_slices)
-from geo3k_jax.learner import grpo_loss, loss_from_logprobs
-from geo3k_jax.model import token_logprobs
+from geo3k_jax.learner.learner import grpo_loss, loss_from_logprobs
+from geo3k_jax.models.model import token_logprobs
 from tests.jax_learner_setup import model_and_batch, train_config
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -105,8 +105,8 @@ def capture_gradients():
 def test_accumulated_gradients_equal_one_shot(setup, monkeypatch):
     """One micro-batch per slice (a loop of 3+ gradients inside the compiled step, each slice
     padded to its own length) against every micro-batch in one slice: the same gradient."""
-    import geo3k_jax.buckets as jb
-    import geo3k_jax.learner as jl
+    import geo3k_jax.core.buckets as jb
+    import geo3k_jax.learner.learner as jl
     monkeypatch.setattr(jl, "make_optimizer", lambda c, names=(): capture_gradients())
     monkeypatch.setattr(jl, "current_lr", lambda s, c: jnp.float32(0.0))
     monkeypatch.setattr(jb, "ROW_UNIT", 32)  # the setup's short micro-batches, several lengths
@@ -150,7 +150,7 @@ def test_chunked_logprobs_and_remat_change_nothing(setup):
         worst = max(np.linalg.norm(np.asarray(other[k]) - g) / np.linalg.norm(g)
                     for k, g in plain.items() if np.linalg.norm(g) > 0)
         # float32 summation order, nothing more: 0.9e-6 with normalized probabilities times V,
-        # 1.1e-6 with V times the exponentials, then normalized (geo3k_jax.windowed)
+        # 1.1e-6 with V times the exponentials, then normalized (geo3k_jax.kernels.windowed)
         assert worst <= 2e-6, (kw, worst)
 
 
@@ -160,7 +160,7 @@ def test_the_remat_policy_says_what_a_layer_keeps():
     refused with the choices."""
     import ml_collections
 
-    from geo3k_jax.layers import remat_of, rematerialised
+    from geo3k_jax.models.layers import remat_of, rematerialised
 
     def jaxpr(remat, scanned):
         return str(jax.make_jaxpr(rematerialised(lambda x: jnp.tanh(x @ x), remat, scanned))(
@@ -203,7 +203,7 @@ def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
     """A slice's rows are its longest micro-batch rounded up to a bucket of ROW_UNIT tokens, at
     most the row length: a short micro-batch never pays for the whole budget, nor for a longer
     neighbour in its step."""
-    import geo3k_jax.buckets as jb
+    import geo3k_jax.core.buckets as jb
     monkeypatch.setattr(jb, "ROW_UNIT", 32)  # the setup's micro-batches: 101, 88, 93, 22 tokens
     rows = [host_row(b, setup.processor, setup.config, agg="token-mean", n_tokens=1.0,
                      n_seqs=1.0) for b in setup.batches]
@@ -226,7 +226,7 @@ def test_each_slice_is_as_long_as_its_own_rows_need(setup, monkeypatch):
 def test_a_coarse_ladder_compiles_less(setup, monkeypatch):
     """`Ladder(row_rungs, reuse_slack)`: lengths on a coarser ladder and a looser reuse meet
     fewer shapes; a ladder that cannot be built says why."""
-    import geo3k_jax.buckets as jb
+    import geo3k_jax.core.buckets as jb
     monkeypatch.setattr(jb, "ROW_UNIT", 32)
     lengths = {}
     for ladder in (Ladder(), Ladder(row_rungs=1, reuse_slack=4.0)):
@@ -407,7 +407,7 @@ def _same_sessions_as_one_engine(setup, out, atol: float = 1e-5) -> None:
     """Each process's engine ran its share of the sessions on its own device: the same tokens
     and log-probs (within `atol`) as one engine (windowed attention, one process) running them
     all."""
-    from geo3k_jax.backend import JaxBackend
+    from geo3k_jax.engine.backend import JaxBackend
     from tests.test_jax_engine import episodes
 
     engine_runs = [json.loads((out / f"engine_{i}.json").read_text()) for i in range(2)]
@@ -431,7 +431,7 @@ def test_two_processes_equal_one(setup, tmp_path):
     arrays, uneven shares (2 and 1 micro-batches), an export that gathers across processes."""
     from safetensors.numpy import load_file
 
-    from geo3k_jax.stacking import to_hf
+    from geo3k_jax.core.stacking import to_hf
     _multihost(tmp_path)
     multi = json.loads((tmp_path / "metrics.json").read_text())
     assert multi["shares"] == [2, 1]
@@ -460,8 +460,8 @@ def test_two_processes_equal_one(setup, tmp_path):
 def test_two_processes_engines_map_splash_over_their_own_devices(setup, tmp_path):
     """With the splash kernel (interpret mode) mapped over the learner's 2-process mesh, each
     process's engine maps its vision attention over its own device, where its arrays live
-    (`geo3k_jax.model.with_attention`), and samples what one windowed engine samples: the same
-    tokens, log-probs within 2e-3 (its decode goes through the Pallas paged attention kernel,
+    (`geo3k_jax.models.model.with_attention`), and samples what one windowed engine samples: the
+    same tokens, log-probs within 2e-3 (its decode goes through the Pallas paged attention kernel,
     whose matmuls round fp32 operands to bf16 as a TPU's do; 7.6e-4 measured)."""
     _multihost(tmp_path, "splash")
     _same_sessions_as_one_engine(setup, tmp_path, atol=2e-3)

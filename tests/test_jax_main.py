@@ -11,8 +11,8 @@ import pytest
 
 from common.processor import load_processor
 from configs import cpu
-from geo3k_jax.check_batch import batches_from_config, check_batches
-from geo3k_jax.numerics import run_check
+from geo3k_jax.check.check_batch import batches_from_config, check_batches
+from geo3k_jax.check.numerics import run_check
 from geo3k_torch.tiny import build_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_batch_positions_equal_transformers(ckpt):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from geo3k_jax.batch import device_batch
+    from geo3k_jax.core.batch import device_batch
 
     arch, path = ckpt
     processor = load_processor(path)
@@ -152,9 +152,9 @@ def test_batch_positions_equal_transformers(ckpt):
 def test_the_tpu_configuration_passes_against_torch_in_float32(ckpt):
     """configs/tpu.py's computation on this CPU: float32 weights and optimizer state, bf16
     compute, rematerialised layers, the splash kernel (Pallas interpret mode), against torch in
-    float32, within the bf16 tolerances (`geo3k_jax.numerics.tolerances`)."""
+    float32, within the bf16 tolerances (`geo3k_jax.check.numerics.tolerances`)."""
     from configs import tpu
-    from geo3k_jax.numerics import TOLERANCES, tolerances
+    from geo3k_jax.check.numerics import TOLERANCES, tolerances
 
     arch, path = ckpt
     cfg = tpu.get_config("cpu")

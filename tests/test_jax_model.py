@@ -1,4 +1,4 @@
-"""The JAX Qwen-VL models (geo3k_jax.model/text) against transformers, fp32 on CPU.
+"""The JAX Qwen-VL models (geo3k_jax.models.model/text) against transformers, fp32 on CPU.
 
 Weights are copied by name from randomly initialised transformers models (norm weights and
 biases re-drawn so every parameter matters); packed rows of several sequences with several
@@ -15,10 +15,10 @@ from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Q
     Qwen3VLForConditionalGeneration
 
 from common.batching import TrainSequence, pack
-from geo3k_jax.batch import device_batch
-from geo3k_jax.model import QwenVL, split_params, token_logprobs
-from geo3k_jax.stacking import from_hf, to_hf
-from geo3k_jax.text import MRoPE, mrope_rows
+from geo3k_jax.core.batch import device_batch
+from geo3k_jax.models.model import QwenVL, split_params, token_logprobs
+from geo3k_jax.core.stacking import from_hf, to_hf
+from geo3k_jax.models.text import MRoPE, mrope_rows
 from geo3k_torch.model import packed_inputs, token_logprobs as torch_logprobs
 from tests.tiny_models import IDS, VOCAB, ImageOnlyProcessor, image, prompt_ids
 
@@ -205,9 +205,9 @@ def test_unknown_architecture_is_an_error():
 @pytest.mark.parametrize("build", [qwen3, qwen25])
 def test_with_attention_changes_every_setting_and_keeps_the_parameters(build):
     """The text model and every vision attention take the changed setting (the engine's own
-    mesh on a multi-host slice, `geo3k_jax.backend`); the parameters stay the same arrays."""
-    from geo3k_jax.model import with_attention
-    from geo3k_jax.splash import Attention
+    mesh on a multi-host slice, `geo3k_jax.engine.backend`); the parameters stay the same arrays."""
+    from geo3k_jax.models.model import with_attention
+    from geo3k_jax.kernels.splash import Attention
 
     config = build()[0].config
     merge, params = split_params(QwenVL(config, rngs=nnx.Rngs(0)))

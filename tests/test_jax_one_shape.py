@@ -1,4 +1,4 @@
-"""One slice shape for a whole run (`config.jax.slice`, `geo3k_jax.buckets.one_shape`): where a
+"""One slice shape for a whole run (`config.jax.slice`, `geo3k_jax.core.buckets.one_shape`): where a
 compile takes minutes (TPU), every slice of every step is that shape, so each program compiles
 once; a slice that needs more is an error naming the setting to raise."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.grpo import LossConfig
-from geo3k_jax.buckets import fit, one_shape
+from geo3k_jax.core.buckets import fit, one_shape
 from tests.jax_learner_setup import model_and_batch, train_config
 
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,4 +1,4 @@
-"""Device memory between a step's phases (`geo3k_jax.phases`): the JAX engine's cache and
+"""Device memory between a step's phases (`geo3k_jax.learner.phases`): the JAX engine's cache and
 weights freed for the learner's step and made again for the next rollout, and the learner's
 state kept in host memory during rollouts, each changing no token, log-prob or parameter and
 compiling nothing anew; the settings' checks; the budget's phases with and without them."""
@@ -11,7 +11,7 @@ from jax import monitoring
 from common.grpo import LossConfig
 from configs import base
 from geo3k_jax.aot import budget
-from geo3k_jax.phases import HOST, check_phases, frees_engine
+from geo3k_jax.learner.phases import HOST, check_phases, frees_engine
 from tests.jax_learner_setup import model_and_batch, train_config
 from tests.test_jax_engine import episodes
 
@@ -32,7 +32,7 @@ def run(setup, free: bool, offload: str, steps: int = 2) -> dict:
     and, after one more free-and-copy cycle, the same round again from the RNG state it
     started with. Returns the rounds' tokens and log-probs, the losses, the final parameters
     and what was seen on the way."""
-    from geo3k_jax.backend import JaxBackend
+    from geo3k_jax.engine.backend import JaxBackend
     learner = setup.learner(LossConfig(kl_coef=0.1, kl_estimator="k3"), train_config(),
                             ref_params=setup.params)
     backend = JaxBackend(learner, setup.processor, setup.config, seed=11, slots=2,

@@ -1,4 +1,4 @@
-"""Mesh construction and partition rules (geo3k_jax.sharding) as config data."""
+"""Mesh construction and partition rules (geo3k_jax.core.sharding) as config data."""
 
 import types
 
@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs.base import JAX_RULES
-from geo3k_jax.sharding import AXES, batch_shardings, make_mesh, param_shardings, spec_for
+from geo3k_jax.core.sharding import AXES, batch_shardings, make_mesh, param_shardings, spec_for
 
 FAKE = types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 2})
 

@@ -1,5 +1,5 @@
-"""Splash attention (geo3k_jax.splash, Pallas interpret mode on CPU) equals the windowed path:
-the attention alone on packed and shared-prefix rows, and the whole model's log-probs and
+"""Splash attention (geo3k_jax.kernels.splash, Pallas interpret mode on CPU) equals the windowed
+path: the attention alone on packed and shared-prefix rows, and the whole model's log-probs and
 gradients on rows with several images, multi-turn masks and shared prompts; and the splash path
 compiles for a TPU topology (libtpu, no TPU needed)."""
 
@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from common.batching import pack
-from geo3k_jax.batch import attention_windows, device_batch
-from geo3k_jax.model import token_logprobs
-from geo3k_jax.sharding import BATCH_AXES
-from geo3k_jax.splash import Attention, resolve_attention, text_attention, vision_attention
-from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
+from geo3k_jax.core.batch import attention_windows, device_batch
+from geo3k_jax.models.model import token_logprobs
+from geo3k_jax.core.sharding import BATCH_AXES
+from geo3k_jax.kernels.splash import Attention, resolve_attention, text_attention, vision_attention
+from geo3k_jax.kernels.windowed import WINDOW_AXES, window_mask, windowed_attention
 from tests.test_jax_attention import rows_of, shared_rows
 from tests.test_jax_model import sequences
 from tests.tiny_models import IDS
@@ -188,7 +188,7 @@ def test_the_private_backward_is_the_pinned_one_or_a_clear_error(monkeypatch):
     dropped it stops with the versions and the ways around it."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sak
 
-    from geo3k_jax import splash
+    from geo3k_jax.kernels import splash
 
     assert jax.__version__ == "0.10.2"  # requirements-cpu.txt: the version this call is for
     assert splash._private_bwd() is sak._splash_attention_bwd

@@ -47,9 +47,9 @@ def test_jax_run_layout_export_and_exact_resume(shared, tmp_path, monkeypatch):
     from transformers import AutoModelForImageTextToText
 
     from common.processor import load_processor
-    from geo3k_jax.backend import JaxBackend
-    from geo3k_jax.batch import device_batch
-    from geo3k_jax.check_batch import check_batches
+    from geo3k_jax.engine.backend import JaxBackend
+    from geo3k_jax.core.batch import device_batch
+    from geo3k_jax.check.check_batch import check_batches
     from geo3k_torch.model import packed_inputs
     from geo3k_torch.prepare import prepare_model_dir
 

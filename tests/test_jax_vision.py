@@ -1,4 +1,4 @@
-"""JAX vision towers (geo3k_jax.vision) against transformers' torch towers, fp32 on CPU.
+"""JAX vision towers (geo3k_jax.models.vision) against transformers' torch towers, fp32 on CPU.
 
 Torch weights are re-drawn at unit scale (norm weights and biases included) so that every
 parameter matters, copied into the JAX tower by name, and several images of different,
@@ -21,9 +21,9 @@ from transformers.vision_utils import (get_vision_cu_seqlens,
                                        get_vision_interpolation_indices_and_weights,
                                        get_vision_position_ids, get_vision_window_index)
 
-from geo3k_jax import stacking
-from geo3k_jax.vision import Qwen3VisionTower, Qwen25VisionTower, build_vision_tower
-from geo3k_jax.vision_grid import vision_aux
+from geo3k_jax.core import stacking
+from geo3k_jax.models.vision import Qwen3VisionTower, Qwen25VisionTower, build_vision_tower
+from geo3k_jax.core.vision_grid import vision_aux
 from tests.tiny_models import ImageOnlyProcessor, image, qwen2_5_vl, qwen3_vl
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -70,7 +70,7 @@ def randomize(visual, seed):
     return visual
 
 
-VISUAL = "model.visual."  # the towers' keys within a model (`geo3k_jax.stacking`'s)
+VISUAL = "model.visual."  # the towers' keys within a model (`geo3k_jax.core.stacking`'s)
 
 
 def hf_shapes(visual):
@@ -79,7 +79,7 @@ def hf_shapes(visual):
 
 
 def jax_shapes(tower):
-    """Checkpoint name (the blocks' stacked parameters split per block, `geo3k_jax.stacking`)
+    """Checkpoint name (the blocks' stacked parameters split per block, `geo3k_jax.core.stacking`)
     -> shape, of the JAX tower's parameters."""
     shapes = {VISUAL + ".".join(map(str, path)): tuple(v.shape)
               for path, v in nnx.to_flat_state(nnx.state(tower, nnx.Param))}

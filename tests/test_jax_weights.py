@@ -1,5 +1,5 @@
-"""HF checkpoint directories <-> JAX parameters (geo3k_jax.weights): exact loading, key errors
-that name the key, legacy and sharded layouts, and exports that transformers loads."""
+"""HF checkpoint directories <-> JAX parameters (geo3k_jax.models.weights): exact loading, key
+errors that name the key, legacy and sharded layouts, and exports that transformers loads."""
 
 import json
 
@@ -12,11 +12,11 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForImageTextToText
 
-from geo3k_jax.batch import attention_windows
-from geo3k_jax.model import split_params
-from geo3k_jax.stacking import to_hf
-from geo3k_jax import weights
-from geo3k_jax.weights import CheckpointError, canonical_key, load_model, save_hf
+from geo3k_jax.core.batch import attention_windows
+from geo3k_jax.models.model import split_params
+from geo3k_jax.core.stacking import to_hf
+from geo3k_jax.models import weights
+from geo3k_jax.models.weights import CheckpointError, canonical_key, load_model, save_hf
 from geo3k_torch.tiny import build_tiny_checkpoint
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -42,7 +42,7 @@ def hf_params(path) -> dict:
 
 def test_load_is_exact(ckpt):
     """Every checkpoint tensor arrives unchanged; decoder layers stacked along a first axis
-    (`geo3k_jax.stacking`), one key per tensor kind."""
+    (`geo3k_jax.core.stacking`), one key per tensor kind."""
     model, config = load_model(ckpt)
     _, stacked = split_params(model)
     layers = config.text_config.num_hidden_layers

@@ -50,9 +50,9 @@ def torch_learner(tiny, train_cfg=None):
 
 def jax_learner(tiny, train_cfg=None):
     import jax
-    from geo3k_jax.learner import Learner
-    from geo3k_jax.model import split_params
-    from geo3k_jax.weights import load_model
+    from geo3k_jax.learner.learner import Learner
+    from geo3k_jax.models.model import split_params
+    from geo3k_jax.models.weights import load_model
     jax.config.update("jax_default_matmul_precision", "highest")
     model, config = load_model(tiny["path"])
     merge, params = split_params(model)
@@ -142,7 +142,7 @@ def test_a_jax_checkpoint_round_trips_through_an_object_store(tiny, gcs, tmp_pat
     gs:// root (a GCS server on localhost: tests/fake_gcs.py): the resumed step equals the
     uninterrupted one exactly, and nothing is written to a local path."""
     from common import storage
-    from geo3k_jax.learner import SHAPES_FILE, STATE_DIR
+    from geo3k_jax.learner.learner import SHAPES_FILE, STATE_DIR
 
     comm, root = SingleProcess(), f"gs://{gcs}/run/checkpoints"
     straight = jax_learner(tiny)
@@ -280,5 +280,5 @@ def params_of(learner) -> dict:
     """The learner's parameters as numpy arrays under transformers' names."""
     if hasattr(learner, "model"):
         return {k: v.detach().numpy() for k, v in learner.model.state_dict().items()}
-    from geo3k_jax.stacking import to_hf
+    from geo3k_jax.core.stacking import to_hf
     return {k: np.asarray(v) for k, v in to_hf(learner.params).items()}

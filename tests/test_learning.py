@@ -92,9 +92,9 @@ def jax_learner(model, processor, cfg):
     import jax.numpy as jnp
     from flax import nnx
 
-    from geo3k_jax.learner import Learner as JaxLearner
-    from geo3k_jax.model import QwenVL, split_params
-    from geo3k_jax.stacking import from_hf, to_hf
+    from geo3k_jax.learner.learner import Learner as JaxLearner
+    from geo3k_jax.models.model import QwenVL, split_params
+    from geo3k_jax.core.stacking import from_hf, to_hf
 
     merge, params = split_params(nnx.eval_shape(lambda: QwenVL(model.config, rngs=nnx.Rngs(0))))
     torch_params = dict(model.named_parameters())

@@ -1,4 +1,4 @@
-"""Decode attention over each slot's own pages (`geo3k_jax.ragged`): the page table, the XLA
+"""Decode attention over each slot's own pages (`geo3k_jax.kernels.ragged`): the page table, the XLA
 path checked against plain attention in float64, and JAX's Pallas paged attention
 kernel for TPU (in interpret mode here) against the XLA path, over a layer of the cache in its
 one layout (Hkv, layers, S, L, D)."""
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from geo3k_jax.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table, pages,
+from geo3k_jax.kernels.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table, pages,
                               paged_attention)
 
 SLOTS, CAP, HKV, H, D, LAYERS = 6, 4 * PAGE, 2, 4, 8, 3
@@ -122,12 +122,12 @@ def test_the_pallas_kernel_equals_the_xla_path(dtype):
 
 
 def test_prefix_attention_reads_each_rows_cached_tokens_and_its_new_ones():
-    """The prefill's attention (`geo3k_jax.decode.prefix_attention`), block by block with a
+    """The prefill's attention (`geo3k_jax.engine.decode.prefix_attention`), block by block with a
     running softmax, equals plain attention in float64 over each row's own cached tokens and
     its new tokens causally: rows with nothing cached, a length on a block boundary and one
     inside a block, garbage past every length and in the other slots, blocks read past the
     longest row (they change nothing), the new tokens' queries whole or in blocks."""
-    from geo3k_jax.decode import prefix_attention
+    from geo3k_jax.engine.decode import prefix_attention
     rng = np.random.default_rng(3)
     r, t, block, cap = 3, 6, 4, 16
     q = rng.normal(size=(r, t, H, D)).astype(np.float32)

@@ -206,8 +206,8 @@ def test_jax_model_shared_equals_separate(arch="qwen3_vl"):
     import jax
     import jax.numpy as jnp
 
-    from geo3k_jax.batch import device_batch
-    from geo3k_jax.model import token_logprobs
+    from geo3k_jax.core.batch import device_batch
+    from geo3k_jax.models.model import token_logprobs
     from tests.test_jax_model import BUILDERS, jax_copy, randomize
 
     jax.config.update("jax_default_matmul_precision", "highest")

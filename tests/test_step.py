@@ -87,7 +87,8 @@ def test_turns_exported_apart_weigh_each_episode_once(renderer):
     traj_of = np.repeat(np.arange(4), [len(t.turns) for t in trajs])  # sequences in order
     assert list(traj_of) == [0, 1, 2, 2, 2, 3, 3, 3]  # 2 one-turn, 2 three-turn episodes
     weight = np.zeros(4)
-    for b in batches:  # the weights both learners compute (geo3k_torch.learner, geo3k_jax.batch)
+    # the weights both learners compute (geo3k_torch.learner, geo3k_jax.core.batch)
+    for b in batches:
         w = token_weights(b.loss_mask, "seq-mean-token-mean", seq_ids=b.seq_ids,
                           n_tokens=n_tokens, n_seqs=n_seqs, mean_over=b.mean_over)
         for s, i in enumerate(b.seq_index):

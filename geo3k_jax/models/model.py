@@ -1,12 +1,12 @@
 """Qwen2.5-VL and Qwen3-VL for conditional generation in Flax NNX, and per-token log-probs.
 
     QwenVL
-      model.visual           vision tower (geo3k_jax.vision): one embedding per image token
-      model.language_model   decoder (geo3k_jax.text)
+      model.visual           vision tower (geo3k_jax.models.vision): one embedding per image token
+      model.language_model   decoder (geo3k_jax.models.text)
       lm_head                only when the checkpoint does not tie it to the embedding
 
 The module tree mirrors transformers' `*ForConditionalGeneration`, so parameter paths are the
-checkpoint keys. A forward takes a `geo3k_jax.batch` dict of arrays (rows of packed sequences,
+checkpoint keys. A forward takes a `geo3k_jax.core.batch` dict of arrays (rows of packed sequences,
 the images of all rows in one patch list) and is a pure function of it under `jax.jit`.
 """
 
@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import Linear, scatter_rows
-from geo3k_jax.sharding import BATCH_AXES
-from geo3k_jax.splash import Attention
-from geo3k_jax.text import ARCHS, TextModel
-from geo3k_jax.vision import build_vision_tower
-from geo3k_jax.windowed import WINDOW_AXES
+from geo3k_jax.models.layers import Linear, scatter_rows
+from geo3k_jax.core.sharding import BATCH_AXES
+from geo3k_jax.kernels.splash import Attention
+from geo3k_jax.models.text import ARCHS, TextModel
+from geo3k_jax.models.vision import build_vision_tower
+from geo3k_jax.kernels.windowed import WINDOW_AXES
 
 
 class VLModel(nnx.Module):
@@ -39,7 +39,7 @@ class VLModel(nnx.Module):
 
 class QwenVL(nnx.Module):
     """A Qwen-VL model from its transformers config (`AutoConfig.from_pretrained(path)`);
-    `attention`: windowed or splash (`geo3k_jax.splash.resolve_attention`)."""
+    `attention`: windowed or splash (`geo3k_jax.kernels.splash.resolve_attention`)."""
 
     def __init__(self, config, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention: Attention = Attention()):
@@ -53,7 +53,7 @@ class QwenVL(nnx.Module):
         self.image_token_id = int(config.image_token_id)
 
     def hidden_states(self, batch: dict, remat: bool = False) -> jax.Array:
-        """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.batch`).
+        """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.core.batch`).
         remat: recompute each decoder layer's and vision block's activations in the backward
         pass."""
         lm = self.model.language_model
@@ -141,10 +141,10 @@ def split_params(model: nnx.Module):
 
 
 def with_attention(merge, params: dict, change) -> object:
-    """`merge` of the same model whose every attention setting (`geo3k_jax.splash.Attention`,
-    held by the text model and each vision attention) is `change(setting)`: e.g. the splash
-    kernel mapped over another mesh. `params` (arrays or ShapeDtypeStructs) only give the
-    graph its leaves; nothing is copied."""
+    """`merge` of the same model whose every attention setting
+    (`geo3k_jax.kernels.splash.Attention`, held by the text model and each vision attention) is
+    `change(setting)`: e.g. the splash kernel mapped over another mesh. `params` (arrays or
+    ShapeDtypeStructs) only give the graph its leaves; nothing is copied."""
     model = merge(params)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Module) and isinstance(getattr(node, "attention", None),

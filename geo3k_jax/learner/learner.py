@@ -11,10 +11,10 @@
 
 It mirrors `geo3k_torch.learner`: the same loss function, weights, schedule, clipping and skip
 rule, one optimizer step per rollout, "old" log-probs = the current ones without gradient.
-A slice has bucketed shapes (`geo3k_jax.buckets`) and a step any number of slices, so a run
+A slice has bucketed shapes (`geo3k_jax.core.buckets`) and a step any number of slices, so a run
 compiles a handful of times (counted in `compiles`). Parameters are a flat {checkpoint key:
 array} dict
-(`geo3k_jax.model.split_params`), the optimizer state mirrors it, both placed by the mesh's
+(`geo3k_jax.models.model.split_params`), the optimizer state mirrors it, both placed by the mesh's
 partition rules; a slice's rows are split over the data-parallel axes.
 
 Mixed precision (`compute_dtype=bfloat16`): fp32 parameters and optimizer state, the forward
@@ -41,10 +41,10 @@ from common.batching import PackedBatch
 from common.grpo import LossConfig, per_token_terms
 from common.learner import Collectives, Deferred, SingleProcess, is_vision
 from common.schedule import horizon, lr_table
-from geo3k_jax.batch import host_row
-from geo3k_jax.buckets import Ladder, agree, fit, reuse, slice_sizes, step_slices
-from geo3k_jax.model import token_logprobs
-from geo3k_jax.sharding import BATCH_AXES, batch_shardings, param_shardings
+from geo3k_jax.core.batch import host_row
+from geo3k_jax.core.buckets import Ladder, agree, fit, reuse, slice_sizes, step_slices
+from geo3k_jax.models.model import token_logprobs
+from geo3k_jax.core.sharding import BATCH_AXES, batch_shardings, param_shardings
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # jax.compute_dtype -> the compute dtype
 STATE_DIR = "jax_state"  # the orbax learner state inside a checkpoint directory
@@ -130,7 +130,7 @@ def loss_from_logprobs(logp, old_logp, batch: dict, loss_cfg: LossConfig, ref_lo
 
 class Learner:
     """`common.learner.Learner` in JAX. `merge` and `params` come from
-    `geo3k_jax.model.split_params`; `processor` and `config` (the transformers config) turn
+    `geo3k_jax.models.model.split_params`; `processor` and `config` (the transformers config) turn
     micro-batches into arrays; rows of `row_len` tokens (default: the micro-batch budget).
 
     With a `mesh`, parameters are placed by `rules`, a slice is as many rows as the mesh's
@@ -138,8 +138,8 @@ class Learner:
     (its own copies: the caller's `params` stay valid). `chunk`: log-probs computed that many
     trained tokens of a row at a time (0: all at once); `remat`: decoder layers recomputed in
     the backward pass; `rows_per_slice` overrides the slice size (a multiple of the data axes);
-    `ladder`: how finely slice lengths follow the data (`geo3k_jax.buckets.Ladder`), or
-    `shape`: every slice of the run that one shape (`geo3k_jax.buckets.one_shape`: one compile
+    `ladder`: how finely slice lengths follow the data (`geo3k_jax.core.buckets.Ladder`), or
+    `shape`: every slice of the run that one shape (`geo3k_jax.core.buckets.one_shape`: one compile
     of each program, where a compile takes minutes).
     """
 
@@ -203,9 +203,9 @@ class Learner:
 
     def offload(self, what: str) -> None:
         """Move the optimizer state ("moments") or the whole state ("all": parameters and KL
-        reference too) into host memory (`geo3k_jax.phases`) until `onload`, which every
+        reference too) into host memory (`geo3k_jax.learner.phases`) until `onload`, which every
         program of this learner calls first."""
-        from geo3k_jax.phases import HOST, offloaded_parts, to_memory
+        from geo3k_jax.learner.phases import HOST, offloaded_parts, to_memory
         if what == self._offloaded:
             return
         self.onload()
@@ -243,8 +243,8 @@ class Learner:
     def export_hf(self, out_dir: Path) -> None:
         """The parameters as a transformers checkpoint in the compute dtype (bf16 on
         accelerators: what the engines sample in; float32 without one), each process writing
-        its own shard (`geo3k_jax.weights.save_hf`)."""
-        from geo3k_jax.weights import save_hf
+        its own shard (`geo3k_jax.models.weights.save_hf`)."""
+        from geo3k_jax.models.weights import save_hf
 
         if self.config is None or self.model_dir is None:
             raise ValueError("exporting a Hugging Face directory needs the learner's config "
@@ -311,7 +311,7 @@ class Learner:
         return self.train_slices(self._slices(batches, n_tokens, n_seqs))
 
     def train_slices(self, slices: Sequence[dict]) -> Deferred:
-        """One optimizer step on a step's slices (`geo3k_jax.buckets.step_slices`, this
+        """One optimizer step on a step's slices (`geo3k_jax.core.buckets.step_slices`, this
         process's rows): each slice's gradient (compiled once per shape), their sum, then the
         update (compiled once). Returns at once, the step dispatched: the metrics (see
         `train_step`) are device scalars that reading waits for."""

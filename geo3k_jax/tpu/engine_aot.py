@@ -2,8 +2,8 @@
 the engine's half of `python -m geo3k_jax.aot`'s budget.
 
 The engine is the one a run of `--config` builds beside its learner (`abstract_engine`): bf16
-weights in the engine's layout (`geo3k_jax.backend`), the run's attention, on one host's chips
-of the slice (each host runs its own engine for `engine.slots` slots of
+weights in the engine's layout (`geo3k_jax.engine.backend`), the run's attention, on one host's
+chips of the slice (each host runs its own engine for `engine.slots` slots of
 `rollout.max_context_tokens` tokens). Its programs (`engine_programs`): the prefill at each of the
 engine's largest prefill shapes (`JaxEngine.prefill_shapes`: `engine.prefill_rows` rows of
 `engine.prefill_tokens`' rung of new tokens, and one row of the whole context), every row
@@ -34,13 +34,13 @@ def abstract(tree, sharding):
 
 
 def abstract_engine(cfg, learner, config, memory: int, topology: str = ""):
-    """(the `geo3k_jax.engine.JaxEngine` a run of `cfg` builds beside `learner` — an abstract
+    """(the `geo3k_jax.engine.engine.JaxEngine` a run of `cfg` builds beside `learner` — an abstract
     `geo3k_jax.aot.abstract_learner` — on one host's chips, its abstract bf16 parameters).
-    topology: the slice's (`geo3k_jax.topology.TOPOLOGIES`); on a slice of several hosts the
-    engine is laid on a topology of one host (`geo3k_jax.topology.one_host`)."""
-    from geo3k_jax.backend import engine_mesh, engine_shardings, host_mesh
-    from geo3k_jax.engine import JaxEngine
-    from geo3k_jax.topology import one_host
+    topology: the slice's (`geo3k_jax.tpu.topology.TOPOLOGIES`); on a slice of several hosts the
+    engine is laid on a topology of one host (`geo3k_jax.tpu.topology.one_host`)."""
+    from geo3k_jax.engine.backend import engine_mesh, engine_shardings, host_mesh
+    from geo3k_jax.engine.engine import JaxEngine
+    from geo3k_jax.tpu.topology import one_host
 
     several = len({d.process_index for d in learner.mesh.devices.flat}) > 1
     host = one_host(host_mesh(learner.mesh), topology) if several and topology else None
@@ -61,8 +61,8 @@ def engine_programs(engine, params: dict) -> dict[str, Callable]:
     """{name: a thunk lowering the program}: "prefill" (and "prefill_long", a row of the whole
     context) at `engine.prefill_shapes()` with images (as many patches as image tokens fit);
     "insert" of the largest prefill's rows; "decode" over every page of every slot."""
-    from geo3k_jax.kv_budget import allocate
-    from geo3k_jax.ragged import PAGE
+    from geo3k_jax.engine.kv_budget import allocate
+    from geo3k_jax.kernels.ragged import PAGE
 
     rep = NamedSharding(engine.mesh, P())
     cache = jax.tree.map(
@@ -107,7 +107,7 @@ def model_costs(engine, config, weights: int) -> dict[str, tuple[float, float]]:
     `DECODE_CHUNK` steps each reading the weights and every slot's whole context (a slot's
     own pages at most: the decode's costliest page table)."""
     from common.flops import image_flops, text_flops
-    from geo3k_jax.engine import DECODE_CHUNK
+    from geo3k_jax.engine.engine import DECODE_CHUNK
 
     devices = engine.mesh.devices.size
     kv_token = engine.shape.bytes(1, 1, engine.dtype)  # keys and values of a token, all layers
@@ -141,8 +141,8 @@ def compile_engine(cfg, learner, config, chip, names=None, topology: str = "") -
     arguments of each) and what stays resident between them (weights, cache), per device;
     each with its model FLOPs and bytes (`model_costs`) in its roofline. The decode's figures
     are per call: `decode_steps` steps."""
-    from geo3k_jax.compiled import report
-    from geo3k_jax.engine import DECODE_CHUNK
+    from geo3k_jax.tpu.compiled import report
+    from geo3k_jax.engine.engine import DECODE_CHUNK
 
     engine, params = abstract_engine(cfg, learner, config, memory=2 ** 62, topology=topology)
     programs = engine_programs(engine, params)

@@ -1,7 +1,7 @@
 """A step's micro-batches as fixed-shape slices: what the JAX learner's compiled functions take.
 
 The step accumulates gradients over S "slices"; a slice is R rows (R = the mesh's data-parallel
-size), one packed micro-batch per row (`geo3k_jax.batch`), every row of a slice T tokens. A
+size), one packed micro-batch per row (`geo3k_jax.core.batch`), every row of a slice T tokens. A
 slice's arrays are the compiled gradient's input, so that a whole run compiles a handful of times
 every size that follows the data is rounded up to a bucket (`bucket`: a unit times 1, 2, 3, 4, 6,
 8, 12, ...; row lengths and the prefix window, a prompt, on a finer ladder, 1, 2, ..., 8, 10,
@@ -17,14 +17,14 @@ A slice reuses a shape compiled before when it holds the slice's sizes and its r
 1.5 times as long as needed (`reuse`), so the shorter buckets a run meets after a longer one
 mostly cost padding, not a compile.
 
-Padding never changes a result (see `geo3k_jax.batch`): padded targets point at a row's first
+Padding never changes a result (see `geo3k_jax.core.batch`): padded targets point at a row's first
 token (never trained, weight 0), padded patches form an image of their own whose tokens are
 dropped, padded rows and slices (a process with fewer micro-batches than another) are all
 padding.
 
     sizes = slice_sizes(rows, config, rows_per_slice=R, row_len=budget)   # one dict a slice
     slices = step_slices(rows, config, rows_per_slice=R, sizes=sizes)
-    slices[i]["input_ids"]  (R, sizes[i]["length"])   ... every key of `geo3k_jax.batch`
+    slices[i]["input_ids"]  (R, sizes[i]["length"])   ... every key of `geo3k_jax.core.batch`
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from geo3k_jax.batch import (BLOCK, NO_PREFIX, PREFIX_UNIT, HostRow, assemble,
+from geo3k_jax.core.batch import (BLOCK, NO_PREFIX, PREFIX_UNIT, HostRow, assemble,
                              attention_windows)
 
 TARGET_UNIT = 128  # trained tokens per row come in multiples of this times a power of two

@@ -1,6 +1,6 @@
 """What the compiler says about a program, per device: its bytes against a chip's HBM, its flops
 and bytes accessed, a roofline bound on its time (`geo3k_jax.aot` for the learner,
-`geo3k_jax.engine_aot` for the engine)."""
+`geo3k_jax.tpu.engine_aot` for the engine)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoint keys <-> the stacked parameters of `geo3k_jax.layers.LayerStack`: the decoder's
+"""Checkpoint keys <-> the stacked parameters of `geo3k_jax.models.layers.LayerStack`: the decoder's
 layers and the vision tower's blocks.
 
 A Hugging Face checkpoint names each decoder layer's (each vision block's) tensors apart,
@@ -11,9 +11,9 @@ while the model keeps one array per tensor kind with the layers along a leading 
     model.language_model.layers.mlp.up_proj.weight            (L, out, in)
     model.visual.blocks.attn.qkv.weight                        (depth, out, in)
 
-so that a forward scans over them. Loading stacks (`geo3k_jax.weights.load_model`), exporting
+so that a forward scans over them. Loading stacks (`geo3k_jax.models.weights.load_model`), exporting
 and the torch comparison unstack (`to_hf`); partition rules stay written against checkpoint keys
-(`geo3k_jax.sharding.spec_for` matches a stacked key as layer 0's, the layer axis unsharded).
+(`geo3k_jax.core.sharding.spec_for` matches a stacked key as layer 0's, the layer axis unsharded).
 """
 
 from __future__ import annotations

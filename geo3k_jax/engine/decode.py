@@ -1,8 +1,9 @@
 """The Flax Qwen-VL over a fixed-size KV cache: the engine's prefill and its decode step.
 
 Rollouts need what training does not: keys and values kept between forwards. Both functions walk
-the same modules as `geo3k_jax.model.QwenVL.hidden_states` (same parameters, same vision tower,
-same M-RoPE and DeepStack), the layers as one `jax.lax.scan` (`geo3k_jax.text.DecoderStack`):
+the same modules as `geo3k_jax.models.model.QwenVL.hidden_states` (same parameters, same vision
+tower, same M-RoPE and DeepStack), the layers as one `jax.lax.scan`
+(`geo3k_jax.models.text.DecoderStack`):
 
     prefill   work rows of new tokens (a first turn's prompt with its images, a later turn's
               feedback over the cache of the earlier turns): their keys and values, their last
@@ -10,7 +11,7 @@ same M-RoPE and DeepStack), the layers as one `jax.lax.scan` (`geo3k_jax.text.De
               new keys into the slots), a block of `block` positions at a time for as many
               blocks as the longest cached row needs: no program depends on how long a row is.
     decode    one token a slot, written into the cache in place, attention over each slot's
-              own pages (`geo3k_jax.ragged`).
+              own pages (`geo3k_jax.kernels.ragged`).
 
     cache     (keys, values), each (Hkv, layers, S, L, D); slot s holds its sequence's first
               tokens at positions 0.. and garbage after them. A KV head's slots and positions
@@ -18,7 +19,7 @@ same M-RoPE and DeepStack), the layers as one `jax.lax.scan` (`geo3k_jax.text.De
               (B, Hkv, D, L) once made the TPU compiler copy every layer's cache in and out of
               the decode loop, docs/tpu_engine.md.)
 
-Logits are the head's products accumulated in fp32, as `geo3k_jax.model.token_logprobs` does.
+Logits are the head's products accumulated in fp32, as `geo3k_jax.models.model.token_logprobs` does.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from geo3k_jax.layers import apply_rotary, scatter_rows, wide_dtype
-from geo3k_jax.model import QwenVL
-from geo3k_jax.text import deepstack_after
+from geo3k_jax.core.dtypes import wide_dtype
+from geo3k_jax.models.layers import apply_rotary, scatter_rows
+from geo3k_jax.models.model import QwenVL
+from geo3k_jax.models.text import deepstack_after
 
 
 def _qkv(attn, x, cos, sin):
@@ -150,7 +152,7 @@ def prefill(model: QwenVL, read: Callable, lengths: jax.Array, blocks: jax.Array
     [j K, (j + 1) K) of every row (`prefix_attention`); lengths (R,): cached tokens a row;
     blocks: () int, blocks of K positions to read (covering the longest row); batch:
     input_ids (R, T) new tokens, right-padded, positions (R, 3, T) their M-RoPE positions,
-    count (R,) real new tokens a row (>= 1), and the image arrays of `geo3k_jax.batch`
+    count (R,) real new tokens a row (>= 1), and the image arrays of `geo3k_jax.core.batch`
     (pixel_values, vision, visual_index: positions among the new tokens) when a new token is
     an image token. Returns (logits (R, V) fp32 of each row's last real new token, (keys,
     values) each (Hkv, layers, R, T, D) of the new tokens, to go at positions lengths[r]..)."""
@@ -174,8 +176,8 @@ def decode(model: QwenVL, cache: tuple, at: jax.Array, batch: dict, attend: Call
     cache: (keys, values) each (Hkv, layers, S, L, D); at (S,): where slot s's token goes
     (past L: nowhere, a slot not decoding); batch: input_ids (S, 1), positions (S, 3, 1) its
     M-RoPE position; attend(q (S, H, D), keys, values, layer, at, scale) -> (S, H * D): the
-    attention of each slot's token to its positions <= at (`geo3k_jax.ragged`), over the cache
-    with this layer's new keys written. Returns (logits (S, V) fp32, the cache)."""
+    attention of each slot's token to its positions <= at (`geo3k_jax.kernels.ragged`), over the
+    cache with this layer's new keys written. Returns (logits (S, V) fp32, the cache)."""
     lm = model.model.language_model
     x, _, cos, sin = _inputs(model, batch)
     slots = jnp.arange(at.shape[0])

@@ -2,11 +2,11 @@
 elsewhere a page table and attention over its pages in XLA.
 
 A decode step attends one new token per slot. Attention bounded by the longest row (as the
-prefill reads the cache, `geo3k_jax.decode.prefill`) would read every slot up to the longest
+prefill reads the cache, `geo3k_jax.engine.decode.prefill`) would read every slot up to the longest
 live one; with slots refilled as rows finish, one long row makes every slot pay its
 length. Here the cache's positions are cut into pages of `PAGE` tokens and a step reads only
 the pages a live slot holds, so its cost follows the live tokens. The cache
-(`geo3k_jax.kv_budget`: keys and values each (Hkv, layers, S, L, D)) is already the kernel's
+(`geo3k_jax.engine.kv_budget`: keys and values each (Hkv, layers, S, L, D)) is already the kernel's
 page array: (Hkv, layers x S x L / PAGE, PAGE, D), page id `(layer x S + slot) x L / PAGE +
 page`, so layer `layer` is an offset into the page ids, never a copy.
 
@@ -37,8 +37,8 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as pallas_paged
 
-from geo3k_jax.buckets import bucket
-from geo3k_jax.layers import wide_dtype
+from geo3k_jax.core.buckets import bucket
+from geo3k_jax.core.dtypes import wide_dtype
 
 PAGE = 32  # cache positions a page
 KERNEL_BLOCK = 8  # pages the kernel reads in one block (fewer when a slot's pages are fewer)

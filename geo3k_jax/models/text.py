@@ -10,16 +10,16 @@ Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. Th
 
 Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
 by segment ids; attention is causal within a segment, which is what transformers does when it is
-given packed text positions. The attention is chosen by `geo3k_jax.splash.Attention`: windowed
-(`geo3k_jax.windowed`: each block of queries reads two windows of keys, its shared prefix and its
-own segments, so a row costs T x (Wp + W) scores, Wp about the longest shared prompt and W the
-longest continuation, rather than T x T) or the Pallas splash kernel with segment ids
-(`geo3k_jax.splash`, TPU). Positions are the three M-RoPE rows (temporal, height, width) of
+given packed text positions. The attention is chosen by `geo3k_jax.kernels.splash.Attention`:
+windowed (`geo3k_jax.kernels.windowed`: each block of queries reads two windows of keys, its shared
+prefix and its own segments, so a row costs T x (Wp + W) scores, Wp about the longest shared prompt
+and W the longest continuation, rather than T x T) or the Pallas splash kernel with segment ids
+(`geo3k_jax.kernels.splash`, TPU). Positions are the three M-RoPE rows (temporal, height, width) of
 `common.mrope`.
 
 The decoder layers are one `DecoderStack`: each parameter holds all layers along a leading axis,
 and a forward is a `jax.lax.scan` over it, so a program compiles one layer whatever the depth.
-Checkpoint keys name layers one by one (`layers.3.mlp.up_proj.weight`); `geo3k_jax.stacking`
+Checkpoint keys name layers one by one (`layers.3.mlp.up_proj.weight`); `geo3k_jax.core.stacking`
 maps them to the stacked keys (`layers.mlp.up_proj.weight`, row 3) when loading and back when
 exporting.
 """
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from geo3k_jax.layers import (Embedding, GatedMLP, LayerStack, Linear, RMSNorm, apply_rotary,
+from geo3k_jax.models.layers import (Embedding, GatedMLP, LayerStack, Linear, RMSNorm, apply_rotary,
                               rope_inv_freq, scatter_rows)
-from geo3k_jax.splash import Attention, text_attention
-from geo3k_jax.windowed import WINDOW_AXES, window_mask, windowed_attention
+from geo3k_jax.kernels.splash import Attention, text_attention
+from geo3k_jax.kernels.windowed import WINDOW_AXES, window_mask, windowed_attention
 
 ARCHS = ("qwen2_5_vl", "qwen3_vl")
 
@@ -116,8 +116,8 @@ class DecoderLayer(nnx.Module):
 
 
 class DecoderStack(LayerStack):
-    """`n` decoder layers stacked (`geo3k_jax.layers.LayerStack`); `run` scans them over hidden
-    states."""
+    """`n` decoder layers stacked (`geo3k_jax.models.layers.LayerStack`); `run` scans them over
+    hidden states."""
 
     PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 
@@ -172,11 +172,11 @@ class TextModel(nnx.Module):
                  prefix: jax.Array | None = None) -> jax.Array:
         """embeds: (B, T, hidden); positions: (B, 3, T); segments: (B, T); attention windows:
         attn_starts, prefix_starts (B, T / block), key_offsets (W,), prefix_offsets (Wp,)
-        (`geo3k_jax.batch.attention_windows`). DeepStack:
+        (`geo3k_jax.core.batch.attention_windows`). DeepStack:
         feature k (B, N, hidden) is added after layer k at the row positions visual_index
         (B, N) (positions >= T are dropped). remat: each layer's activations are recomputed in
         the backward pass (memory of one layer instead of all). prefix: (B, T) the shared prefix
-        segment each token's segment continues (`geo3k_jax.batch`; None: none). Returns normed
+        segment each token's segment continues (`geo3k_jax.core.batch`; None: none). Returns normed
         hidden states (B, T, hidden)."""
         cos, sin = self.rope(positions)
         if self.attention.splash:

@@ -1,8 +1,8 @@
 """Host-side bookkeeping of the Qwen-VL vision towers: everything that depends on the image grids.
 
 `vision_aux(cfg, grid_thw)` computes, in numpy, the index arrays the towers of
-`geo3k_jax.vision` need (rotary positions, frame and window segments, the window permutation and
-its inverse, the position-table interpolation taps), so the towers take arrays only and compile
+`geo3k_jax.models.vision` need (rotary positions, frame and window segments, the window permutation
+and its inverse, the position-table interpolation taps), so the towers take arrays only and compile
 once per patch count. Each helper reproduces the corresponding transformers code exactly
 (`tests/test_jax_vision.py` compares them).
 

@@ -48,12 +48,12 @@ from common.batching import PackedBatch
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
-from geo3k_jax.vision_grid import QWEN3, vision_aux
-from geo3k_jax.windowed import NO_PREFIX
+from geo3k_jax.core.vision_grid import QWEN3, vision_aux
 
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
 PREFIX_UNIT = 32  # the prefix window's length: a multiple of this (a prompt, not a block)
 REPLICATED_KEYS = ("key_offsets", "prefix_offsets")  # every other array: the row axis first
+NO_PREFIX = -2  # `prefix` of a segment that continues none (never a segment id, nor padding's)
 
 
 @dataclasses.dataclass
@@ -201,7 +201,8 @@ def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
 def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,
                       block: int = BLOCK, min_window: int = 0, min_prefix_window: int = 0
                       ) -> dict[str, np.ndarray]:
-    """Key windows for `geo3k_jax.windowed.windowed_attention` over rows of contiguous segments.
+    """Key windows for `geo3k_jax.kernels.windowed.windowed_attention` over rows of contiguous
+    segments.
 
     segments: (B, T) int, -1 on padding; prefix: (B, T) the shared prefix segment each token's
     segment continues (`common.batching`), NO_PREFIX for none (None: no token continues one).

@@ -4,11 +4,11 @@
     check_kv_budget(shape, slots, capacity, dtype, mesh, weight_bytes)  # raises if it won't fit
     cache = allocate(shape, slots, capacity, dtype, mesh)        # (keys, values)
 
-The keys and the values are each one array (Hkv, layers, slots, L, D) (`geo3k_jax.decode`): a
+The keys and the values are each one array (Hkv, layers, slots, L, D) (`geo3k_jax.engine.decode`): a
 KV head's layers, slots and positions are consecutive, so (Hkv, layers x slots x L / PAGE, PAGE,
 D) is the same memory cut into pages, the layout the Pallas paged attention kernel reads
-(`geo3k_jax.ragged`), and the decode scans the layers over one array. They are split by slot
-over the mesh's data-parallel axes (`geo3k_jax.sharding.BATCH_AXES`: each device decodes its
+(`geo3k_jax.kernels.ragged`), and the decode scans the layers over one array. They are split by slot
+over the mesh's data-parallel axes (`geo3k_jax.core.sharding.BATCH_AXES`: each device decodes its
 own slots) and by KV head over the tensor axis when it divides them (the attention of a KV head
 group stays on one device; otherwise they are replicated over it).
 """
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from geo3k_jax.sharding import BATCH_AXES
-from geo3k_jax.text import head_dim_of
+from geo3k_jax.core.sharding import BATCH_AXES
+from geo3k_jax.models.text import head_dim_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +72,8 @@ def cache_shardings(mesh, shape: CacheShape, slots: int) -> tuple | None:
 
 def allocator(shape: CacheShape, slots: int, capacity: int, dtype, mesh=None):
     """A compiled function of no arguments returning a zero cache (`allocate`): keep it to
-    allocate the cache again (after `geo3k_jax.engine.JaxEngine.free`) without a new compile."""
+    allocate the cache again (after `geo3k_jax.engine.engine.JaxEngine.free`) without a new
+    compile."""
     dims = (shape.kv_heads, shape.layers, slots, capacity, shape.head_dim)
 
     def zeros():

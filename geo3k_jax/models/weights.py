@@ -1,4 +1,5 @@
-"""Hugging Face checkpoint directories <-> sharded JAX parameters of `geo3k_jax.model.QwenVL`.
+"""Hugging Face checkpoint directories <-> sharded JAX parameters of
+`geo3k_jax.models.model.QwenVL`.
 
     model, config = load_model("path/to/Qwen3-VL-2B-Instruct", mesh=mesh, rules=rules)
     save_hf(model, config, "out/", source_dir="path/to/Qwen3-VL-2B-Instruct")
@@ -6,7 +7,7 @@
 Loading builds the model abstractly (`nnx.eval_shape`, no memory), then reads every tensor from
 the safetensors files on the host (numpy, bf16 through ml_dtypes; torch is not needed) and places
 it straight into its target sharding, one parameter at a time, so the host never holds a second
-copy of the model (a stacked decoder parameter, `geo3k_jax.stacking`, is read layer by layer
+copy of the model (a stacked decoder parameter, `geo3k_jax.core.stacking`, is read layer by layer
 and placed whole: the host holds one tensor kind of every layer at a time). Keys are checked both ways: a missing, unexpected or mis-shaped key is an
 error naming it. Older Qwen2.5-VL files (`visual.*`, `model.layers.*`) are renamed to the
 layout transformers 5 writes (`model.visual.*`, `model.language_model.*`), as transformers does
@@ -36,10 +37,10 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from common import storage
-from geo3k_jax.model import QwenVL, split_params
-from geo3k_jax.sharding import param_shardings
-from geo3k_jax.splash import Attention
-from geo3k_jax.stacking import hf_shapes, is_stacked, layer_key, stacked_key, to_hf
+from geo3k_jax.models.model import QwenVL, split_params
+from geo3k_jax.core.sharding import param_shardings
+from geo3k_jax.kernels.splash import Attention
+from geo3k_jax.core.stacking import hf_shapes, is_stacked, layer_key, stacked_key, to_hf
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -94,8 +95,8 @@ def read_tensor(file: Path, key: str) -> np.ndarray:
 def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=(),
                attention: Attention = Attention()) -> tuple[QwenVL, object]:
     """(model, transformers config) with parameters in `dtype`, sharded on `mesh` by `rules`
-    (see `geo3k_jax.sharding`; no mesh = the default device); `attention`: windowed or splash
-    (`geo3k_jax.splash.resolve_attention`)."""
+    (see `geo3k_jax.core.sharding`; no mesh = the default device); `attention`: windowed or splash
+    (`geo3k_jax.kernels.splash.resolve_attention`)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path))

@@ -25,8 +25,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from geo3k_jax.batch import REPLICATED_KEYS
-from geo3k_jax.stacking import is_stacked, layer_key
+from geo3k_jax.core.batch import REPLICATED_KEYS
+from geo3k_jax.core.stacking import is_stacked, layer_key
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -37,7 +37,7 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.
     -1 (the rest of the devices). Errors if the sizes do not multiply to the device count.
     Over several processes with a tensor axis, each tensor group is devices of one process, in
     process then id order (each host's JAX engine samples on its own devices,
-    `geo3k_jax.backend.host_mesh`); `jax.make_mesh` lays the axes along the slice's physical
+    `geo3k_jax.engine.backend.host_mesh`); `jax.make_mesh` lays the axes along the slice's physical
     links instead, and on a v6e-16 gave a 4-chip tensor group two hosts."""
     devices = list(jax.devices() if devices is None else devices)
     unknown = set(shape) - set(AXES)
@@ -68,7 +68,7 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.
 
 def spec_for(name: str, shape: tuple[int, ...], mesh, rules: Sequence) -> P:
     """The PartitionSpec of parameter `name` (a checkpoint key) with `shape` under `rules`; a
-    stacked decoder key (`geo3k_jax.stacking`) as its layers' key, its layer axis unsharded."""
+    stacked decoder key (`geo3k_jax.core.stacking`) as its layers' key, its layer axis unsharded."""
     if is_stacked(name):
         return P(None, *spec_for(layer_key(name, 0), tuple(shape[1:]), mesh, rules))
     for pattern, spec in rules:
@@ -97,7 +97,7 @@ def param_shardings(params: Mapping[str, object], mesh, rules: Sequence
 
 def batch_shardings(mesh, batch: Mapping[str, object],
                     replicated: Sequence[str] = REPLICATED_KEYS, processes: int = 1) -> dict:
-    """Shardings of a batch (`geo3k_jax.batch`, or a slice of `geo3k_jax.buckets`): every
+    """Shardings of a batch (`geo3k_jax.core.batch`, or a slice of `geo3k_jax.core.buckets`): every
     array's row axis (the first) is split over the data-parallel axes (the row count, times
     `processes` when `batch` is one process's share, must divide), the `replicated` keys are
     copied to every device."""

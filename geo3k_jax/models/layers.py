@@ -3,11 +3,11 @@
 Parameters are stored in Hugging Face's layout and under Hugging Face's names (a linear layer's
 `weight` is (out, in), norms have `weight` and `bias`), so a module path such as
 `model.language_model.layers.0.self_attn.q_proj.weight` IS the checkpoint key: loading and
-exporting are a rename-free walk over the state (`geo3k_jax.weights`), and partition rules are
-written against the names users see in checkpoints.
+exporting are a rename-free walk over the state (`geo3k_jax.models.weights`), and partition rules
+are written against the names users see in checkpoints.
 
 Compute runs in the parameters' dtype; softmax, rotary and norm statistics in at least fp32
-(`wide_dtype`), as transformers does.
+(`geo3k_jax.core.dtypes.wide_dtype`), as transformers does.
 """
 
 from __future__ import annotations
@@ -17,12 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from geo3k_jax.core.dtypes import wide_dtype
+
 INIT_STD = 0.02
-
-
-def wide_dtype(dtype):
-    """fp32 for half-precision inputs, the input's own dtype when it is wider (float64)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
@@ -202,7 +199,8 @@ class LayerStack(nnx.Module):
 
     def _current_def(self):
         """One layer's graph as the parts now are: a setting changed on them since (a vision
-        attention's, `geo3k_jax.model.with_attention`) is in it, not the one at construction."""
+        attention's, `geo3k_jax.models.model.with_attention`) is in it, not the one at
+        construction."""
         layer = nnx.merge(self.layer_def, nnx.state(self))
         for name in self.parts:
             setattr(layer, name, getattr(self, name))

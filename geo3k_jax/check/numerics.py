@@ -3,11 +3,11 @@
     rows = run_check(cfg, model_dir)     # list of Row; print_table(rows); all(r.passed ...)
 
 Both backends load the same checkpoint directory, get the same packed micro-batches of real
-multi-turn trajectories (`geo3k_jax.check_batch`), and compute: logits of every token, per-token
-log-probs of the trained tokens, the GRPO loss, its gradient (global norm; the worst parameter's
-relative error), and the parameters after one AdamW step. Torch runs its learner
+multi-turn trajectories (`geo3k_jax.check.check_batch`), and compute: logits of every token,
+per-token log-probs of the trained tokens, the GRPO loss, its gradient (global norm; the worst
+parameter's relative error), and the parameters after one AdamW step. Torch runs its learner
 (`geo3k_torch.learner.Learner`, gradient accumulation over the micro-batches); JAX runs its own
-(`geo3k_jax.learner.Learner`, all rows in one sharded step).
+(`geo3k_jax.learner.learner.Learner`, all rows in one sharded step).
 
 Errors: `abs` is max |jax - torch|; `rel` is max |jax - torch| / max |torch| (for gradients: the
 largest, over parameters, of ||g_jax - g_torch||_2 / ||g_torch||_2). Each quantity passes on
@@ -30,14 +30,14 @@ import optax
 from common.grpo import LossConfig
 from common.schedule import horizon, lr_table
 from configs import to_dataclass
-from geo3k_jax.batch import device_batch
-from geo3k_jax.check_batch import batches_from_config
-from geo3k_jax.layers import remat_of
-from geo3k_jax.learner import Learner as JaxLearner, grpo_loss, make_optimizer
-from geo3k_jax.model import split_params, token_logprobs
-from geo3k_jax.sharding import BATCH_AXES, make_mesh
-from geo3k_jax.stacking import to_hf
-from geo3k_jax.weights import load_model as load_jax_model
+from geo3k_jax.core.batch import device_batch
+from geo3k_jax.check.check_batch import batches_from_config
+from geo3k_jax.models.layers import remat_of
+from geo3k_jax.learner.learner import Learner as JaxLearner, grpo_loss, make_optimizer
+from geo3k_jax.models.model import split_params, token_logprobs
+from geo3k_jax.core.sharding import BATCH_AXES, make_mesh
+from geo3k_jax.core.stacking import to_hf
+from geo3k_jax.models.weights import load_model as load_jax_model
 
 # quantity -> (measure, tolerance) per dtype
 TOLERANCES = {
@@ -121,8 +121,8 @@ def jax_side(model_dir, processor, batches, n_tokens, n_seqs, loss_cfg, train_cf
     """The same quantities from the JAX model and learner, on `jcfg.mesh`, computed as the
     config trains: `jcfg.compute_dtype` (bf16 compute over `dtype` parameters), `jcfg.remat`
     and `jcfg.attention` (splash off a TPU runs in Pallas' interpret mode)."""
-    from geo3k_jax.splash import resolve_attention
-    from geo3k_jax.learner import DTYPES
+    from geo3k_jax.kernels.splash import resolve_attention
+    from geo3k_jax.learner.learner import DTYPES
 
     mesh = make_mesh(dict(jcfg.mesh))
     attention = resolve_attention(jcfg.attention, jax.devices()[0].platform, mesh)

@@ -1,6 +1,6 @@
 """Windowed attention over packed rows: each block of queries reads two windows of keys.
 
-`geo3k_jax.batch.attention_windows` chooses, for every block of `block` queries of a row, a
+`geo3k_jax.core.batch.attention_windows` chooses, for every block of `block` queries of a row, a
 prefix window (the shared prompt its samples continue, Wp keys) and an own window (its own
 segments, W keys), so that a row costs T x (Wp + W) scores instead of T x T; `window_mask`
 says which keys of the two windows each query sees.
@@ -28,17 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from geo3k_jax.layers import wide_dtype
+from geo3k_jax.core.batch import NO_PREFIX
+from geo3k_jax.core.dtypes import wide_dtype
 
 WINDOW_AXES = {"attn_starts": 0, "prefix_starts": 0, "window_prefix": 0, "key_offsets": None,
                "prefix_offsets": None}  # a batch's window arrays: per row, or shared
-NO_PREFIX = -2  # `prefix` of a segment that continues none (never a segment id, nor padding's)
 
 
 def window_mask(segments: jax.Array, windows: dict, prefix: jax.Array | None = None
                 ) -> jax.Array:
     """Mask of each query block against its keys, the prefix window's then the own window's
-    (`geo3k_jax.batch.attention_windows`): causal inside a segment, and every key of the
+    (`geo3k_jax.core.batch.attention_windows`): causal inside a segment, and every key of the
     query's shared prefix segment (`common.batching`), each key admitted once: the keys of
     the block's window_prefix segment only from the prefix window. Padding (segment -1) sees
     nothing (a block of it runs with no keys, `block_classes`).

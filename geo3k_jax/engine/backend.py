@@ -5,10 +5,10 @@ every `sync` (no export, no host copy): cast to the learner's compute dtype (bf1
 accelerators) and laid out for decoding, each weight split over the mesh's tensor axis as the
 learner splits it and replicated over the data axes (`engine_shardings`: a decode step reads
 every weight, so none is gathered per step as the learner's FSDP layout would need). The
-engine's KV cache is its own too (`geo3k_jax.kv_budget`). Every sync drops the parked caches
+engine's KV cache is its own too (`geo3k_jax.engine.kv_budget`). Every sync drops the parked caches
 and gives the engine the step as its weights' version (a part of every request's key).
 
-With `free` (`jax.free_engine`, rollouts and training taking turns: `geo3k_jax.phases`) the
+With `free` (`jax.free_engine`, rollouts and training taking turns: `geo3k_jax.learner.phases`) the
 engine's cache and weights are deleted for the learner's step (`train_context`) and before each
 weight copy (one bf16 copy alive at a time); the copy makes new weights and the first request a
 new cache of the same shapes. With `offload` (`jax.offload`) the learner's moments (or its whole
@@ -24,9 +24,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from geo3k_jax.engine import JaxEngine
-from geo3k_jax.model import with_attention
-from geo3k_jax.sharding import AXES
+from geo3k_jax.engine.engine import JaxEngine
+from geo3k_jax.models.model import with_attention
+from geo3k_jax.core.sharding import AXES
 
 
 def engine_shardings(param_sh: dict | None) -> dict | None:
@@ -68,7 +68,7 @@ def engine_mesh(merge, params: dict, mesh: Mesh | None, several: bool,
                 host: Mesh | None = None):
     """(merge, mesh) of the JAX engine beside a learner of `merge`, `params` on `mesh`: with
     `several` processes this process's own devices (`host_mesh`, or `host` in its place: the AOT
-    tool's stand-in, `geo3k_jax.topology.one_host`), the splash kernel's shard_map over them
+    tool's stand-in, `geo3k_jax.tpu.topology.one_host`), the splash kernel's shard_map over them
     rather than over the learner's mesh of every process; else the learner's."""
     if not several:
         return merge, mesh
@@ -90,13 +90,13 @@ class JaxBackend:
                  context: int = 1024, memory_fraction: float = 0.9, prefill_rows: int = 0,
                  prefill_tokens: int = 0, warm_up: bool = False, free: bool = False,
                  offload: str = "none"):
-        """learner: a `geo3k_jax.learner.Learner`; config: the transformers config of its
+        """learner: a `geo3k_jax.learner.learner.Learner`; config: the transformers config of its
         model; slots, context, memory_fraction, prefill_rows, prefill_tokens: `JaxEngine`'s
         (per process); warm_up: compile the engine's whole compile set now
         (`JaxEngine.warm_up`), else each program at its first use; free: release the engine's
         cache and weights during the learner's step; offload: "none", "moments" or "all" of
         the learner's state in host memory during rollouts (the last two: only where
-        rollouts and training take turns, `geo3k_jax.phases.check_phases`)."""
+        rollouts and training take turns, `geo3k_jax.learner.phases.check_phases`)."""
         self.free, self.offload, self._learner = free, offload, learner
         dtype = learner.compute_dtype
         several = learner.comm.world > 1

@@ -1,5 +1,5 @@
 """TPU slices by name, their chips as compile-only devices (libtpu, no TPU needed), and one
-host's chips as a topology of their own: what `geo3k_jax.aot` and `geo3k_jax.engine_aot`
+host's chips as a topology of their own: what `geo3k_jax.aot` and `geo3k_jax.tpu.engine_aot`
 compile for.
 
     devices = topology_devices("v6e-16")   # 16 chips, 4 hosts of 2 x 2
@@ -43,8 +43,8 @@ def topology_devices(topology: str) -> list:
 
 
 def one_host(mesh: Mesh, topology: str) -> Mesh:
-    """`mesh`, one host's chips of a slice of several hosts (`geo3k_jax.backend.host_mesh`), laid
-    chip for chip (by their coordinates within the host) on a topology of that host alone: the
+    """`mesh`, one host's chips of a slice of several hosts (`geo3k_jax.engine.backend.host_mesh`),
+    laid chip for chip (by their coordinates within the host) on a topology of that host alone: the
     v6e-16 host (4 x 4 chips) of devices 0, 1, 4 and 5 becomes v6e:2x2's 0-3, the same shape of
     the same chips. On a slice each host's engine runs on its own chips; libtpu's compile-only
     client refuses a program whose collectives run over devices that are not its topology's

@@ -15,12 +15,12 @@ token with an MLP:
   features for the language model.
 
 Parameters carry Hugging Face's names and layouts (a path in the state, joined with dots, is the
-key of `model.visual.state_dict()`), except that the blocks are one `geo3k_jax.layers.LayerStack`
-(`blocks.attn.qkv.weight` holds every block's along a leading axis; `geo3k_jax.stacking` maps the
-checkpoint's `blocks.3.attn.qkv.weight`) run as one `lax.scan`: a program compiles one block
-whatever the depth. Everything that depends on the image grids is computed on
-the host by `geo3k_jax.vision_grid.vision_aux` in numpy, so the towers take arrays only and run
-under `jax.jit` (one compilation per patch count).
+key of `model.visual.state_dict()`), except that the blocks are one
+`geo3k_jax.models.layers.LayerStack` (`blocks.attn.qkv.weight` holds every block's along a leading
+axis; `geo3k_jax.core.stacking` maps the checkpoint's `blocks.3.attn.qkv.weight`) run as one
+`lax.scan`: a program compiles one block whatever the depth. Everything that depends on the image
+grids is computed on the host by `geo3k_jax.core.vision_grid.vision_aux` in numpy, so the towers
+take arrays only and run under `jax.jit` (one compilation per patch count).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from geo3k_jax.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, LayerStack, Linear,
+from geo3k_jax.models.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, LayerStack, Linear,
                               RMSNorm, activation, apply_rotary, attention, rope_inv_freq,
                               segment_mask)
-from geo3k_jax.splash import Attention, vision_attention
-from geo3k_jax.vision_grid import QWEN3, QWEN25, unsupported
+from geo3k_jax.kernels.splash import Attention, vision_attention
+from geo3k_jax.core.vision_grid import QWEN3, QWEN25, unsupported
 
 NORM_EPS = 1e-6
 BLOCK_PARTS = ("norm1", "norm2", "attn", "mlp")  # a VisionBlock's parts, stacked over blocks
@@ -269,7 +269,7 @@ class Qwen3VisionTower(nnx.Module):
 def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()
                        ) -> Qwen25VisionTower | Qwen3VisionTower:
     """The tower for transformers vision config `cfg` (`model.config.vision_config`);
-    `attention`: its per-image attention, dense or splash (`geo3k_jax.splash`)."""
+    `attention`: its per-image attention, dense or splash (`geo3k_jax.kernels.splash`)."""
     towers = {QWEN25: Qwen25VisionTower, QWEN3: Qwen3VisionTower}
     if getattr(cfg, "model_type", None) not in towers:
         raise ValueError(unsupported(cfg))

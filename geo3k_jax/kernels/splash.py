@@ -1,13 +1,13 @@
 """Text and vision attention through the Pallas splash kernel (TPU; interpret mode elsewhere).
 
-`jax.attention` in the config picks the text attention: `windowed` (`geo3k_jax.windowed`, XLA,
-any platform) or `splash` (this module); `auto` is splash on TPU and windowed elsewhere
+`jax.attention` in the config picks the text attention: `windowed` (`geo3k_jax.kernels.windowed`,
+XLA, any platform) or `splash` (this module); `auto` is splash on TPU and windowed elsewhere
 (`resolve_attention`). The vision tower's per-image attention follows the same choice.
 
 Packed rows tell their sequences apart by segment ids, which splash takes as they are
 (`SegmentIds(q, kv)`: a query sees a key of the same id) under a static causal mask. A
 shared-prefix group (`common.batching`: a prompt once, then each sample's continuation,
-`geo3k_jax.batch`'s `prefix`) needs a query to see two segments, its own and its prompt's,
+`geo3k_jax.core.batch`'s `prefix`) needs a query to see two segments, its own and its prompt's,
 which one id per token cannot say. The text attention then runs the kernel twice over the same
 keys, once with the queries' own ids (causal inside the segment) and once with their prompt's
 id (the prompt precedes its continuations in a row, so the causal mask holds it whole), and
@@ -40,7 +40,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sam
 from jax.sharding import PartitionSpec as P
 
-from geo3k_jax.sharding import BATCH_AXES
+from geo3k_jax.core.sharding import BATCH_AXES
 
 ATTENTIONS = ("auto", "splash", "windowed")
 MAX_BLOCK = 512  # the kernel's query and key block on long rows (MaxText's default)

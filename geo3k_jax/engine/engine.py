@@ -3,10 +3,10 @@
 `JaxEngine` implements `common.engine.AsyncEngine` on the project's Flax Qwen-VL with the
 semantics of the torch `geo3k_torch.engine.LocalEngine`: a request's new tokens are prefilled
 (its images through the vision tower, DeepStack features, explicit 3-D M-RoPE positions from
-`common.mrope`), then decoded token by token over its slot of the KV cache (`geo3k_jax.decode`:
-the prefill and the decode step are the same function). The decode position continues the
-request's M-RoPE positions: max + 1, then + 1 per token. A token's log-prob is
-log_softmax(logits / T) of the raw logits (T = 0: greedy, log_softmax(logits)), before top-p;
+`common.mrope`), then decoded token by token over its slot of the KV cache
+(`geo3k_jax.engine.decode`: the prefill and the decode step are the same function). The decode
+position continues the request's M-RoPE positions: max + 1, then + 1 per token. A token's log-prob
+is log_softmax(logits / T) of the raw logits (T = 0: greedy, log_softmax(logits)), before top-p;
 image and video placeholders are never sampled; a request ends at a stop token (kept as its last
 token) or at `max_new_tokens`.
 
@@ -39,7 +39,7 @@ schedule or device layout served it. `clear_cache` (after every weight update) f
 slots; given the new weights' version (the learner's step), it starts counting occurrences
 afresh. `rng_state` holds the key, the version and the counts, so a resumed run that syncs the
 weights it saved with samples what the uninterrupted run sampled after them. A decode step
-reads only the cache pages its live slots hold (`geo3k_jax.ragged`): its cost follows each
+reads only the cache pages its live slots hold (`geo3k_jax.kernels.ragged`): its cost follows each
 slot's own length, not the longest row's nor the capacity.
 
 Three compiled functions take the parameters as an argument (new weights never recompile):
@@ -73,15 +73,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from common.engine import STOP, LENGTH, Completion, FatalEngineError, Request
 from common.mrope import mrope_position_ids
 from common.processor import image_inputs, image_key
-from geo3k_jax.batch import HostRow, pad_patches
-from geo3k_jax.buckets import bucket
-from geo3k_jax.decode import decode, prefill
-from geo3k_jax.kv_budget import (CacheShape, allocator, cache_shardings, cache_specs,
+from geo3k_jax.core.batch import HostRow, pad_patches
+from geo3k_jax.core.buckets import bucket
+from geo3k_jax.engine.decode import decode, prefill
+from geo3k_jax.engine.kv_budget import (CacheShape, allocator, cache_shardings, cache_specs,
                                  check_kv_budget)
-from geo3k_jax.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table,
+from geo3k_jax.kernels.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_table,
                               paged_attention)
-from geo3k_jax.sharding import make_mesh
-from geo3k_jax.vision_grid import vision_aux
+from geo3k_jax.core.sharding import make_mesh
+from geo3k_jax.core.vision_grid import vision_aux
 
 LENGTH_UNIT = 128  # the cache's capacity is a multiple of this
 NEW_TOKENS_UNIT = 32  # a prefill's new tokens (a whole prompt, or a turn's feedback) are this
@@ -201,8 +201,8 @@ class _Slot:
 class JaxEngine:
     """Samples from `merge(params())` in process (see the module docstring).
 
-    merge: `geo3k_jax.model.split_params`'s; params: returns the current parameter dict (read at
-    every device call; weights change only between rollouts); config: the transformers config;
+    merge: `geo3k_jax.models.model.split_params`'s; params: returns the current parameter dict (read
+    at every device call; weights change only between rollouts); config: the transformers config;
     compute_dtype: the parameters are cast to it inside the compiled functions, and the cache
     holds it; slots: requests decoding at once (cache rows); context: the most tokens (request
     and new ones) a slot holds; mesh: the cache's devices (None: the default device);
@@ -240,8 +240,8 @@ class JaxEngine:
         self.shape = CacheShape.of(config)
         some = params()
         self.dtype = compute_dtype or next(iter(some.values())).dtype
-        # with the splash attention (`geo3k_jax.splash`) the decode attends through the Pallas
-        # paged attention kernel (interpret mode off TPU) where its TPU lowering takes the
+        # with the splash attention (`geo3k_jax.kernels.splash`) the decode attends through the
+        # Pallas paged attention kernel (interpret mode off TPU) where its TPU lowering takes the
         # head dim (a multiple of 128, the Qwen-VL models' 128), else in XLA (`_paged`)
         self.attention = merge(some).model.language_model.attention
         self.kernel = self.attention.splash and (self.attention.interpret
@@ -513,7 +513,7 @@ class JaxEngine:
         """(work rows, new tokens) of every prefill the engine runs: new tokens
         NEW_TOKENS_UNIT x 2^k (or the whole context), in one row or, up to `prefill_tokens`'
         rung, in `prefill_rows` rows; fewer rows or tokens are padding. The attention's reach
-        over the cached tokens is no shape (`geo3k_jax.decode.prefill`)."""
+        over the cached tokens is no shape (`geo3k_jax.engine.decode.prefill`)."""
         top, out = self._rung(self.prefill_tokens), []
         for tokens in token_rungs(self.capacity):
             if self.prefill_rows > 1 and tokens <= top:
@@ -524,7 +524,7 @@ class JaxEngine:
     def compile_set(self) -> list[tuple]:
         """Every program the engine runs, one compile each: ("prefill", rows, tokens, with
         images) and ("insert", rows, tokens) for each `prefill_ladder` shape, ("decode", pages)
-        for each page-table size of the XLA decode (`geo3k_jax.ragged.page_table`'s buckets;
+        for each page-table size of the XLA decode (`geo3k_jax.kernels.ragged.page_table`'s buckets;
         pages 0: the Pallas kernel's one program, which takes no table)."""
         out = []
         for rows, tokens in self.prefill_ladder():
@@ -534,7 +534,7 @@ class JaxEngine:
         return out + [("decode", n) for n in ([0] if self.kernel else table_rungs(per_shard))]
 
     def prefill_shapes(self) -> list[tuple[int, int]]:
-        """(work rows, new tokens) of the largest prefills (`geo3k_jax.engine_aot` compiles
+        """(work rows, new tokens) of the largest prefills (`geo3k_jax.tpu.engine_aot` compiles
         them): `prefill_rows` rows at `prefill_tokens`' rung, one row of the whole context."""
         ladder = self.prefill_ladder()
         return sorted({max(ladder), (1, max(t for _, t in ladder))}, reverse=True)
@@ -665,7 +665,7 @@ class JaxEngine:
     # ---- decoding ----------------------------------------------------------------------
     def _decode_chunk(self) -> None:
         """Decode every live slot until one finishes (or `DECODE_CHUNK` steps), reading each
-        slot's own pages of the cache (`geo3k_jax.ragged`)."""
+        slot's own pages of the cache (`geo3k_jax.kernels.ragged`)."""
         st = self._state
         table = None if self.kernel else page_table(
             st["length"], st["live"], DECODE_CHUNK, self.capacity, self._data_shards)
@@ -711,7 +711,7 @@ class JaxEngine:
         return tokens, logp, rows
 
     def _reader(self, cache, source):
-        """`geo3k_jax.decode.prefill`'s read(layer, j): block j of every work row's slot
+        """`geo3k_jax.engine.decode.prefill`'s read(layer, j): block j of every work row's slot
         source[w] (-1: none, zeros). Each device reads its own slots (the cache's layout,
         `cache_specs`), zeros for rows whose slot is elsewhere, summed over the data axes: a
         block of the rows crosses devices, never the cache."""
@@ -726,7 +726,7 @@ class JaxEngine:
             def one(a):  # (Hkv, layers, local, L, D) -> (Hkv, W, size, D): one gather
                 # the KV head an index, not a window: with (Hkv, D) windows the TPU compiler
                 # lays the cache out with Hkv innermost and copies it whole (as the decode's
-                # write did, `geo3k_jax.decode.decode`)
+                # write did, `geo3k_jax.engine.decode.decode`)
                 heads = jnp.arange(a.shape[0])[:, None, None]
                 rows = a[heads, layer, at[None, :, None],
                          j * size + jnp.arange(size)[None, None, :]]
@@ -775,7 +775,7 @@ class JaxEngine:
         `stops`, -1 padded, or its `budget`), DECODE_CHUNK steps, or a live row is full. Slot s
         feeds `tok` at M-RoPE position `pos`, cache position `length`; rows not live write
         nothing; attention reads each live slot's pages: through the Pallas kernel, or
-        `table`'s ((shards, N), `geo3k_jax.ragged.page_table`, covering DECODE_CHUNK more
+        `table`'s ((shards, N), `geo3k_jax.kernels.ragged.page_table`, covering DECODE_CHUNK more
         tokens a live slot; None with the kernel). Returns (tokens, log-probs
         (S, DECODE_CHUNK), steps run, the cache)."""
         self._traced()
@@ -813,8 +813,8 @@ class JaxEngine:
         return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
 
     def _paged(self, table):
-        """The decode step's attention (`geo3k_jax.decode.decode`'s `attend`): each device over
-        its own slots and KV heads (the cache's layout, `cache_specs`), through the Pallas
+        """The decode step's attention (`geo3k_jax.engine.decode.decode`'s `attend`): each device
+        over its own slots and KV heads (the cache's layout, `cache_specs`), through the Pallas
         kernel (`table` None) or over its own row of `table`'s pages."""
         spec = cache_specs(self.mesh, self.shape, self.n_slots)
         by_head, by_slot = P(spec[2], spec[0]), P(spec[2])  # (S, H, D) queries; (S,)
@@ -856,7 +856,7 @@ class JaxEngine:
 
     # ---- host-side arrays --------------------------------------------------------------
     def _work_arrays(self, work: list):
-        """(batch of new tokens for `geo3k_jax.decode.prefill`, slot per work row (-1: none),
+        """(batch of new tokens for `geo3k_jax.engine.decode.prefill`, slot per work row (-1: none),
         cached tokens per row, the first generated token's M-RoPE position per row, real new
         tokens) at a `prefill_ladder` shape: one row or `prefill_rows`, the new tokens' rung;
         rows past the work hold one pad token."""
@@ -958,7 +958,7 @@ def token_rungs(capacity: int) -> list[int]:
 
 
 def table_rungs(pages: int) -> list[int]:
-    """Every size `geo3k_jax.ragged.page_table` gives a shard's table of at most `pages`
+    """Every size `geo3k_jax.kernels.ragged.page_table` gives a shard's table of at most `pages`
     pages."""
     out = [bucket(1, TABLE_UNIT)]
     while out[-1] < pages:

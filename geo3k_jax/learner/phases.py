@@ -7,7 +7,7 @@
 With `train.max_staleness = 0` a step's rollouts, learner step and weight copy take turns, so
 what one phase holds need not stay in HBM through the others (`geo3k_jax.aot.budget`):
 `jax.free_engine` drops the engine's KV cache and bf16 weights for the learner's step
-(`geo3k_jax.backend.JaxBackend.train_context`; the weight copy after the step makes new
+(`geo3k_jax.engine.backend.JaxBackend.train_context`; the weight copy after the step makes new
 weights, the first request a new cache of the same shapes: no compile), and `jax.offload` keeps
 the learner's optimizer moments ("moments"), or its whole state ("all": the fp32 parameters and
 the KL reference too), in the host's pinned memory while the engine samples (JAX memory kinds:
