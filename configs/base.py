@@ -181,6 +181,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators)
     c.loss.tis_cap = placeholder(float)  # None: no truncated importance sampling
     c.loss.agg = "token-mean"  # token-mean | seq-mean-token-mean: how token losses average
+    # A MoE model's (qwen3_vl_moe, torch learner) Switch load-balancing loss over the trained
+    # tokens, per layer averaged, added with this weight (0: off; transformers' default 0.001)
+    c.loss.router_aux_coef = 0.0
     c.advantage = ml_collections.ConfigDict()
     c.advantage.normalize_std = True  # divide by the group's reward std (False: Dr. GRPO)
     c.advantage.filter_equal_groups = True  # dynamic sampling: drop groups with equal rewards
