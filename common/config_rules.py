@@ -64,6 +64,7 @@ RANGES = {
     "loss.clip_high": "[0, inf)",
     "loss.dual_clip": "(1, inf)",
     "loss.kl_coef": "[0, inf)",
+    "loss.router_aux_coef": "[0, inf)",
     "loss.tis_cap": "(0, inf)",
     "train.steps": "[1, inf)",
     "train.prompts_per_step": "[1, inf)",

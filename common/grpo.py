@@ -116,6 +116,7 @@ class LossConfig:
     kl_estimator: str = "k3"
     tis_cap: float | None = None
     agg: str = "token-mean"
+    router_aux_coef: float = 0.0  # a MoE model's load-balancing loss (the torch learner)
 
     def __post_init__(self):
         if self.agg not in AGG_MODES:

@@ -23,6 +23,7 @@ from common.data import DataError, load_split
 from common.dedup import content_key, overlap
 from common.hub import HubError, checkpoint_dir, data_path
 from common import micro_batch
+from common.processor import MODEL_TYPES
 from common.prompts import prompt_style
 from common.synthetic import FAMILIES, parse_image_size, split_keys, write_split
 
@@ -233,6 +234,9 @@ def check_ranges(cfg) -> None:
 def check_config(cfg, world: int) -> None:
     """Refuse settings that cannot run, before anything is built."""
     check_ranges(cfg)
+    if cfg.model.tiny_arch not in MODEL_TYPES:
+        raise ValueError(f"model.tiny_arch must be one of {MODEL_TYPES}, got "
+                         f"{cfg.model.tiny_arch!r}")
     if cfg.engine.backend not in ENGINE_BACKENDS:
         raise ValueError(f"engine.backend must be one of {ENGINE_BACKENDS}, got "
                          f"{cfg.engine.backend!r}")

@@ -32,9 +32,20 @@ from typing import Any
 import numpy as np
 
 PROCESSOR_CONFIG_FILES = ("processor_config.json", "preprocessor_config.json")
-# model_type in config.json, or the processor class a processor config names -> our arch key
-_ARCH_OF = {"qwen2_5_vl": "qwen2_5_vl", "Qwen2_5_VLProcessor": "qwen2_5_vl",
-            "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl", "Qwen3VLProcessor": "qwen3_vl"}
+# model_type in config.json -> the arch whose vision tower, processor and chat template it has
+# (Qwen3-VL-MoE is Qwen3-VL with sparse MoE blocks in place of its decoder layers' MLPs)
+FAMILY = {"qwen3_vl": "qwen3_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl_moe": "qwen3_vl"}
+MODEL_TYPES = tuple(FAMILY)
+# ... and the processor class a processor config names -> the same key
+_ARCH_OF = FAMILY | {"Qwen2_5_VLProcessor": "qwen2_5_vl", "Qwen3VLProcessor": "qwen3_vl"}
+
+
+def family(model_type: str) -> str:
+    """'qwen3_vl' or 'qwen2_5_vl': the arch whose vision tower and processor a config's
+    `model_type` (one of MODEL_TYPES) has."""
+    if model_type not in FAMILY:
+        raise ValueError(f"model_type {model_type!r} is not one of {MODEL_TYPES}")
+    return FAMILY[model_type]
 
 
 def image_key(image) -> object:

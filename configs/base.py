@@ -51,10 +51,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.synthetic_families = ""
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = ""  # HF checkpoint folder or Hub name (Qwen2.5-VL / Qwen3-VL); empty: tiny
+    c.model.path = ""  # HF checkpoint folder or Hub name (Qwen2.5-VL, Qwen3-VL, -MoE); "": tiny
     # With no path, a tiny checkpoint is built once into `tiny_dir` (geo3k_torch.tiny).
     c.model.tiny_dir = "data/tiny-qwen3_vl-small"
-    c.model.tiny_arch = "qwen3_vl"  # the tiny checkpoint's architecture: qwen3_vl | qwen2_5_vl
+    # the tiny checkpoint's architecture: qwen3_vl | qwen2_5_vl | qwen3_vl_moe (Qwen3-VL with
+    # sparse MoE decoder layers, as Qwen3-VL-30B-A3B; the torch learner trains it)
+    c.model.tiny_arch = "qwen3_vl"
     c.model.tiny_vocab = "small"  # its tokenizer: small (a few hundred tokens) | qwen
     c.model.tiny_seed = 0  # the tiny checkpoint's init, pretraining and priming (not `seed`)
     # A new tiny checkpoint's vision pretraining (geo3k_torch.pretrain), before the priming:
@@ -179,6 +181,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.kl_estimator = "k3"  # k1 | k2 | k3 (Schulman's estimators)
     c.loss.tis_cap = placeholder(float)  # None: no truncated importance sampling
     c.loss.agg = "token-mean"  # token-mean | seq-mean-token-mean: how token losses average
+    # A MoE model's (qwen3_vl_moe, torch learner) Switch load-balancing loss over the trained
+    # tokens, per layer averaged, added with this weight (0: off; transformers' default 0.001)
+    c.loss.router_aux_coef = 0.0
     c.advantage = ml_collections.ConfigDict()
     c.advantage.normalize_std = True  # divide by the group's reward std (False: Dr. GRPO)
     c.advantage.filter_equal_groups = True  # dynamic sampling: drop groups with equal rewards

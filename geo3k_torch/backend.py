@@ -48,7 +48,7 @@ class LocalBackend:
             raise ValueError("a reloading backend needs a workdir for the exported weights")
         self.reload_dir = None if model is not None else Path(workdir) / "weights_for_engine"
         dtype = torch.bfloat16 if cuda and bf16 else torch.float32
-        self.model = self.shared or load_model(model_dir, dtype).to(device).eval() \
+        self.model = self.shared or load_model(model_dir, dtype, device=device).eval() \
             .requires_grad_(False)
         pad = processor.tokenizer.pad_token_id
         self.engine = LocalEngine(self.model, processor, pad if pad is not None else 0,

@@ -74,7 +74,7 @@ def eval_backend(cfg, model_dir: str, processor, device, workdir: str):
     def own():
         from geo3k_torch.backend import LocalBackend, engine_settings
         from geo3k_torch.model import load_model
-        model = load_model(model_dir).to(device).eval().requires_grad_(False)
+        model = load_model(model_dir, device=device).eval().requires_grad_(False)
         return LocalBackend(processor, model_dir, seed=cfg.seed, device=device,
                             comm=SingleProcess(), model=model, **engine_settings(cfg))
     return make_backend(cfg, own=own, own_kind="torch", model_dir=model_dir, processor=processor,

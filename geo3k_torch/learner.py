@@ -10,7 +10,9 @@ gradient. Under FSDP the gradients are averaged over ranks, hence the loss is sc
 size. The "old" log-probs of the ratio are a batch's `old_logprobs` (computed once by `logprobs`
 before the first of several updates on one rollout) or, with one optimizer step per rollout (the
 anchor recipe), the learner's own log-probs at the current weights, detached; their distance to
-the engine's rollout log-probs is reported (mean and max over trained tokens).
+the engine's rollout log-probs is reported (mean and max over trained tokens). A MoE model's
+routing (`geo3k_torch.router`) adds its load-balancing loss (`loss.router_aux_coef` > 0) and
+reports its router entropy and per-expert load.
 
 The device never waits for the host inside a step. A micro-batch's host work (the image
 processor, M-RoPE positions, the loss weights: `MicroBatch.prepare`) runs in a background thread
@@ -42,6 +44,7 @@ from geo3k_torch.attention import to_device
 from geo3k_torch.head import fused_loss
 from geo3k_torch.model import host_inputs, token_logprobs, upload
 from geo3k_torch.precision import MasterWeights
+from geo3k_torch.router import Routing, balance_loss, load_metrics, routing_sums
 
 
 @dataclasses.dataclass
@@ -116,6 +119,10 @@ class Learner:
         self.world_size = comm.world
         if loss_cfg.kl_coef and ref_model is None:
             raise ValueError("kl_coef > 0 needs a reference model")
+        self.routing = Routing.of(model)  # None: a dense model
+        if loss_cfg.router_aux_coef and self.routing is None:
+            raise ValueError("loss.router_aux_coef > 0 needs a MoE model (qwen3_vl_moe), got "
+                             f"{model.config.model_type}")
         if train_cfg.freeze_vision:
             frozen = [p for name, p in model.named_parameters() if is_vision(name)]
             if not frozen:
@@ -162,13 +169,15 @@ class Learner:
         if self.loss_cfg.kl_coef:
             with torch.no_grad():
                 ref = self._forward(self.ref_model, mb, False)
-        if self.fused_head:
-            loss, terms = fused_loss(self.model, mb.inputs, mb.targets, self.temperature,
-                                     self.chunk, lambda logp, a, b: self._terms(mb, logp, ref, a, b))
-            logp, entropy = terms["logp"], terms["entropy"]
-        else:
-            logp, entropy = self._forward(self.model, mb, True)
-            loss, terms = self._terms(mb, logp, ref)
+        with self.routing.recording() if self.routing else contextlib.nullcontext() as routed:
+            if self.fused_head:
+                loss, terms = fused_loss(self.model, mb.inputs, mb.targets, self.temperature,
+                                         self.chunk,
+                                         lambda logp, a, b: self._terms(mb, logp, ref, a, b))
+                logp, entropy = terms["logp"], terms["entropy"]
+            else:
+                logp, entropy = self._forward(self.model, mb, True)
+                loss, terms = self._terms(mb, logp, ref)
         with torch.no_grad():
             diff = (logp - mb.rollout).abs()
             sums = {"entropy": entropy.sum(), "clip_frac": terms["clipped"].sum(),
@@ -177,7 +186,26 @@ class Learner:
             sums |= {k: terms[k].sum() for k in ("kl", "tis") if k in terms}
             if "tis" in sums:
                 sums["tis_mean"] = sums.pop("tis")
+        if routed is not None:
+            loss = loss + self._router_loss(mb, routed, sums)
         return loss, sums
+
+    def _router_loss(self, mb: MicroBatch, logits: list[torch.Tensor],
+                     sums: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's share of the step's load-balancing loss (`geo3k_torch.router`:
+        its trained tokens' loss, weighted by their share of the global batch's, scaled for
+        accumulation as the policy loss; 0 when `loss.router_aux_coef` is 0), its routing
+        metrics added to `sums`."""
+        k = len(mb.targets)
+        sums |= routing_sums(logits, mb.targets, self.routing.top_k)
+        if not k:  # a filler that trains nothing
+            sums["router_aux_loss"] = torch.zeros((), device=mb.targets.device)
+            return sums["router_aux_loss"]
+        aux = balance_loss(logits, mb.targets, self.routing.top_k)
+        sums["router_aux_loss"] = aux.detach() * k  # a token sum, as the other metrics
+        if not self.loss_cfg.router_aux_coef:
+            return torch.zeros((), device=aux.device)
+        return self.loss_cfg.router_aux_coef * aux * (k / mb.n_tokens) * self.world_size
 
     def _terms(self, mb: MicroBatch, logp: torch.Tensor, ref: torch.Tensor | None,
                a: int = 0, b: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -198,7 +226,8 @@ class Learner:
         n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns the metrics of
         the whole step (every rank): loss, grad_norm, lr, skipped (1 if the gradients were not
         finite), and token means over all ranks of entropy, clip_frac, approx_kl, kl, tis_mean,
-        logp_diff_mean, plus logp_diff_max.
+        logp_diff_mean, plus logp_diff_max; a MoE model's router_aux_loss, router_entropy (token
+        means) and router_load_max / _min / _cv (`geo3k_torch.router.load_metrics`).
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -206,10 +235,15 @@ class Learner:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
+        counts = sums.pop("router_counts", None)  # (L, E) of a MoE model
         names = sorted(sums)  # the step's one host sync: every metric and the grad norm
-        values = torch.stack([sums[k].float() for k in names] + [grad_norm.float()]).tolist()
+        values = torch.stack([sums[k].float() for k in names] + [grad_norm.float()])
+        if counts is not None:
+            values = torch.cat([values, counts.flatten()])
+        values = values.tolist()
         host = dict(zip(names, values))
-        grad_norm = values[-1]
+        grad_norm = values[len(names)]
+        host |= {f"router_counts/{i}": v for i, v in enumerate(values[len(names) + 1:])}
         skipped = not math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         if skipped:  # never applied; the schedule does not advance either
@@ -223,6 +257,9 @@ class Learner:
         host = self.comm.sum_scalars(host, max_keys=("logp_diff_max",))
         n = max(host.pop("tokens"), 1.0)
         out = {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
+        if counts is not None:
+            out |= load_metrics(np.array([host.pop(f"router_counts/{i}")
+                                          for i in range(counts.numel())]).reshape(counts.shape))
         out.update({k: (v if k in ("loss", "logp_diff_max") else v / n)
                     for k, v in host.items()})
         return out

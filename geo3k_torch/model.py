@@ -20,13 +20,15 @@ import torch
 
 from common.batching import PackedBatch
 from common.mrope import packed_position_ids
-from common.processor import image_inputs
+from common.processor import MODEL_TYPES, family, image_inputs
 from geo3k_torch import attention
 
 
-def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attention.NAME):
-    """A Qwen2.5-VL or Qwen3-VL checkpoint directory as a transformers model, in train mode,
-    Qwen3-VL's deepstack step without a host sync (`use_deepstack_add`). attn: "packed_sdpa"
+def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attention.NAME,
+               device: torch.device | str = "cpu"):
+    """A Qwen2.5-VL, Qwen3-VL or Qwen3-VL-MoE checkpoint directory as a transformers model on
+    `device`, in train mode, Qwen3-VL's deepstack step without a host sync (`use_deepstack_add`),
+    a MoE model's experts as grouped matmuls (`use_grouped_experts`). attn: "packed_sdpa"
     (`geo3k_torch.attention`: packed rows attend per sequence) or any transformers attention
     implementation."""
     from transformers import AutoModelForImageTextToText
@@ -34,7 +36,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, attn_implementation=attn)
     _check_kind(model.config, path)
     use_deepstack_add(model)
-    return model
+    use_grouped_experts(model, device)
+    return model.to(device)
 
 
 def load_sharded(path: str, device: torch.device | str, bf16: bool,
@@ -63,6 +66,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
         model = AutoModelForImageTextToText.from_config(config, dtype=dtype,
                                                         attn_implementation=attn)
     use_deepstack_add(model)
+    use_grouped_experts(model, device)
     if compile_backend:
         compile_layers(model, activation_checkpointing, checkpoint_vision, compile_backend)
     else:
@@ -232,8 +236,45 @@ def _tied(model) -> set[str]:
 
 
 def _check_kind(config, path: str) -> None:
-    if config.model_type not in ("qwen2_5_vl", "qwen3_vl"):
-        raise ValueError(f"{path}: model_type {config.model_type!r} is not Qwen2.5-VL or Qwen3-VL")
+    if config.model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {config.model_type!r} is not one of {MODEL_TYPES}")
+
+
+def experts_implementation(device: torch.device | str) -> str:
+    """How transformers runs a MoE block's experts on `device` (`use_experts_implementation`):
+    "grouped_mm", every expert's tokens in one grouped matmul (`torch.nn.functional.grouped_mm`:
+    CPU from torch 2.9, CUDA from sm80, fp32 and bf16), where that kernel runs; else
+    "batched_mm" (each routed token's expert weights gathered, one batched matmul). Never
+    "eager", a Python loop over the experts. transformers' grouped_mm itself falls back to
+    such a loop (an opaque custom op) under torch.compile in a dtype other than bf16: the
+    compiled fp32 layers of the CPU tests, not the bf16 training on GPUs."""
+    return "grouped_mm" if _grouped_mm_runs(torch.device(device).type) else "batched_mm"
+
+
+@functools.cache
+def _grouped_mm_runs(device_type: str) -> bool:
+    """Whether torch's grouped matmul runs (forward and backward) on this kind of device in
+    fp32 and bf16."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm",
+                                                                         None)
+    if grouped is None:
+        return False
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.ones(4, 8, dtype=dtype, device=device_type, requires_grad=True)
+            w = torch.ones(2, 8, 8, dtype=dtype, device=device_type, requires_grad=True)
+            offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
+            grouped(x, w, offs=offs).backward(torch.ones(4, 8, dtype=dtype, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def use_grouped_experts(model, device: torch.device | str) -> None:
+    """A MoE model (Qwen3-VL-MoE) runs its experts by `experts_implementation(device)`; a dense
+    one has none, and is left as it is."""
+    if getattr(model.config.get_text_config(), "num_experts", 0):
+        model.set_experts_implementation(experts_implementation(device))
 
 
 def packed_inputs(batch: PackedBatch, processor, config, device: torch.device | str = "cpu"
@@ -293,7 +334,7 @@ def vision_inputs(config, grid: np.ndarray) -> dict:
     thw = torch.from_numpy(np.asarray(grid, np.int64).reshape(-1, 3))
     out = {"image_grid_thw": thw.numpy(), "image_cu_seqlens": vu.get_vision_cu_seqlens(thw).numpy(),
            "image_position_ids": vu.get_vision_position_ids(thw, v.spatial_merge_size)}
-    if config.model_type == "qwen3_vl":  # bilinear, corners aligned: the tower's own settings
+    if family(config.model_type) == "qwen3_vl":  # bilinear, corners aligned: the tower's own
         out["image_interp_indices"], out["image_interp_weights"] = (
             vu.get_vision_interpolation_indices_and_weights(
                 thw, num_grid_per_side=int(v.num_position_embeddings ** 0.5), mode="bilinear",

@@ -183,7 +183,7 @@ def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference
                              checkpoint_vision=cfg.train.checkpoint_vision,
                              compile_backend=backend)
     else:
-        model = load_model(model_dir, dtype).to(device)
+        model = load_model(model_dir, dtype, device=device)
         if backend:
             compile_layers(model, mode, cfg.train.checkpoint_vision, backend)
         elif device.type == "cuda":

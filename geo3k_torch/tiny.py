@@ -2,9 +2,12 @@
 
     python -m geo3k_torch.tiny --arch qwen3_vl --vocab small --out data/tiny-qwen3_vl-small
     python -m geo3k_torch.tiny --arch qwen2_5_vl --vocab qwen --out /tmp/tiny --hidden-size 64
+    python -m geo3k_torch.tiny --arch qwen3_vl_moe --vocab small --out data/tiny-qwen3_vl_moe-small
 
 The directory holds what `AutoModelForImageTextToText.from_pretrained` and
-`common.processor.load_processor` read from a real Qwen2.5-VL / Qwen3-VL download: config.json,
+`common.processor.load_processor` read from a real Qwen2.5-VL / Qwen3-VL / Qwen3-VL-MoE download
+(the MoE model: Qwen3-VL's vision tower, processor and chat template; a sparse MoE block in
+every decoder layer, as Qwen3-VL-30B-A3B has them, with a few experts): config.json,
 generation_config.json, model.safetensors (float32, tied embeddings), tokenizer.json and
 tokenizer_config.json (`Qwen2Tokenizer`, eos `<|im_end|>`, pad `<|endoftext|>`),
 chat_template.jinja (`common.chat_template`), processor_config.json and preprocessor_config.json
@@ -25,12 +28,14 @@ from pathlib import Path
 
 from common.chat_template import CHAT_TEMPLATE
 from common import tokenizer as toks
+from common.processor import MODEL_TYPES, family
 
-ARCHS = ("qwen3_vl", "qwen2_5_vl")
+ARCHS = MODEL_TYPES  # qwen3_vl, qwen2_5_vl, qwen3_vl_moe
 QWEN_PADDED_VOCAB = 151936  # vocab_size of Qwen3-VL-2B / Qwen2.5-VL-3B (rows past the tokenizer unused)
 DEFAULT_PATCH = {"qwen3_vl": 16, "qwen2_5_vl": 14}
 PROCESSOR_CLASS = {"qwen3_vl": "Qwen3VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
 VIDEO_PROCESSOR_CLASS = {"qwen3_vl": "Qwen3VLVideoProcessor", "qwen2_5_vl": "Qwen2VLVideoProcessor"}
+# (keyed by `common.processor.family`: qwen3_vl_moe has qwen3_vl's)
 # Qwen3-VL normalises pixels to [-1, 1]; Qwen2.5-VL uses CLIP's mean and std.
 IMAGE_MEAN_STD = {"qwen3_vl": ([0.5] * 3, [0.5] * 3),
                   "qwen2_5_vl": ([0.48145466, 0.4578275, 0.40821073],
@@ -48,6 +53,9 @@ class TinySizes:
     kv_heads: int = 2
     vision_depth: int = 2
     vision_hidden: int = 64
+    experts: int = 4  # qwen3_vl_moe: experts per MoE block (Qwen3-VL-30B-A3B: 128)
+    experts_per_token: int = 2  # and how many each token is routed to (30B-A3B: 8)
+    moe_intermediate_size: int | None = None  # each expert's; hidden_size // 2 (30B-A3B: 768)
     vision_heads: int | None = None  # vision_hidden // 32 (at least 1)
     vision_intermediate: int | None = None  # 2 * vision_hidden
     patch_size: int | None = None  # 16 for qwen3_vl, 14 for qwen2_5_vl
@@ -60,11 +68,12 @@ class TinySizes:
 
     def resolved(self, arch: str) -> TinySizes:
         """A copy with every None filled in for `arch`, checked for consistency."""
-        patch = self.patch_size or DEFAULT_PATCH[arch]
+        patch = self.patch_size or DEFAULT_PATCH[family(arch)]
         unit = patch * self.spatial_merge  # pixels per merged patch side
         out = dataclasses.replace(
             self, patch_size=patch,
             intermediate_size=self.intermediate_size or 3 * self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size or self.hidden_size // 2,
             vision_heads=self.vision_heads or max(1, self.vision_hidden // 32),
             vision_intermediate=self.vision_intermediate or 2 * self.vision_hidden,
             window_size=self.window_size or 2 * unit,
@@ -79,6 +88,11 @@ class TinySizes:
             (out.window_size % unit == 0, f"window_size must be a multiple of {unit}"),
             (unit * unit <= out.min_pixels <= out.max_pixels, "need unit**2 <= min <= max pixels"),
             (out.vision_depth >= 1 and out.layers >= 1, "depths must be positive"),
+            (arch != "qwen3_vl_moe" or 1 <= out.experts_per_token <= out.experts,
+             "need 1 <= experts_per_token <= experts"),
+            # torch's grouped matmul (the experts' kernel) takes rows of 16-byte multiples
+            (arch != "qwen3_vl_moe" or out.moe_intermediate_size % 8 == 0,
+             "moe_intermediate_size must divide by 8"),
         ]
         for ok, message in checks:
             if not ok:
@@ -115,7 +129,7 @@ def fullatt_indexes(vision_depth: int) -> list[int]:
 
 def make_config(arch: str, ids: dict[str, int], vocab_size: int, s: TinySizes):
     """The transformers config of a tiny `arch` model; `ids` maps special tokens to ids."""
-    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     head_dim = s.hidden_size // s.heads
     text = dict(vocab_size=vocab_size, hidden_size=s.hidden_size,
@@ -134,12 +148,17 @@ def make_config(arch: str, ids: dict[str, int], vocab_size: int, s: TinySizes):
                vision_end_token_id=ids[toks.VISION_END_TOKEN], tie_word_embeddings=True,
                dtype="float32")
     rope = {"rope_type": "default", "mrope_section": mrope_section(head_dim, arch)}
-    if arch == "qwen3_vl":
+    if arch == "qwen3_vl_moe":  # Qwen3-VL-30B-A3B's layout: every decoder layer sparse
+        text.update(num_experts=s.experts, num_experts_per_tok=s.experts_per_token,
+                    moe_intermediate_size=s.moe_intermediate_size, decoder_sparse_step=1,
+                    mlp_only_layers=[], router_aux_loss_coef=0.001)
+    if family(arch) == "qwen3_vl":
         text.update(head_dim=head_dim, rope_parameters={**rope, "mrope_interleaved": True,
                                                         "rope_theta": 5_000_000.0})
         vision.update(hidden_act="gelu_pytorch_tanh", num_position_embeddings=256,
                       deepstack_visual_indexes=deepstack_indexes(s.vision_depth, s.layers))
-        return Qwen3VLConfig(text_config=text, vision_config=vision, **top)
+        kind = Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else Qwen3VLConfig
+        return kind(text_config=text, vision_config=vision, **top)
     if arch == "qwen2_5_vl":
         text.update(rope_parameters={**rope, "rope_theta": 1_000_000.0})
         vision.update(hidden_act="silu", window_size=s.window_size, tokens_per_second=2,
@@ -162,6 +181,7 @@ def save_processor(out: Path, arch: str, tok, s: TinySizes) -> None:
     hf_tok = Qwen2Tokenizer(tokenizer_object=tok, eos_token=toks.EOS_TOKEN,
                             pad_token=toks.PAD_TOKEN, unk_token=None, bos_token=None,
                             model_max_length=s.max_position_embeddings)
+    arch = family(arch)
     mean, std = IMAGE_MEAN_STD[arch]
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=s.patch_size, temporal_patch_size=2, merge_size=s.spatial_merge,
@@ -200,7 +220,7 @@ def build_tiny_checkpoint(out_dir: str | Path, arch: str = "qwen3_vl", vocab: st
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     s = TinySizes(**sizes).resolved(arch)
-    tok = toks.build_tokenizer(vocab, arch)
+    tok = toks.build_tokenizer(vocab, family(arch))
     ids = toks.special_token_ids(tok)
     vocab_size = QWEN_PADDED_VOCAB if vocab == "qwen" else tok.get_vocab_size()
     config = make_config(arch, ids, vocab_size, s)

@@ -57,7 +57,7 @@ def main(argv):
     train_set, _ = prepare_data(cfg)
     processor = load_processor(model_dir)
     dtype = torch.bfloat16 if device.type == "cuda" and cfg.train.bf16 else torch.float32
-    model = load_model(model_dir, attn=_ATTN.value).to(device)
+    model = load_model(model_dir, attn=_ATTN.value, device=device)
     pad = processor.tokenizer.pad_token_id
     engine = LocalEngine(model, processor, pad if pad is not None else 0, cfg.seed, device)
     learner = Learner(model, processor, to_dataclass(LossConfig, cfg.loss), cfg.train,

@@ -23,12 +23,15 @@ LOSS = LossConfig(tis_cap=2.0, agg="seq-mean-token-mean")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A tiny Qwen3-VL checkpoint directory, its processor, micro-batches and their log-probs
-    under transformers (the reference forward)."""
+    return tiny_setup(qwen3_vl, tmp_path_factory.mktemp("tiny"))
+
+
+def tiny_setup(build, path):
+    """A tiny checkpoint directory `path` of the model `build` gives, its processor,
+    micro-batches and their log-probs under transformers (the reference forward)."""
     from geo3k_torch.model import packed_inputs, token_logprobs
 
-    model, patch = qwen3_vl(seed=0)
-    path = tmp_path_factory.mktemp("tiny")
+    model, patch = build(seed=0)
     model.save_pretrained(path)
     processor = ImageOnlyProcessor(patch)
     seqs = sequences(processor, np.random.default_rng(0), 6)
@@ -41,10 +44,10 @@ def tiny(tmp_path_factory):
                 n_tokens=float(sum(s.loss_mask.sum() for s in seqs)), n_seqs=float(len(seqs)))
 
 
-def torch_learner(tiny, train_cfg=None):
+def torch_learner(tiny, train_cfg=None, loss=LOSS):
     from geo3k_torch.learner import Learner
     from geo3k_torch.model import load_model
-    return Learner(load_model(tiny["path"]), tiny["processor"], LOSS,
+    return Learner(load_model(tiny["path"]), tiny["processor"], loss,
                    train_cfg or train_config(), 1.0, model_dir=tiny["path"])
 
 
@@ -102,6 +105,11 @@ def test_first_step_loss_is_the_numpy_reference(make_learner, tiny):
 @pytest.mark.slow
 @LEARNERS
 def test_resumed_step_equals_uninterrupted(make_learner, tiny, tmp_path):
+    assert_resume_is_exact(make_learner, tiny, tmp_path)
+
+
+def assert_resume_is_exact(make_learner, tiny, tmp_path):
+    """Two steps equal one step, a checkpoint (DCP state and HF export) and a restored step."""
     comm = SingleProcess()
     straight = make_learner(tiny)
     for _ in range(2):

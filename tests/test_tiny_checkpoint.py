@@ -24,12 +24,12 @@ from PIL import Image
 
 from common import tokenizer as toks
 from common.chat_template import CHAT_TEMPLATE
-from common.processor import load_processor, torchvision_available
+from common.processor import family, load_processor, torchvision_available
 from geo3k_torch.tiny import (build_tiny_checkpoint, deepstack_indexes, fullatt_indexes, main,
                               mrope_section)
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHS = ("qwen3_vl", "qwen2_5_vl")
+ARCHS = ("qwen3_vl", "qwen2_5_vl", "qwen3_vl_moe")
 TEXTS = [
     "Hello world! Hello, world",
     "In triangle ABC, m \\angle B = 35^\\circ and AB = 8\\sqrt{3}. Find x.\n\nx = \\frac{5}{2}",
@@ -318,11 +318,11 @@ def test_downloaded_checkpoint_layout_loads(tiny_dirs, tmp_path, arch):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, tmp_path / name)
     pre = json.loads((src / "preprocessor_config.json").read_text())
-    pre["image_processor_type"] = ("Qwen2VLImageProcessorFast" if arch == "qwen3_vl"
-                                   else "Qwen2VLImageProcessor")
+    qwen3 = family(arch) == "qwen3_vl"
+    pre["image_processor_type"] = "Qwen2VLImageProcessorFast" if qwen3 else "Qwen2VLImageProcessor"
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(pre))
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    if arch == "qwen3_vl":
+    if qwen3:
         video = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16,
                  "temporal_patch_size": 2, "merge_size": 2, "processor_class": "Qwen3VLProcessor"}
         (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(video))

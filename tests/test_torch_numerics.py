@@ -13,9 +13,10 @@ from common.grpo import LossConfig, per_token_terms, policy_loss, token_weights
 import geo3k_torch.engine as engine_module
 from geo3k_torch.engine import LocalEngine
 from geo3k_torch.model import packed_inputs, token_logprobs
-from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+from tests.tiny_models import (IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl,
+                               qwen3_vl_moe)
 
-ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl_moe": qwen3_vl_moe}
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))

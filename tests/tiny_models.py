@@ -8,7 +8,8 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                          Qwen3VLForConditionalGeneration)
+                          Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig,
+                          Qwen3VLMoeForConditionalGeneration)
 from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
 VOCAB = 300
@@ -25,15 +26,26 @@ def special_ids(vocab):
                 vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1)
 
 
-def qwen3_vl(seed=0, vocab=VOCAB):
+def qwen3_vl(seed=0, vocab=VOCAB, moe=None):
+    """moe: text-config settings of a Qwen3-VL-MoE model (`qwen3_vl_moe`) instead."""
     torch.manual_seed(seed)
     ids = IDS if vocab == VOCAB else special_ids(vocab)
-    c = Qwen3VLConfig(text_config=dict(TEXT, vocab_size=vocab, head_dim=16, rope_scaling={
-        "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+    config, model = ((Qwen3VLConfig, Qwen3VLForConditionalGeneration) if moe is None
+                     else (Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration))
+    c = config(text_config=dict(TEXT, vocab_size=vocab, head_dim=16, rope_scaling={
+        "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True},
+        **(moe or {})),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
                            out_hidden_size=64, patch_size=16, spatial_merge_size=2,
                            deepstack_visual_indexes=[0], num_position_embeddings=64), **ids)
-    return Qwen3VLForConditionalGeneration(c).float().eval(), 16
+    return model(c).float().eval(), 16
+
+
+def qwen3_vl_moe(seed=0, vocab=VOCAB):
+    """Qwen3-VL-MoE: every decoder layer a sparse block of 4 experts, top 2 (30B-A3B's layout)."""
+    return qwen3_vl(seed, vocab, moe=dict(num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, decoder_sparse_step=1,
+                                          mlp_only_layers=[]))
 
 
 def qwen2_5_vl(seed=0):
