@@ -186,7 +186,7 @@ class Learner:
             sums |= {k: terms[k].sum() for k in ("kl", "tis") if k in terms}
             if "tis" in sums:
                 sums["tis_mean"] = sums.pop("tis")
-        if routed is not None:
+        if routed is not None:  # filled as the forward's block exited
             loss = loss + self._router_loss(mb, routed, sums)
         return loss, sums
 
@@ -268,7 +268,8 @@ class Learner:
                    ) -> dict[str, torch.Tensor]:
         """Forward and backward over `batches`, gradients accumulated into the Parameters'
         .grad (fp32 under master weights): the metric sums of the step as 0-d device tensors
-        ("loss" the step's loss; "logp_diff_max" a max). Reads nothing back from the device."""
+        ("loss" the step's loss; "logp_diff_max" a max; a MoE model's "router_counts" (L, E)).
+        Reads nothing back from the device."""
         sums: dict[str, torch.Tensor] = {}
         with self._compute():
             for mb in self._micro_batches(batches, n_tokens, n_seqs):

@@ -91,11 +91,12 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
 
 CHECKPOINTING = ("full", "selective", "none")
 # What "selective" keeps from a layer's forward: the outputs of its matmuls (the projections,
-# the MLP, the LM head) and of the attention kernels (the packed attention's two, CUDA's and
-# CPU's sdpa kernels). Norms, RoPE, SwiGLU's activation and the residual adds are recomputed in
-# the backward pass: cheap elementwise work in place of most of the layer's activation memory.
+# the MLP, a MoE block's router and experts' grouped matmuls, the LM head) and of the attention
+# kernels (the packed attention's two, CUDA's and CPU's sdpa kernels). Norms, RoPE, SwiGLU's
+# activation, the routing's sort and gathers and the residual adds are recomputed in the
+# backward pass: cheap work in place of most of the layer's activation memory.
 _KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+    "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
     "_efficient_attention_forward")
@@ -186,8 +187,11 @@ def _compile_block(block, mode: str, backend: str, packed: str) -> None:
         if kwargs.get(packed) is None:
             return eager(*args, **kwargs)
         # no "duck sizing": sizes that happen to be equal in one micro-batch (a layout's length
-        # and a hidden size) must not become a guard that the next one fails
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # and a hidden size) must not become a guard that the next one fails; a MoE router's
+        # recording hook (`geo3k_torch.router`) appends in the forward only, which a checkpointed
+        # region's recomputation must not replay (Dynamo would break the graph otherwise)
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             return compiled(*args, **kwargs)
 
     block.forward = forward

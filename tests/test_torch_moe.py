@@ -193,3 +193,26 @@ def test_grpo_steps_through_the_loop_train_the_moe_model(tmp_path):
     assert before.keys() == after.keys()
     moved = [k for k in before if not np.array_equal(before[k], after[k])]
     assert any(".experts." in k for k in moved) and any("mlp.gate." in k for k in moved)
+
+
+@pytest.mark.slow  # compiles (about 30 s on two cores)
+def test_compiled_moe_layers_record_the_routing_in_one_graph(tiny):
+    """train.compile with selective checkpointing: the MoE learner's step (load-balancing loss
+    on) equals the eager one, metrics included, and the routers' recording breaks no graph nor
+    compiles a layer twice (4 graphs, as the dense model's in the same step; a hook appending
+    to one list gave 6, and checkpointing's side-effect rule broke the layers' graph)."""
+    from torch._dynamo.utils import counters
+
+    from geo3k_torch.model import compile_layers
+
+    loss = LossConfig(router_aux_coef=0.1)
+    eager = step(torch_learner(tiny, loss=loss), tiny)
+    torch._dynamo.reset()
+    counters.clear()
+    learner = torch_learner(tiny, loss=loss)
+    compile_layers(learner.model, "selective", backend="aot_eager")
+    compiled = step(learner, tiny)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 4
+    assert compiled.keys() == eager.keys() and "router_load_cv" in compiled
+    for k, v in eager.items():
+        assert compiled[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
