@@ -80,6 +80,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     if dist.get_rank() == 0:
         for f in sorted(Path(path).glob("*.safetensors")):
             full.update({k: v.to(dtype) for k, v in load_file(f).items()})
+        full = _model_layout(full, model)
         missing = set(model.state_dict()) - set(full) - _tied(model)
         if missing:
             raise ValueError(f"{path}: the checkpoint lacks {sorted(missing)[:5]}")
@@ -227,6 +228,29 @@ class _PackedVisionAttention(torch.nn.Module):
         out = attention.packed_attention(q, k, v, packed_vision[self.layout_index],
                                          self.scaling, causal=False)
         return self.proj(out.reshape(n, -1))
+
+
+def _model_layout(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors `full` (by name) in `model`'s layout: the transposes of
+    transformers' conversion mapping applied as `from_pretrained` applies them (where a shape
+    differs from the model's, with `check_dims`). Qwen3-VL-MoE checkpoints on the Hub hold their
+    experts as (E, H, 2I) and (E, I, H); transformers' modules, and what `save_pretrained`
+    writes, (E, 2I, H) and (E, H, I)."""
+    import re
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    for rule in get_model_conversion_mapping(model):
+        if not (isinstance(rule, WeightConverter) and len(rule.source_patterns) == 1
+                and rule.source_patterns == rule.target_patterns
+                and all(isinstance(op, Transpose) for op in rule.operations)):
+            continue  # renames and merges are not applied: the missing-tensor check refuses
+        for name in [k for k in full if re.search(rule.source_patterns[0], k)]:
+            for op in rule.operations:
+                full[name] = op.convert({name: full[name]}, [name], [name], model=model,
+                                        full_layer_name=name)[name]
+    return full
 
 
 def _tied(model) -> set[str]:

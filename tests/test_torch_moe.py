@@ -216,3 +216,31 @@ def test_compiled_moe_layers_record_the_routing_in_one_graph(tiny):
     assert compiled.keys() == eager.keys() and "router_load_cv" in compiled
     for k, v in eager.items():
         assert compiled[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_sharded_load_reads_the_hub_layout_of_the_experts(tmp_path):
+    """Qwen3-VL-MoE checkpoints on the Hub hold the experts transposed, (E, H, 2I) and
+    (E, I, H); FSDP2's meta-device load (`load_sharded`, rank 0 reading the safetensors) turns
+    them into transformers' layout as `from_pretrained` does: every tensor equals
+    `load_model`'s (with the file's own layout the shapes would not even fit)."""
+    from safetensors.torch import load_file as load_torch, save_file
+
+    from geo3k_torch import checkpoint
+    from geo3k_torch.model import load_sharded
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    from tests.torch_group import one_process_group
+
+    out = build_tiny_checkpoint(tmp_path / "moe", arch="qwen3_vl_moe", hidden_size=64,
+                                moe_intermediate_size=16)  # no square expert matrix
+    saved = load_torch(str(out / "model.safetensors"))
+    hub = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v
+           for k, v in saved.items()}
+    assert hub["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
+    save_file(hub, str(out / "model.safetensors"), metadata={"format": "pt"})
+    plain = load_model(str(out)).state_dict()
+    with one_process_group():
+        sharded = checkpoint.full_state_dict(load_sharded(str(out), "cpu", bf16=False))
+    assert sharded.keys() == plain.keys()
+    assert all(torch.equal(sharded[k], plain[k]) for k in plain)
+    assert torch.equal(plain["model.language_model.layers.0.mlp.experts.down_proj"],
+                       saved["model.language_model.layers.0.mlp.experts.down_proj"])
