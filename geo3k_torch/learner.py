@@ -169,7 +169,8 @@ class Learner:
         if self.loss_cfg.kl_coef:
             with torch.no_grad():
                 ref = self._forward(self.ref_model, mb, False)
-        with self.routing.recording() if self.routing else contextlib.nullcontext() as routed:
+        recording = self.routing.recording() if self.routing else contextlib.nullcontext()
+        with recording as routed:  # a MoE model's router logits, [] until the block exits
             if self.fused_head:
                 loss, terms = fused_loss(self.model, mb.inputs, mb.targets, self.temperature,
                                          self.chunk,
@@ -186,7 +187,7 @@ class Learner:
             sums |= {k: terms[k].sum() for k in ("kl", "tis") if k in terms}
             if "tis" in sums:
                 sums["tis_mean"] = sums.pop("tis")
-        if routed is not None:  # filled as the forward's block exited
+        if routed is not None:
             loss = loss + self._router_loss(mb, routed, sums)
         return loss, sums
 

@@ -244,3 +244,22 @@ def test_sharded_load_reads_the_hub_layout_of_the_experts(tmp_path):
     assert all(torch.equal(sharded[k], plain[k]) for k in plain)
     assert torch.equal(plain["model.language_model.layers.0.mlp.experts.down_proj"],
                        saved["model.language_model.layers.0.mlp.experts.down_proj"])
+
+
+def test_flops_count_the_weights_a_token_meets():
+    """A MoE decoder layer's matmul weights per token (MFU, `common.flops`): its attention, the
+    router and top-k experts, not all E; a dense layer (`mlp_only_layers`) its own MLP."""
+    from common.flops import matmul_params
+
+    model = qwen3_vl_moe()[0]
+    layer = model.model.language_model.layers[0]
+    attn = sum(m.weight.numel() for m in layer.self_attn.modules()
+               if isinstance(m, torch.nn.Linear))
+    experts = layer.mlp.experts
+    moe = layer.mlp.gate.weight.numel() + 2 * (experts.gate_up_proj[0].numel()
+                                               + experts.down_proj[0].numel())
+    assert matmul_params(model.config)["layer"] == attn + moe
+    text = model.config.text_config
+    text.mlp_only_layers = [1]  # one of the two layers dense: the mean of the two
+    dense = 3 * text.hidden_size * text.intermediate_size
+    assert matmul_params(model.config)["layer"] == attn + (moe + dense) / 2
