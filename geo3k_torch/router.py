@@ -15,9 +15,9 @@ and reads them at the trained tokens (the loss mask's K positions):
     sums = routing_sums(logits, targets, top_k)   # entropy sum (0-d), counts (L, E)
 
 `balance_loss` is Switch Transformer's auxiliary loss as transformers computes it
-(`load_balancing_loss_func`: E x sum_e f_e P_e, f_e the fraction of top-k assignments and P_e
-the mean router probability of expert e; k when balanced) for each layer over the trained
-tokens, averaged over the layers. (transformers' own call pools the layers' fractions first,
+(`load_balancing_loss_func`: E x sum_e f_e P_e, f_e the top-k assignments to expert e per token
+and P_e its mean router probability; k when balanced) for each layer over the trained tokens,
+averaged over the layers; the learner weights each micro-batch's by its trained tokens. (transformers' own call pools the layers' fractions first,
 which lets one layer's imbalance cancel another's.) `load_metrics` turns the step's counts into
 scalars: E x the largest and smallest fraction of a layer's assignments an expert took (1 and 1
 when balanced; 0 for an expert no trained token reached) and their coefficient of variation over
