@@ -263,3 +263,18 @@ def test_flops_count_the_weights_a_token_meets():
     text.mlp_only_layers = [1]  # one of the two layers dense: the mean of the two
     dense = 3 * text.hidden_size * text.intermediate_size
     assert matmul_params(model.config)["layer"] == attn + (moe + dense) / 2
+
+
+def test_the_engine_copy_receives_the_trained_experts(tiny):
+    """`copy_weights` (the engine's own copy, `LocalBackend`): after a step the engine's model
+    holds the learner's weights, the experts' 3-D tensors and the routers included."""
+    from geo3k_torch.backend import copy_weights
+
+    learner, engine_model = torch_learner(tiny), load_model(tiny["path"]).eval()
+    step(learner, tiny)
+    copy_weights(learner.model, engine_model)
+    trained, copied = learner.model.state_dict(), engine_model.state_dict()
+    first = load_model(tiny["path"]).state_dict()
+    assert all(torch.equal(trained[k], copied[k]) for k in trained)
+    moved = [k for k in trained if not torch.equal(trained[k], first[k])]
+    assert any(".experts.gate_up_proj" in k for k in moved) and any("mlp.gate" in k for k in moved)
