@@ -169,7 +169,8 @@ class Learner:
         if self.loss_cfg.kl_coef:
             with torch.no_grad():
                 ref = self._forward(self.ref_model, mb, False)
-        with self.routing.recording() if self.routing else contextlib.nullcontext() as routed:
+        recording = self.routing.recording() if self.routing else contextlib.nullcontext()
+        with recording as routed:  # a MoE model's router logits, [] until the block exits
             if self.fused_head:
                 loss, terms = fused_loss(self.model, mb.inputs, mb.targets, self.temperature,
                                          self.chunk,
@@ -268,7 +269,8 @@ class Learner:
                    ) -> dict[str, torch.Tensor]:
         """Forward and backward over `batches`, gradients accumulated into the Parameters'
         .grad (fp32 under master weights): the metric sums of the step as 0-d device tensors
-        ("loss" the step's loss; "logp_diff_max" a max). Reads nothing back from the device."""
+        ("loss" the step's loss; "logp_diff_max" a max; a MoE model's "router_counts" (L, E)).
+        Reads nothing back from the device."""
         sums: dict[str, torch.Tensor] = {}
         with self._compute():
             for mb in self._micro_batches(batches, n_tokens, n_seqs):

@@ -80,6 +80,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     if dist.get_rank() == 0:
         for f in sorted(Path(path).glob("*.safetensors")):
             full.update({k: v.to(dtype) for k, v in load_file(f).items()})
+        full = _model_layout(full, model)
         missing = set(model.state_dict()) - set(full) - _tied(model)
         if missing:
             raise ValueError(f"{path}: the checkpoint lacks {sorted(missing)[:5]}")
@@ -91,11 +92,12 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
 
 CHECKPOINTING = ("full", "selective", "none")
 # What "selective" keeps from a layer's forward: the outputs of its matmuls (the projections,
-# the MLP, the LM head) and of the attention kernels (the packed attention's two, CUDA's and
-# CPU's sdpa kernels). Norms, RoPE, SwiGLU's activation and the residual adds are recomputed in
-# the backward pass: cheap elementwise work in place of most of the layer's activation memory.
+# the MLP, a MoE block's router and experts' grouped matmuls, the LM head) and of the attention
+# kernels (the packed attention's two, CUDA's and CPU's sdpa kernels). Norms, RoPE, SwiGLU's
+# activation, the routing's sort and gathers and the residual adds are recomputed in the
+# backward pass: cheap work in place of most of the layer's activation memory.
 _KEPT_OPS = tuple(getattr(torch.ops.aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+    "mm", "addmm", "bmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
     "_efficient_attention_forward")
@@ -186,8 +188,11 @@ def _compile_block(block, mode: str, backend: str, packed: str) -> None:
         if kwargs.get(packed) is None:
             return eager(*args, **kwargs)
         # no "duck sizing": sizes that happen to be equal in one micro-batch (a layout's length
-        # and a hidden size) must not become a guard that the next one fails
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        # and a hidden size) must not become a guard that the next one fails; a MoE router's
+        # recording hook (`geo3k_torch.router`) appends in the forward only, which a checkpointed
+        # region's recomputation must not replay (Dynamo would break the graph otherwise)
+        with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
             return compiled(*args, **kwargs)
 
     block.forward = forward
@@ -223,6 +228,29 @@ class _PackedVisionAttention(torch.nn.Module):
         out = attention.packed_attention(q, k, v, packed_vision[self.layout_index],
                                          self.scaling, causal=False)
         return self.proj(out.reshape(n, -1))
+
+
+def _model_layout(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors `full` (by name) in `model`'s layout: the transposes of
+    transformers' conversion mapping applied as `from_pretrained` applies them (where a shape
+    differs from the model's, with `check_dims`). Qwen3-VL-MoE checkpoints on the Hub hold their
+    experts as (E, H, 2I) and (E, I, H); transformers' modules, and what `save_pretrained`
+    writes, (E, 2I, H) and (E, H, I)."""
+    import re
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    for rule in get_model_conversion_mapping(model):
+        if not (isinstance(rule, WeightConverter) and len(rule.source_patterns) == 1
+                and rule.source_patterns == rule.target_patterns
+                and all(isinstance(op, Transpose) for op in rule.operations)):
+            continue  # renames and merges are not applied: the missing-tensor check refuses
+        for name in [k for k in full if re.search(rule.source_patterns[0], k)]:
+            for op in rule.operations:
+                full[name] = op.convert({name: full[name]}, [name], [name], model=model,
+                                        full_layer_name=name)[name]
+    return full
 
 
 def _tied(model) -> set[str]:

@@ -2,20 +2,22 @@
 
 Qwen3-VL-MoE routes each token of a sparse decoder layer to its top-k experts by a softmax over
 the router's logits (transformers' `Qwen3VLMoeTextTopKRouter`). `Routing` keeps every router's
-(T, E) logits of one packed forward (a forward hook on each router, installed once; it records
-only inside `recording()`, so an activation-checkpointed layer's recomputation in the backward
-pass adds nothing), and reads them at the trained tokens (the loss mask's K positions):
+(T, E) logits of one packed forward (a forward hook on each router, installed once, keeps its
+router's output on the router; it records only inside `recording()`, so an activation-
+checkpointed layer's recomputation in the backward pass adds nothing; one hook and no growing
+list, so that every compiled decoder layer is one graph, `geo3k_torch.model.compile_layers`),
+and reads them at the trained tokens (the loss mask's K positions):
 
     routing = Routing.of(model)                   # None for a dense model
-    with routing.recording() as logits:           # logits: [(T, E)] per sparse layer, filled
+    with routing.recording() as logits:           # logits: [(T, E)] per sparse layer, at exit
         logp = token_logprobs(model, inputs, targets)
     aux = balance_loss(logits, targets, top_k)    # 0-d, with gradient to the routers
     sums = routing_sums(logits, targets, top_k)   # entropy sum (0-d), counts (L, E)
 
 `balance_loss` is Switch Transformer's auxiliary loss as transformers computes it
-(`load_balancing_loss_func`: E x sum_e f_e P_e, f_e the fraction of top-k assignments and P_e
-the mean router probability of expert e; k when balanced) for each layer over the trained
-tokens, averaged over the layers. (transformers' own call pools the layers' fractions first,
+(`load_balancing_loss_func`: E x sum_e f_e P_e, f_e the top-k assignments to expert e per token
+and P_e its mean router probability; k when balanced) for each layer over the trained tokens,
+averaged over the layers; the learner weights each micro-batch's by its trained tokens. (transformers' own call pools the layers' fractions first,
 which lets one layer's imbalance cancel another's.) `load_metrics` turns the step's counts into
 scalars: E x the largest and smallest fraction of a layer's assignments an expert took (1 and 1
 when balanced; 0 for an expert no trained token reached) and their coefficient of variation over
@@ -39,8 +41,8 @@ class Routing:
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no sparse MoE blocks")
         config = model.config.get_text_config()
-        self.top_k, self.experts = config.num_experts_per_tok, config.num_experts
-        self.logits: list[torch.Tensor] | None = None  # a list while recording
+        self.top_k = config.num_experts_per_tok
+        self.active = False
         for router in self.routers:
             router.register_forward_hook(self._record)
 
@@ -50,17 +52,21 @@ class Routing:
         return cls(model) if getattr(model.config.get_text_config(), "num_experts", 0) else None
 
     def _record(self, module, args, output) -> None:
-        if self.logits is not None:
-            self.logits.append(output[0])  # (T, E): the router's logits
+        if self.active:
+            module.recorded_logits = output[0]  # (T, E): the router's logits
 
     @contextlib.contextmanager
     def recording(self):
-        """Yields the list that the forwards inside fill with each sparse layer's (T, E) logits."""
-        self.logits = []
+        """Yields a list that holds, once the block exits, the (T, E) router logits of each
+        sparse layer of the forward inside (in layer order)."""
+        out: list[torch.Tensor] = []
+        self.active = True
         try:
-            yield self.logits
+            yield out
         finally:
-            self.logits = None
+            self.active = False
+            out.extend(r.__dict__.pop("recorded_logits") for r in self.routers
+                       if "recorded_logits" in r.__dict__)
 
 
 def balance_loss(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int) -> torch.Tensor:

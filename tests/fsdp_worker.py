@@ -25,7 +25,8 @@ from configs import base
 from geo3k_torch import checkpoint, distributed
 from geo3k_torch.learner import Learner
 from geo3k_torch.weight_sync import TorchWeights
-from tests.tiny_models import ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+from tests.tiny_models import (ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl,
+                               qwen3_vl_moe)
 
 
 def global_batch(processor, n=6):
@@ -46,7 +47,8 @@ def main(out, arch, agg, layout="strided"):
     """layout: strided (rank r gets sequences r, r + world, ...) or empty_rank (rank 0 gets all,
     the others none: they take part with a spare sequence that trains nothing)."""
     rank, world = distributed.init("cpu")
-    model, patch = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}[arch](seed=0)
+    model, patch = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl,
+                    "qwen3_vl_moe": qwen3_vl_moe}[arch](seed=0)
     model.train()
     processor = ImageOnlyProcessor(patch)
     seqs = global_batch(processor)
@@ -59,8 +61,9 @@ def main(out, arch, agg, layout="strided"):
     with cfg.unlocked():
         cfg.lr = 1e-3
     comm = distributed.TorchCollectives()
-    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0), cfg, 1.0, comm=comm,
-                      chunk=8)  # the LM head 8 trained tokens at a time, under FSDP too
+    aux = 0.01 if arch == "qwen3_vl_moe" else 0.0  # the load-balancing loss's weighting too
+    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0, router_aux_coef=aux),
+                      cfg, 1.0, comm=comm, chunk=8)  # the LM head 8 trained tokens at a time, under FSDP too
     budget = max(len(s) for s in seqs)  # several micro-batches: accumulation is exercised too
     batches = pack(mine, budget)
     n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]

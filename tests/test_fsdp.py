@@ -30,10 +30,13 @@ def run(tmp_path, nproc, arch, agg, layout="strided"):
     return json.loads(out.read_text())
 
 
-# FSDP2's collectives are the same for both architectures: Qwen2.5-VL and seq-mean-token-mean
-# here, Qwen3-VL and token-mean on two processes in the empty-rank test below.
+# FSDP2's collectives are the same for both dense architectures: Qwen2.5-VL and
+# seq-mean-token-mean here, Qwen3-VL and token-mean on two processes in the empty-rank test
+# below. Qwen3-VL-MoE shards its experts' 3-D tensors and adds the load-balancing loss, its
+# routing metrics summed over ranks.
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,agg", [("qwen2_5_vl", "seq-mean-token-mean")])
+@pytest.mark.parametrize("arch,agg", [("qwen2_5_vl", "seq-mean-token-mean"),
+                                      ("qwen3_vl_moe", "token-mean")])
 def test_two_processes_equal_one(tmp_path, arch, agg):
     one = run(tmp_path, 1, arch, agg)
     two = run(tmp_path, 2, arch, agg)
@@ -43,6 +46,11 @@ def test_two_processes_equal_one(tmp_path, arch, agg):
     assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
     assert one["grad_norm"] > 0
     assert one["sync_exact"] and two["sync_exact"]  # bf16 buckets of the sharded weights
+    routing = [k for k in ("router_aux_loss", "router_entropy", "router_load_max",
+                           "router_load_cv") if k in one]
+    assert len(routing) == (4 if arch == "qwen3_vl_moe" else 0)
+    for key in routing:
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
 
 
 @pytest.mark.heavy

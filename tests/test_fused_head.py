@@ -1,6 +1,8 @@
 """The fused LM head (`geo3k_torch.head`, `train.fused_head`) against the plain one: the same
 loss, metrics and gradients, with the loss's every term on, chunked or not, in fp32 and bf16."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,9 +14,11 @@ from geo3k_torch.learner import Learner
 from geo3k_torch.model import use_deepstack_add
 from tests.jax_learner_setup import train_config
 from tests.test_shared_prefix import groups
-from tests.tiny_models import IMG, ImageOnlyProcessor, qwen2_5_vl, qwen3_vl
+from tests.tiny_models import IMG, ImageOnlyProcessor, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
 
 LOSS = LossConfig(kl_coef=0.05, tis_cap=2.0, dual_clip=3.0)
+# the MoE model with its load-balancing loss: a term beside the head's
+MOE_LOSS = dataclasses.replace(LOSS, router_aux_coef=0.1)
 
 
 def _model(build, seed, dtype):
@@ -36,8 +40,8 @@ def _step(build, fused: bool, chunk: int, dtype=torch.float32, old: bool = False
         from geo3k_torch.distributed import parallelize
         model, ref = parallelize(model, bf16=True), parallelize(ref, bf16=True)
     processor = ImageOnlyProcessor(patch)
-    learner = Learner(model.train(), processor, LOSS, train_config(), 0.8, ref_model=ref,
-                      chunk=chunk, fused_head=fused)
+    learner = Learner(model.train(), processor, MOE_LOSS if build is qwen3_vl_moe else LOSS,
+                      train_config(), 0.8, ref_model=ref, chunk=chunk, fused_head=fused)
     rng = np.random.default_rng(1)
     seqs = groups(processor, rng)
     for s in seqs:  # advantages of both signs, rollout log-probs away from the policy's
@@ -50,11 +54,12 @@ def _step(build, fused: bool, chunk: int, dtype=torch.float32, old: bool = False
     n_tokens, n_seqs = float(sum(s.loss_mask.sum() for s in seqs)), float(len(seqs))
     sums = learner.accumulate(batches, n_tokens, n_seqs)
     full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
-    return ({k: float(v) for k, v in sums.items()},
+    return ({k: v.flatten().tolist() if v.ndim else float(v)  # MoE: router_counts (L, E)
+             for k, v in sums.items()},
             {k: full(p.grad).float().clone() for k, p in model.named_parameters()})
 
 
-@pytest.mark.parametrize("build", [qwen3_vl, qwen2_5_vl], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("build", [qwen3_vl, qwen2_5_vl, qwen3_vl_moe], ids=lambda b: b.__name__)
 @pytest.mark.parametrize("old", [False, True], ids=["one update", "old log-probs"])
 def test_fused_head_equals_the_plain_head_in_fp32(build, old):
     """fp32: the loss and every metric to 1e-6, every gradient to 1e-5 of its norm, fused in

@@ -13,7 +13,7 @@ from common.batching import pack
 from common.grpo import LossConfig
 from tests.jax_learner_setup import train_config
 from tests.test_shared_prefix import groups
-from tests.tiny_models import IMG, ImageOnlyProcessor, qwen3_vl
+from tests.tiny_models import IMG, ImageOnlyProcessor, qwen3_vl, qwen3_vl_moe
 from tests.torch_group import one_process_group
 
 LOSS = LossConfig(agg="seq-mean-token-mean", tis_cap=2.0)
@@ -29,10 +29,10 @@ def data():
     return processor, batches, n_tokens, float(len(seqs))
 
 
-def model(tied: bool):
+def model(tied: bool, build=qwen3_vl):
     from geo3k_torch import attention
 
-    m, _ = qwen3_vl(seed=0)
+    m, _ = build(seed=0)
     if tied:
         m.config.tie_word_embeddings = True  # transformers ties lm_head to embed_tokens
         m.config.get_text_config().tie_word_embeddings = True
@@ -58,19 +58,22 @@ def weights(learner) -> dict[str, torch.Tensor]:
             for n, p in learner.model.named_parameters()}
 
 
-@pytest.mark.parametrize("tied,freeze", [(False, False), (True, True)],
-                         ids=["untied", "tied-frozen-vision"])
-def test_master_weights_are_fsdp_at_world_size_one(data, tied, freeze):
+# the MoE model with its load-balancing loss: the routers' bf16 logits under both
+@pytest.mark.parametrize("tied,freeze,build,loss", [
+    (False, False, qwen3_vl, LOSS), (True, True, qwen3_vl, LOSS),
+    (False, False, qwen3_vl_moe, LossConfig(**{**LOSS.__dict__, "router_aux_coef": 0.1}))],
+    ids=["untied", "tied-frozen-vision", "moe"])
+def test_master_weights_are_fsdp_at_world_size_one(data, tied, freeze, build, loss):
     from geo3k_torch.distributed import parallelize
     from geo3k_torch.learner import Learner
 
     processor, batches, n_tokens, n_seqs = data
     cfg = train_config(freeze_vision=freeze)
     with one_process_group():
-        fsdp = Learner(parallelize(model(tied), bf16=True), processor, LOSS, cfg, 0.8)
-        plain = Learner(model(tied), processor, LOSS, cfg, 0.8, master_weights=True)
+        fsdp = Learner(parallelize(model(tied, build), bf16=True), processor, loss, cfg, 0.8)
+        plain = Learner(model(tied, build), processor, loss, cfg, 0.8, master_weights=True)
         assert plain.master is not None and fsdp.master is None
-        fp32 = Learner(model(tied), processor, LOSS, cfg, 0.8)
+        fp32 = Learner(model(tied, build), processor, loss, cfg, 0.8)
         logp = [x.logprobs(batches) for x in (fsdp, plain, fp32)]
         for a, b, c in zip(*logp):
             np.testing.assert_array_equal(a, b)

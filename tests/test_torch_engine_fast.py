@@ -23,9 +23,10 @@ from common.mrope import mrope_position_ids
 from common.processor import image_inputs
 from geo3k_torch.decode import Decoder, Slots, sample
 from geo3k_torch.engine import LocalEngine, row_counts
-from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+from tests.tiny_models import (IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl,
+                               qwen3_vl_moe)
 
-ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl_moe": qwen3_vl_moe}
 BANNED = [IMG, 251]  # image and video placeholders
 STOPS = tuple(range(3, 250, 7))  # one text id in seven ends a turn
 

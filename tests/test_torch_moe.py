@@ -193,3 +193,88 @@ def test_grpo_steps_through_the_loop_train_the_moe_model(tmp_path):
     assert before.keys() == after.keys()
     moved = [k for k in before if not np.array_equal(before[k], after[k])]
     assert any(".experts." in k for k in moved) and any("mlp.gate." in k for k in moved)
+
+
+@pytest.mark.slow  # compiles (about 30 s on two cores)
+def test_compiled_moe_layers_record_the_routing_in_one_graph(tiny):
+    """train.compile with selective checkpointing: the MoE learner's step (load-balancing loss
+    on) equals the eager one, metrics included, and the routers' recording breaks no graph nor
+    compiles a layer twice (4 graphs, as the dense model's in the same step; a hook appending
+    to one list gave 6, and checkpointing's side-effect rule broke the layers' graph)."""
+    from torch._dynamo.utils import counters
+
+    from geo3k_torch.model import compile_layers
+
+    loss = LossConfig(router_aux_coef=0.1)
+    eager = step(torch_learner(tiny, loss=loss), tiny)
+    torch._dynamo.reset()
+    counters.clear()
+    learner = torch_learner(tiny, loss=loss)
+    compile_layers(learner.model, "selective", backend="aot_eager")
+    compiled = step(learner, tiny)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 4
+    assert compiled.keys() == eager.keys() and "router_load_cv" in compiled
+    for k, v in eager.items():
+        assert compiled[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def test_sharded_load_reads_the_hub_layout_of_the_experts(tmp_path):
+    """Qwen3-VL-MoE checkpoints on the Hub hold the experts transposed, (E, H, 2I) and
+    (E, I, H); FSDP2's meta-device load (`load_sharded`, rank 0 reading the safetensors) turns
+    them into transformers' layout as `from_pretrained` does: every tensor equals
+    `load_model`'s (with the file's own layout the shapes would not even fit)."""
+    from safetensors.torch import load_file as load_torch, save_file
+
+    from geo3k_torch import checkpoint
+    from geo3k_torch.model import load_sharded
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    from tests.torch_group import one_process_group
+
+    out = build_tiny_checkpoint(tmp_path / "moe", arch="qwen3_vl_moe", hidden_size=64,
+                                moe_intermediate_size=16)  # no square expert matrix
+    saved = load_torch(str(out / "model.safetensors"))
+    hub = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v
+           for k, v in saved.items()}
+    assert hub["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
+    save_file(hub, str(out / "model.safetensors"), metadata={"format": "pt"})
+    plain = load_model(str(out)).state_dict()
+    with one_process_group():
+        sharded = checkpoint.full_state_dict(load_sharded(str(out), "cpu", bf16=False))
+    assert sharded.keys() == plain.keys()
+    assert all(torch.equal(sharded[k], plain[k]) for k in plain)
+    assert torch.equal(plain["model.language_model.layers.0.mlp.experts.down_proj"],
+                       saved["model.language_model.layers.0.mlp.experts.down_proj"])
+
+
+def test_flops_count_the_weights_a_token_meets():
+    """A MoE decoder layer's matmul weights per token (MFU, `common.flops`): its attention, the
+    router and top-k experts, not all E; a dense layer (`mlp_only_layers`) its own MLP."""
+    from common.flops import matmul_params
+
+    model = qwen3_vl_moe()[0]
+    layer = model.model.language_model.layers[0]
+    attn = sum(m.weight.numel() for m in layer.self_attn.modules()
+               if isinstance(m, torch.nn.Linear))
+    experts = layer.mlp.experts
+    moe = layer.mlp.gate.weight.numel() + 2 * (experts.gate_up_proj[0].numel()
+                                               + experts.down_proj[0].numel())
+    assert matmul_params(model.config)["layer"] == attn + moe
+    text = model.config.text_config
+    text.mlp_only_layers = [1]  # one of the two layers dense: the mean of the two
+    dense = 3 * text.hidden_size * text.intermediate_size
+    assert matmul_params(model.config)["layer"] == attn + (moe + dense) / 2
+
+
+def test_the_engine_copy_receives_the_trained_experts(tiny):
+    """`copy_weights` (the engine's own copy, `LocalBackend`): after a step the engine's model
+    holds the learner's weights, the experts' 3-D tensors and the routers included."""
+    from geo3k_torch.backend import copy_weights
+
+    learner, engine_model = torch_learner(tiny), load_model(tiny["path"]).eval()
+    step(learner, tiny)
+    copy_weights(learner.model, engine_model)
+    trained, copied = learner.model.state_dict(), engine_model.state_dict()
+    first = load_model(tiny["path"]).state_dict()
+    assert all(torch.equal(trained[k], copied[k]) for k in trained)
+    moved = [k for k in trained if not torch.equal(trained[k], first[k])]
+    assert any(".experts.gate_up_proj" in k for k in moved) and any("mlp.gate" in k for k in moved)

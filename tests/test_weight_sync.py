@@ -18,7 +18,7 @@ from geo3k_torch.tiny import build_tiny_checkpoint
 from geo3k_torch.weight_sync import TorchWeights
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen2_5_vl", "qwen3_vl_moe"])
 def tiny(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     build_tiny_checkpoint(d / "src", arch=request.param)
