@@ -49,11 +49,31 @@ def write_hf(out: str | os.PathLike, model, source_dir: str | None) -> None:
         return
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    with quiet_progress():  # a bar per checkpoint would fill a batch job's log
-        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    save_published(model, out, state_dict)
     for f in Path(source_dir).iterdir():  # tokenizer, processor, chat template
         if f.is_file() and not _MODEL_FILES.search(f.name):
             shutil.copy2(f, out / f.name)
+
+
+def save_published(model, out: str | os.PathLike, state_dict: dict | None = None) -> None:
+    """`save_pretrained` into `out` (safetensors, no progress bars: one a checkpoint would fill a
+    batch job's log), then the weights it wrote in the model's layout rewritten where published
+    checkpoints hold them transposed (Qwen3-VL-MoE's experts; `geo3k_torch.model.hub_layout`):
+    SGLang loads the folder as it loads the Hub's, and transformers still does (by shape). A
+    weight whose two layouts have one shape stays in the model's, as `from_pretrained` reads it."""
+    from safetensors.torch import load_file, save_file
+
+    from geo3k_torch.model import hub_layout, transposed_weights
+
+    with quiet_progress():
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    if not transposed_weights(model):
+        return
+    for f in sorted(Path(out).glob("*.safetensors")):
+        tensors = load_file(f)
+        published = hub_layout(tensors, model, distinguishable_only=True)
+        if any(published[k] is not tensors[k] for k in tensors):
+            save_file(published, str(f), metadata={"format": "pt"})
 
 
 @contextlib.contextmanager

@@ -230,27 +230,56 @@ class _PackedVisionAttention(torch.nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
+def transposed_weights(model) -> list[tuple[str, list]]:
+    """(name pattern, its Transpose ops) of each rule of transformers' conversion mapping for
+    `model` that only transposes a weight in place (Qwen3-VL-MoE's experts); renames and merges
+    are left out."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    return [(rule.source_patterns[0], list(rule.operations))
+            for rule in get_model_conversion_mapping(model)
+            if isinstance(rule, WeightConverter) and len(rule.source_patterns) == 1
+            and rule.source_patterns == rule.target_patterns
+            and all(isinstance(op, Transpose) for op in rule.operations)]
+
+
 def _model_layout(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors `full` (by name) in `model`'s layout: the transposes of
     transformers' conversion mapping applied as `from_pretrained` applies them (where a shape
     differs from the model's, with `check_dims`). Qwen3-VL-MoE checkpoints on the Hub hold their
-    experts as (E, H, 2I) and (E, I, H); transformers' modules, and what `save_pretrained`
-    writes, (E, 2I, H) and (E, H, I)."""
+    experts as (E, H, 2I) and (E, I, H); transformers' modules (E, 2I, H) and (E, H, I).
+    Renames and merges are not applied: the caller's missing-tensor check refuses them."""
     import re
 
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import Transpose, WeightConverter
-
-    for rule in get_model_conversion_mapping(model):
-        if not (isinstance(rule, WeightConverter) and len(rule.source_patterns) == 1
-                and rule.source_patterns == rule.target_patterns
-                and all(isinstance(op, Transpose) for op in rule.operations)):
-            continue  # renames and merges are not applied: the missing-tensor check refuses
-        for name in [k for k in full if re.search(rule.source_patterns[0], k)]:
-            for op in rule.operations:
+    for pattern, ops in transposed_weights(model):
+        for name in [k for k in full if re.search(pattern, k)]:
+            for op in ops:
                 full[name] = op.convert({name: full[name]}, [name], [name], model=model,
                                         full_layer_name=name)[name]
     return full
+
+
+def hub_layout(named: dict[str, torch.Tensor], model, distinguishable_only: bool = False
+               ) -> dict[str, torch.Tensor]:
+    """Tensors by checkpoint name in `model`'s layout -> the layout of the published
+    checkpoints, which SGLang's loaders read (0.5.23's qwen3_vl_moe.py transposes a fused
+    expert weight unconditionally): each of `transposed_weights`' rules undone. transformers'
+    `save_pretrained` does not undo them (its reverse transpose compares the shape with the
+    model's own, always equal), so it writes the model's layout. distinguishable_only: leave a
+    weight whose transposed shape equals its own (H = 2I or H = I) as it is: `from_pretrained`
+    tells the layouts apart by shape only, and reads such a weight as the model's layout."""
+    import re
+
+    out = dict(named)
+    for pattern, ops in transposed_weights(model):
+        for name in [k for k in out if re.search(pattern, k)]:
+            t = out[name]
+            for op in reversed(ops):
+                t = t.transpose(op.dim0, op.dim1)
+            if not (distinguishable_only and t.shape == out[name].shape):
+                out[name] = t.contiguous()
+    return out
 
 
 def _tied(model) -> set[str]:

@@ -41,7 +41,7 @@ from common.chat import ChatRenderer
 from common.processor import load_processor
 from common.sft import sft_example
 from common.synthetic import PERCEPTION, caption, distinct_problem, make_problem
-from geo3k_torch.checkpoint import quiet_progress
+from geo3k_torch.checkpoint import save_published
 from geo3k_torch.learner import SFTLearner, sft_step
 from geo3k_torch.model import load_model, packed_inputs
 from geo3k_torch.prime import prime_config
@@ -191,6 +191,5 @@ def pretrain_vision(model_dir: str, see_steps: int, caption_steps: int, seed: in
                       exclude)
     out |= train_captions(model, processor, caption_steps, seed + 2, caption_lr, batch,
                           image_size, held_out, exclude)
-    with quiet_progress():
-        model.save_pretrained(model_dir, safe_serialization=True)
+    save_published(model, model_dir)
     return out

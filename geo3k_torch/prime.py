@@ -30,7 +30,7 @@ from common.env import EnvConfig, Geo3kEnv
 from common.processor import load_processor
 from common.prompts import TOOLS
 from common.sft import sft_example
-from geo3k_torch.checkpoint import quiet_progress
+from geo3k_torch.checkpoint import save_published
 from geo3k_torch.model import load_model
 from geo3k_torch.learner import SFTLearner, sft_step
 
@@ -174,6 +174,5 @@ def prime_format(model_dir: str, prompts, steps: int, seed: int = 0, lr: float =
             budget = max(len(s) for s in seqs) * len(seqs)  # one micro-batch
             losses.append(sft_step(learner, seqs, budget)["loss"])
             progress.update(task, advance=1, info=f"loss {losses[-1]:.3f}")
-    with quiet_progress():
-        model.save_pretrained(model_dir, safe_serialization=True)
+    save_published(model, model_dir)
     return losses

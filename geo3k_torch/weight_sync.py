@@ -10,7 +10,9 @@ Names are those `save_pretrained` writes (what SGLang's loaders expect): tied we
 first name, as transformers keeps the input embedding), then transformers' reverse checkpoint
 conversion (`revert_weight_conversion`), applied bucket by bucket, which is exact only for
 conversions that map one weight to one weight: checked once at construction on meta tensors
-(Qwen2.5-VL and Qwen3-VL dense have none or renames only). Every process walks the same
+(Qwen2.5-VL and Qwen3-VL dense have none or renames only). Qwen3-VL-MoE's fused experts go in
+the published checkpoints' layout, (E, H, 2I) and (E, I, H) (`geo3k_torch.model.hub_layout`),
+which SGLang's loader transposes: the model's own (E, 2I, H) would load wrong. Every process walks the same
 buckets: an FSDP2-sharded weight is cast to bf16 on its shard, then gathered
 (`DTensor.full_tensor`, a collective); a bucket's gathered weights live in one flat bf16 buffer
 on the learner's device.
@@ -58,8 +60,10 @@ class TorchWeights:
     def __init__(self, model, model_dir: str | Path, rank: int = 0):
         from transformers.core_model_loading import revert_weight_conversion
 
+        from geo3k_torch.model import hub_layout
+
         self.model, self.model_dir, self.rank = model, Path(model_dir), rank
-        self._revert = lambda sd: revert_weight_conversion(model, sd)
+        self._revert = lambda sd: hub_layout(revert_weight_conversion(model, sd), model)
         keys = set(model.state_dict())
         seen: set[int] = set()
         self.entries: list[tuple[str, torch.Size]] = []  # (state-dict name, shape), in order

@@ -38,11 +38,14 @@ def test_tiny_checkpoint_is_a_qwen3_vl_moe_that_transformers_loads(tmp_path):
                                                                      output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
     text = model.config.text_config
-    assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (4, 2, 32)
+    assert (text.num_experts, text.num_experts_per_tok, text.moe_intermediate_size) == (4, 2, 24)
     assert (text.decoder_sparse_step, text.mlp_only_layers) == (1, [])
     assert all(isinstance(layer.mlp, Qwen3VLMoeTextSparseMoeBlock)
                for layer in model.model.language_model.layers)
-    assert model.model.language_model.layers[0].mlp.experts.gate_up_proj.shape == (4, 64, 64)
+    assert model.model.language_model.layers[0].mlp.experts.gate_up_proj.shape == (4, 48, 64)
+    saved = load_file(str(out / "model.safetensors"))  # the published layout, (E, H, 2I)
+    assert saved["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 48)
+    assert saved["model.language_model.layers.0.mlp.experts.down_proj"].shape == (4, 24, 64)
     assert type(load_processor(out)).__name__ == "Qwen3VLImageOnlyProcessor"
     assert load_model(str(out)).config.text_config._experts_implementation == "grouped_mm"
 
@@ -220,9 +223,11 @@ def test_compiled_moe_layers_record_the_routing_in_one_graph(tiny):
 
 def test_sharded_load_reads_the_hub_layout_of_the_experts(tmp_path):
     """Qwen3-VL-MoE checkpoints on the Hub hold the experts transposed, (E, H, 2I) and
-    (E, I, H); FSDP2's meta-device load (`load_sharded`, rank 0 reading the safetensors) turns
-    them into transformers' layout as `from_pretrained` does: every tensor equals
-    `load_model`'s (with the file's own layout the shapes would not even fit)."""
+    (E, I, H), and so do the ones this project writes (`checkpoint.save_published`); FSDP2's
+    meta-device load (`load_sharded`, rank 0 reading the safetensors) turns them into
+    transformers' layout as `from_pretrained` does: every tensor equals `load_model`'s (with the
+    file's own layout the shapes would not even fit). A file in transformers' own layout (what
+    `save_pretrained` writes) loads the same."""
     from safetensors.torch import load_file as load_torch, save_file
 
     from geo3k_torch import checkpoint
@@ -231,19 +236,21 @@ def test_sharded_load_reads_the_hub_layout_of_the_experts(tmp_path):
     from tests.torch_group import one_process_group
 
     out = build_tiny_checkpoint(tmp_path / "moe", arch="qwen3_vl_moe", hidden_size=64,
-                                moe_intermediate_size=16)  # no square expert matrix
-    saved = load_torch(str(out / "model.safetensors"))
-    hub = {k: v.transpose(1, 2).contiguous() if ".experts." in k else v
-           for k, v in saved.items()}
+                                moe_intermediate_size=16)
+    hub = load_torch(str(out / "model.safetensors"))
     assert hub["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 32)
-    save_file(hub, str(out / "model.safetensors"), metadata={"format": "pt"})
     plain = load_model(str(out)).state_dict()
-    with one_process_group():
-        sharded = checkpoint.full_state_dict(load_sharded(str(out), "cpu", bf16=False))
-    assert sharded.keys() == plain.keys()
-    assert all(torch.equal(sharded[k], plain[k]) for k in plain)
     assert torch.equal(plain["model.language_model.layers.0.mlp.experts.down_proj"],
-                       saved["model.language_model.layers.0.mlp.experts.down_proj"])
+                       hub["model.language_model.layers.0.mlp.experts.down_proj"].transpose(1, 2))
+    for layout in ("hub", "transformers"):
+        if layout == "transformers":
+            save_file({k: v.transpose(1, 2).contiguous() if ".experts." in k else v
+                       for k, v in hub.items()}, str(out / "model.safetensors"),
+                      metadata={"format": "pt"})
+        with one_process_group():
+            sharded = checkpoint.full_state_dict(load_sharded(str(out), "cpu", bf16=False))
+        assert sharded.keys() == plain.keys()
+        assert all(torch.equal(sharded[k], plain[k]) for k in plain), layout
 
 
 def test_flops_count_the_weights_a_token_meets():
@@ -278,3 +285,25 @@ def test_the_engine_copy_receives_the_trained_experts(tiny):
     assert all(torch.equal(trained[k], copied[k]) for k in trained)
     moved = [k for k in trained if not torch.equal(trained[k], first[k])]
     assert any(".experts.gate_up_proj" in k for k in moved) and any("mlp.gate" in k for k in moved)
+
+
+def test_sglang_receives_the_experts_in_the_published_layout(tmp_path):
+    """SGLang 0.5.23's Qwen3-VL-MoE loader transposes a fused expert weight whatever its shape
+    (it expects the Hub's (E, H, 2I) and (E, I, H)): the in-memory sync sends that layout, the
+    model's weights transposed, not transformers' (E, 2I, H)."""
+    import base64
+    import pickle
+
+    from geo3k_torch.tiny import build_tiny_checkpoint
+    from geo3k_torch.weight_sync import TorchWeights
+
+    src = build_tiny_checkpoint(tmp_path / "moe", arch="qwen3_vl_moe", hidden_size=64)
+    model = load_model(str(src))
+    got = {}
+    for payload, _ in TorchWeights(model, src).tensor_buckets(1 << 20):
+        got.update(pickle.loads(base64.b64decode(payload)))
+    for n, (e, h, i) in (("gate_up_proj", (4, 64, 48)), ("down_proj", (4, 24, 64))):
+        name = f"model.language_model.layers.1.mlp.experts.{n}"
+        assert got[name].shape == (e, h, i)
+        assert torch.equal(got[name], model.get_parameter(name).detach().transpose(1, 2)
+                           .to(torch.bfloat16))

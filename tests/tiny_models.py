@@ -42,9 +42,11 @@ def qwen3_vl(seed=0, vocab=VOCAB, moe=None):
 
 
 def qwen3_vl_moe(seed=0, vocab=VOCAB):
-    """Qwen3-VL-MoE: every decoder layer a sparse block of 4 experts, top 2 (30B-A3B's layout)."""
+    """Qwen3-VL-MoE: every decoder layer a sparse block of 4 experts, top 2 (30B-A3B's layout),
+    each expert 3/8 of the hidden size as 30B-A3B's (768 of 2048): the published and the model's
+    layouts of the experts differ in shape, as they do there."""
     return qwen3_vl(seed, vocab, moe=dict(num_experts=4, num_experts_per_tok=2,
-                                          moe_intermediate_size=32, decoder_sparse_step=1,
+                                          moe_intermediate_size=24, decoder_sparse_step=1,
                                           mlp_only_layers=[]))
 
 
