@@ -5,6 +5,8 @@ biases re-drawn so every parameter matters); packed rows of several sequences wi
 images of different sizes go through both, the JAX side under jit.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,6 +210,18 @@ def test_unknown_architecture_is_an_error():
     hf.config.model_type = "llava"
     with pytest.raises(ValueError, match="llava"):
         QwenVL(hf.config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("text,sparse", [(dict(decoder_sparse_step=2), "[1]"),
+                                         (dict(mlp_only_layers=[0]), "[1, 2]")])
+def test_mixed_dense_and_sparse_layers_are_refused(text, sparse):
+    """The stacked decoder holds one layer structure: a MoE config whose layers are partly
+    dense MLPs (transformers' decoder_sparse_step, mlp_only_layers) is named, not mis-built."""
+    config = qwen3(moe=True)[0].config
+    for k, v in text.items():
+        setattr(config.text_config, k, v)
+    with pytest.raises(ValueError, match=re.escape(f"decoder layers {sparse} are sparse")):
+        QwenVL(config, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("build", [qwen3, qwen25])
