@@ -337,7 +337,7 @@ def test_a_tensor_group_of_a_multi_host_mesh_lies_within_one_host():
     devices = aot.topology_devices("v6e-16")
     for tensor in (2, 4):
         mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": tensor}, devices)
-        assert mesh.shape == {"data": 1, "fsdp": 16 // tensor, "tensor": tensor}
+        assert mesh.shape == {"data": 1, "fsdp": 16 // tensor, "expert": 1, "tensor": tensor}
         groups = mesh.devices.reshape(-1, tensor)
         assert all(len({d.process_index for d in g}) == 1 for g in groups)
         assert sorted(d.id for d in mesh.devices.flat) == list(range(16))
