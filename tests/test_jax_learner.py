@@ -334,6 +334,13 @@ def test_kl_needs_reference(setup):
 
 
 @pytest.mark.slow
+def test_router_aux_loss_is_refused(setup):
+    """The torch learner's load-balancing loss has no JAX twin: a run asking for it stops
+    rather than train without it."""
+    with pytest.raises(ValueError, match="router_aux_coef"):
+        setup.learner(LossConfig(router_aux_coef=1e-3), train_config())
+
+
 def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     """A step after a restore pads as the uninterrupted run does: the shapes compiled before
     the checkpoint (`buckets.reuse`) come back with it, and its weights are the uninterrupted
