@@ -19,11 +19,15 @@ axis). A dense dispatch (every expert on every token, then a one-hot combine) eq
 float32 rounding on a CPU but costs E / k times the FLOPs; XLA's CPU runs the ragged dot
 (forward and gradient), and for TPU it compiles to libtpu's ragged-dot kernel (a Mosaic
 custom call), checked with `jax.jit(...).lower(...).compile()` on `geo3k_jax.tpu.topology`'s
-compile-only devices. The tokens of a call are sorted together: under data parallelism
-XLA gathers them and every data-parallel device computes the experts of all of them (a
-dispatch local to each device's rows, `shard_map` over the batch axes as the splash kernel
-is mapped, is not done yet); expert-sharded weights are gathered for the matmul, so sharding
-them over `expert` divides their memory at rest, not the compute.
+compile-only devices.
+
+The tokens of a call are sorted together, so left to XLA's sharding propagation every
+data-parallel device would gather the step's tokens and compute every assignment. With a mesh
+(`attention.mesh`: the one the splash kernel maps the rows over, `geo3k_jax.kernels.splash`)
+the block runs under `shard_map` over the batch axes instead: each device routes and sorts its
+own rows' tokens and multiplies them by the experts gathered whole (sharding the experts over
+`expert` divides their memory at rest, not the compute; routing tokens to the devices holding
+their experts, an all-to-all, is not done).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
+from geo3k_jax.kernels.splash import Attention, row_axes
 from geo3k_jax.models.layers import Linear, activation, init_normal
 
 # lhs (M, in) ragged along M by expert, rhs (E, out, in): contract in with rhs' last axis
@@ -57,7 +64,8 @@ def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 class Experts(nnx.Module):
-    """E gated MLPs stacked: gate_up_proj (E, 2 I, hidden), down_proj (E, hidden, I)."""
+    """E gated MLPs stacked: gate_up_proj (E, 2 I, hidden), down_proj (E, hidden, I) (`routed`
+    runs them)."""
 
     def __init__(self, experts: int, hidden: int, inner: int, act: str, *, dtype,
                  rngs: nnx.Rngs):
@@ -65,34 +73,46 @@ class Experts(nnx.Module):
         self.down_proj = nnx.Param(init_normal(rngs, (experts, hidden, inner), dtype))
         self.act = activation(act)
 
-    def __call__(self, x: jax.Array, weights: jax.Array, index: jax.Array) -> jax.Array:
-        """x (N, hidden); weights, index (N, k) from `route` -> sum over each token's k experts
-        of weight x expert(x), (N, hidden) in x's dtype."""
-        n, k = index.shape
-        experts = self.gate_up_proj.shape[0]
-        flat = index.reshape(-1)  # (N k,) assignment j is token j // k's
-        order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
-        token = order // k
-        sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)  # (E,)
-        h = jax.lax.ragged_dot_general(x[token], self.gate_up_proj[...], sizes, _GROUPED)
-        gate, up = jnp.split(h, 2, axis=-1)  # (N k, I) each
-        y = jax.lax.ragged_dot_general(self.act(gate) * up, self.down_proj[...], sizes,
-                                       _GROUPED)  # (N k, hidden)
-        y = y * weights.reshape(-1)[order][:, None]
-        return jnp.zeros_like(x).at[token].add(y)
+
+
+def routed(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, k: int,
+           act) -> jax.Array:
+    """The block on tokens x (N, hidden) with router (E, hidden), gate_up (E, 2I, hidden) and
+    down (E, hidden, I): each token's top-k experts' outputs, weighted, summed; (N, hidden)."""
+    weights, index = route(jnp.einsum("nh,eh->ne", x, router), k)  # (N, k) each
+    flat = index.reshape(-1)  # (N k,) assignment j is token j // k's
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=router.shape[0]).astype(jnp.int32)  # (E,)
+    h = jax.lax.ragged_dot_general(x[token], gate_up, sizes, _GROUPED)
+    gate, up = jnp.split(h, 2, axis=-1)  # (N k, I) each
+    y = jax.lax.ragged_dot_general(act(gate) * up, down, sizes, _GROUPED)  # (N k, hidden)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(y)
 
 
 class SparseMoeBlock(nnx.Module):
     """Router and experts (transformers' `mlp` of a sparse layer). x (..., hidden) -> (...,
     hidden)."""
 
-    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                cfg.hidden_act, dtype=dtype, rngs=rngs)
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
         self.top_k = cfg.num_experts_per_tok
+        self.attention = attention  # its mesh: the one the rows are split over (None: none)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        flat = x.reshape(-1, x.shape[-1])  # (N, hidden)
-        weights, index = route(self.gate(flat), self.top_k)
-        return self.experts(flat, weights, index).reshape(x.shape)
+        """x (B, T, hidden): B rows, split over the mesh's batch axes when they divide B."""
+        def block(x, router, gate_up, down):
+            flat = x.reshape(-1, x.shape[-1])  # (N, hidden): this device's rows' tokens
+            return routed(flat, router, gate_up, down, self.top_k,
+                          self.experts.act).reshape(x.shape)
+        args = (x, self.gate.weight[...], self.experts.gate_up_proj[...],
+                self.experts.down_proj[...])
+        mesh = self.attention.mesh
+        rows = None if mesh is None else row_axes(mesh, x.shape[0])
+        if rows is None:
+            return block(*args)
+        return jax.shard_map(block, mesh=mesh, in_specs=(P(rows), P(), P(), P()),
+                             out_specs=P(rows), check_vma=False)(*args)

@@ -107,13 +107,14 @@ class TextAttention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + MLP block. x: (B, T, hidden) -> (B, T, hidden)."""
 
-    def __init__(self, cfg, arch: str, *, sparse: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, arch: str, *, sparse: bool, dtype, rngs: nnx.Rngs,
+                 attention: Attention):
         """arch: the family (`common.processor.family`); sparse: the MLP is a mixture of
-        experts (`geo3k_jax.models.moe`)."""
+        experts (`geo3k_jax.models.moe`, its rows mapped over `attention.mesh`)."""
         self.self_attn = TextAttention(cfg, arch, dtype=dtype, rngs=rngs)
-        self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs) if sparse else GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False, dtype=dtype,
-            rngs=rngs)
+        self.mlp = (SparseMoeBlock(cfg, dtype=dtype, rngs=rngs, attention=attention) if sparse
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                                  bias=False, dtype=dtype, rngs=rngs))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)
@@ -175,7 +176,7 @@ class TextModel(nnx.Module):
                 "(decoder_sparse_step=1 and mlp_only_layers=[], as Qwen3-VL-30B-A3B)")
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = DecoderStack(cfg.num_hidden_layers, lambda: DecoderLayer(
-            cfg, family(arch), sparse=sparse[0], dtype=dtype, rngs=rngs))
+            cfg, family(arch), sparse=sparse[0], dtype=dtype, rngs=rngs, attention=attention))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.rope = MRoPE(family(arch), head_dim_of(cfg, arch), dict(cfg.rope_parameters))
         self.attention = attention
