@@ -92,6 +92,7 @@ RANGES = {
     "checkpoint.keep": "[1, inf)",
     "jax.mesh.data": "-1 or [1, inf)",
     "jax.mesh.fsdp": "-1 or [1, inf)",
+    "jax.mesh.expert": "-1 or [1, inf)",
     "jax.mesh.tensor": "-1 or [1, inf)",
     "jax.pad_to": "[1, inf)",
     "jax.row_rungs": "[1, inf)",

@@ -21,6 +21,10 @@ JAX_RULES = (
     (r"(q_proj|k_proj|v_proj|gate_proj|up_proj|attn\.qkv|linear_fc1|mlp\.0)\.bias$",
      ("tensor",)),
     (r"(o_proj|down_proj|attn\.proj|linear_fc2|mlp\.2)\.weight$", ("fsdp", "tensor")),
+    # a MoE block's stacked experts (E, out, in): experts over `expert`, then as the projections
+    # above (the router, E x hidden, replicated)
+    (r"mlp\.experts\.gate_up_proj$", ("expert", "tensor", "fsdp")),
+    (r"mlp\.experts\.down_proj$", ("expert", "fsdp", "tensor")),
 )
 
 
@@ -285,7 +289,8 @@ def get_config() -> ml_collections.ConfigDict:
 
     # The JAX learner (geo3k_jax): mesh, partition rules and the cross-backend check.
     c.jax = ml_collections.ConfigDict()
-    c.jax.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})  # -1: the rest
+    # -1: the rest; expert: a MoE model's experts split over it (a data axis for the rest)
+    c.jax.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})
     c.jax.rules = JAX_RULES  # partition rules (above)
     c.jax.pad_to = 128  # the check's packed rows are padded to a multiple of this
     c.jax.compute_dtype = "float32"  # float32 | bfloat16 (fp32 parameters and optimizer state)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import nnx
-from transformers import Qwen2_5_VLConfig, Qwen3VLConfig
+from transformers import Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
 from common.batching import pack
 from geo3k_jax.core.batch import device_batch
@@ -22,10 +22,16 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               spatial_merge_size=2)
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+           mlp_only_layers=[])  # every layer sparse, 4 experts, 2 a token
+
+
 def config(arch: str):
-    if arch == "qwen3_vl":
-        return Qwen3VLConfig(text_config=dict(TEXT, head_dim=16, rope_scaling={
-            "rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+        moe = arch == "qwen3_vl_moe"
+        return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(text_config=dict(
+            TEXT, head_dim=16, rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2],
+                                             "mrope_interleaved": True}, **(MOE if moe else {})),
             vision_config=dict(VISION, patch_size=16, deepstack_visual_indexes=[0],
                                num_position_embeddings=64), **IDS), 16
     return Qwen2_5_VLConfig(text_config=dict(TEXT, rope_scaling={

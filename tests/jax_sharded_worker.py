@@ -1,5 +1,6 @@
 """Run by tests/test_jax_learner.py with 8 fake CPU devices: the same two GRPO steps on one
-device and on a (data=2, fsdp=2, tensor=2) mesh. Prints one JSON line of differences.
+device and on a (data=2, fsdp=2, tensor=2) mesh (a MoE model: fsdp=2, expert=2, tensor=2).
+Prints one JSON line of differences.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m tests.jax_sharded_worker ARCH
 """
@@ -22,7 +23,8 @@ from tests.tiny_models import VOCAB
 def main(arch: str) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     assert len(jax.devices()) == 8, jax.devices()
-    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    mesh = make_mesh({"data": 1 if arch == "qwen3_vl_moe" else 2, "fsdp": 2,
+                      "expert": 2 if arch == "qwen3_vl_moe" else 1, "tensor": 2})
     setup = model_and_batch(arch, rows_multiple=4)
     merge, batch = setup.merge, setup.batch
     loss_cfg, train_cfg = LossConfig(tis_cap=2.0), train_config()
@@ -35,6 +37,7 @@ def main(arch: str) -> None:
                                                    learner.params.items()}, learner)
     (lp1, m1, p1, _), (lp2, m2, p2, sharded) = runs["single"], runs["sharded"]
     q = sharded.params["model.language_model.layers.self_attn.q_proj.weight"]  # (L, out, in)
+    experts = {k: v for k, v in sharded.params.items() if ".experts." in k}  # (L, E, out, in)
     # what each device computes: the compiled, partitioned log-prob function's shapes
     fn = jax.jit(lambda p, b: token_logprobs(merge(p), b),
                  in_shardings=(sharded.param_sh, batch_shardings(mesh, batch)))
@@ -54,6 +57,8 @@ def main(arch: str) -> None:
         "q_proj_spec": [str(a) for a in q.sharding.spec],
         "q_proj_shard_shape": list(q.addressable_shards[0].data.shape),
         "q_proj_shape": list(q.shape),
+        "experts": {k: [[str(a) for a in v.sharding.spec], list(v.shape),
+                        list(v.addressable_shards[0].data.shape)] for k, v in experts.items()},
         # (rows, K, vocab shard) logits and (rows, P, hidden) patch embeddings per device
         "logit_rows": found(rf"f32\[(\d+),{k},{VOCAB // 2}\]"),
         "patch_rows": found(rf"f32\[(\d+),{patches},{VISION['hidden_size']}\]")}))

@@ -15,8 +15,9 @@ pytest.importorskip("libtpu", reason="the TPU compiler: pip install libtpu==0.0.
                     "(requirements-test.txt)")
 
 
-@pytest.fixture(scope="module")
-def tiny_v5p():
+def tiny_step(arch: str, **mesh) -> dict:
+    """`aot.compile_step`'s report of the tiny `arch`'s step on a v5p-8 (configs/tpu.py, 256-token
+    rows, `mesh` over the defaults)."""
     import jax
 
     from configs import tpu
@@ -25,6 +26,7 @@ def tiny_v5p():
     cfg = tpu.get_config()
     cfg.train.micro_batch_tokens = 256
     cfg.jax.slice.update(targets=128, patches=64, window=256, prefix_window=64)
+    cfg.jax.mesh.update(mesh)
     # as a run compiles it: the figures are the optimised program's (tests/conftest.py turns
     # most optimisations off), and the matmul precision the default (other test modules ask for
     # "highest", which the TPU kernels refuse for bf16 operands)
@@ -32,9 +34,24 @@ def tiny_v5p():
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         with jax.default_matmul_precision(None):
-            return aot.compile_step(cfg, "v5p-8", config("qwen3_vl")[0])
+            return aot.compile_step(cfg, "v5p-8", config(arch)[0])
     finally:
         jax.config.update("jax_disable_most_optimizations", optimise)
+
+
+@pytest.fixture(scope="module")
+def tiny_v5p():
+    return tiny_step("qwen3_vl")
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_step_compiles_for_v5p_8_with_experts_sharded():
+    """Qwen3-VL-MoE's step (splash attention, bf16 compute, remat, experts as ragged dots) on
+    fsdp 2 x expert 2: both programs compile and fit, a row per chip (expert is a data axis)."""
+    r = tiny_step("qwen3_vl_moe", fsdp=2, expert=2)
+    assert (r["devices"], r["fits"], r["attention"]) == (4, True, "splash")
+    assert r["slice"]["rows"] == 4
+    assert [p["program"] for p in r["programs"]] == ["grad", "apply"]
 
 
 @pytest.mark.slow
@@ -337,7 +354,7 @@ def test_a_tensor_group_of_a_multi_host_mesh_lies_within_one_host():
     devices = aot.topology_devices("v6e-16")
     for tensor in (2, 4):
         mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": tensor}, devices)
-        assert mesh.shape == {"data": 1, "fsdp": 16 // tensor, "tensor": tensor}
+        assert mesh.shape == {"data": 1, "fsdp": 16 // tensor, "expert": 1, "tensor": tensor}
         groups = mesh.devices.reshape(-1, tensor)
         assert all(len({d.process_index for d in g}) == 1 for g in groups)
         assert sorted(d.id for d in mesh.devices.flat) == list(range(16))

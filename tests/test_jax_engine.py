@@ -18,21 +18,27 @@ from geo3k_jax.learner.learner import Learner
 from geo3k_torch.engine import LocalEngine
 from tests.jax_learner_setup import train_config
 from tests.test_jax_model import jax_copy
-from tests.tiny_models import IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl
+from tests.tiny_models import (IMG, ImageOnlyProcessor, image, prompt_ids, qwen2_5_vl, qwen3_vl,
+                                qwen3_vl_moe)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Every test compiles the engine or its sampling (seconds each on CPU): all of them are slow.
 pytestmark = pytest.mark.slow
-ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl}
+ARCHS = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl_moe": qwen3_vl_moe}
+DENSE = ("qwen2_5_vl", "qwen3_vl")
 SLOTS = 2
 # Scheduling, caches, stops and seeds are the engine's own, the same for both architectures:
 # such a test runs on one of them (the two alternate); numerics against the learner and the
-# torch engine, and what reads the checkpoint's keys, run on both.
+# torch engine, and what reads the checkpoint's keys, run on both. Qwen3-VL-MoE differs from
+# Qwen3-VL only in its decoder's MLP: it runs the numerics tests (`every_arch`).
 
 
 def one_arch(arch):
     """Runs the test on the module's `tiny` of `arch` only."""
     return pytest.mark.parametrize("tiny", [arch], indirect=True)
+
+
+every_arch = pytest.mark.parametrize("tiny", sorted(ARCHS), indirect=True)
 
 
 def reseed(engine: JaxEngine, seed: int) -> None:
@@ -58,7 +64,7 @@ class Tiny:
         return self.shared
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHS))
+@pytest.fixture(scope="module", params=DENSE)
 def tiny(request):
     hf, patch = ARCHS[request.param]()
     merge, params = jax_copy(hf)
@@ -111,6 +117,7 @@ def trajectories(turns) -> list[TrainSequence]:
     return seqs
 
 
+@every_arch
 def test_engine_logprobs_equal_learner(tiny, temperature=0.7):
     """Three turns with feedback, 1-3 images each: every sampled token's engine log-prob is the
     JAX learner's at the same temperature. A decode position off by one after an image (text
@@ -136,6 +143,7 @@ def test_engine_logprobs_equal_learner(tiny, temperature=0.7):
     assert gap <= 1e-5
 
 
+@every_arch
 def test_greedy_tokens_equal_torch_engine(tiny):
     """Greedy, 32 new tokens per turn (no stop token), 3 turns fed back with feedback tokens,
     2 sessions on the 2 slots: the JAX engine and the torch LocalEngine pick the same tokens

@@ -334,6 +334,13 @@ def test_kl_needs_reference(setup):
 
 
 @pytest.mark.slow
+def test_router_aux_loss_is_refused(setup):
+    """The torch learner's load-balancing loss has no JAX twin: a run asking for it stops
+    rather than train without it."""
+    with pytest.raises(ValueError, match="router_aux_coef"):
+        setup.learner(LossConfig(router_aux_coef=1e-3), train_config())
+
+
 def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
     """A step after a restore pads as the uninterrupted run does: the shapes compiled before
     the checkpoint (`buckets.reuse`) come back with it, and its weights are the uninterrupted
@@ -362,17 +369,22 @@ def test_resume_keeps_the_shapes_a_run_has_used(setup, tmp_path):
         resumed.restore(tmp_path)
 
 
-@pytest.mark.heavy
-def test_sharded_step_equals_single_device(arch="qwen2_5_vl"):
-    """8 fake devices against one, on Qwen2.5-VL (the two-process test below runs Qwen3-VL):
-    the mesh, the shardings and the per-device rows are the same code for both."""
+def sharded_run(arch: str) -> dict:
+    """tests/jax_sharded_worker.py's differences for `arch` on 8 fake CPU devices."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
                " --xla_force_host_platform_device_count=8",
                PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-m", "tests.jax_sharded_worker", arch], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.heavy
+def test_sharded_step_equals_single_device(arch="qwen2_5_vl"):
+    """8 fake devices against one, on Qwen2.5-VL (the two-process test below runs Qwen3-VL):
+    the mesh, the shardings and the per-device rows are the same code for both."""
+    r = sharded_run(arch)
     assert r["rows"] == 4
     # the decoder's stacked q_proj (layers, out, in): layers unsharded, out over tensor, in over fsdp
     assert r["q_proj_spec"] == ["None", "tensor", "fsdp"]
@@ -385,6 +397,24 @@ def test_sharded_step_equals_single_device(arch="qwen2_5_vl"):
     assert r["params_abs"] <= 1e-4
     # per-device work shrinks with the data axes (2 x 2): one of the 4 rows' logits and patches
     assert r["logit_rows"] == ["1"] and r["patch_rows"] == ["1"], r
+
+
+@pytest.mark.heavy
+def test_sharded_moe_step_equals_single_device():
+    """Qwen3-VL-MoE on fsdp 2 x expert 2 x tensor 2: each device holds half the experts (a
+    quarter of each one's matrix), and two GRPO steps equal one device's."""
+    r = sharded_run("qwen3_vl_moe")
+    assert r["rows"] == 4  # expert is a data axis for the rest of the model
+    prefix = "model.language_model.layers.mlp.experts."
+    (gate_spec, gate_shape, gate_shard), (down_spec, down_shape, down_shard) = (
+        r["experts"][prefix + name] for name in ("gate_up_proj", "down_proj"))
+    assert gate_spec == ["None", "expert", "tensor", "fsdp"]
+    assert down_spec == ["None", "expert", "fsdp", "tensor"]
+    for shape, shard in ((gate_shape, gate_shard), (down_shape, down_shard)):
+        assert shard == [shape[0], shape[1] // 2, shape[2] // 2, shape[3] // 2]
+    assert r["logp_abs"] <= 1e-5
+    assert r["loss_rel"] <= 1e-5 and r["grad_norm_rel"] <= 1e-5
+    assert r["params_abs"] <= 1e-4
 
 
 def _multihost(out, *mode) -> None:

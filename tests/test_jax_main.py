@@ -21,11 +21,16 @@ SHAPES = {  # nothing like the default tiny models: head counts, KV heads, depth
                      vision_hidden=48, vision_heads=2, patch_size=8),
     "qwen2_5_vl": dict(hidden_size=64, heads=2, kv_heads=1, layers=2, vision_depth=4,
                        vision_hidden=64, vision_heads=4, patch_size=10, window_size=40),
+    "qwen3_vl_moe": dict(hidden_size=96, heads=6, kv_heads=3, layers=3, vision_depth=2,
+                         vision_hidden=48, vision_heads=2, patch_size=8, experts=6,
+                         moe_intermediate_size=32),
 }
-CHECK = {"qwen3_vl": ("1,3", "30-120"), "qwen2_5_vl": ("2", "60-180")}
+CHECK = {"qwen3_vl": ("1,3", "30-120"), "qwen2_5_vl": ("2", "60-180"),
+         "qwen3_vl_moe": ("1,2", "40-150")}
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+# the MoE model (Qwen3-VL's but for its decoder's MLP) runs the full check only
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def ckpt(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param) / "ckpt"
     return request.param, build_tiny_checkpoint(out, arch=request.param, seed=5,
@@ -63,7 +68,8 @@ def test_check_batch_is_multi_turn_multi_image(ckpt):
 # tests/test_jax_model.py (logits, log-probs and gradients against transformers, four variants)
 # and the learner's loss against the numpy reference (tests/test_learners.py).
 @pytest.mark.heavy
-@pytest.mark.parametrize("ckpt,dtype", [("qwen2_5_vl", "float32")], indirect=["ckpt"])
+@pytest.mark.parametrize("ckpt,dtype", [("qwen2_5_vl", "float32"), ("qwen3_vl_moe", "float32")],
+                         indirect=["ckpt"])
 def test_check_passes_on_other_shapes(ckpt, dtype):
     arch, path = ckpt
     rows, info = run_check(config(path, arch, dtype), str(path), load_processor(path))

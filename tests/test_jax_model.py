@@ -5,6 +5,8 @@ biases re-drawn so every parameter matters); packed rows of several sequences wi
 images of different sizes go through both, the JAX side under jit.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 import torch
 from flax import nnx
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig, \
-    Qwen3VLForConditionalGeneration
+    Qwen3VLForConditionalGeneration, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
 from common.batching import TrainSequence, pack
 from geo3k_jax.core.batch import device_batch
@@ -25,17 +27,24 @@ from tests.tiny_models import IDS, VOCAB, ImageOnlyProcessor, image, prompt_ids
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def qwen3(tie=True, **text):
+def qwen3(tie=True, moe=False, **text):
+    """moe: Qwen3-VL-MoE, every decoder layer 4 experts of which 2 per token (moe_intermediate
+    16: neither 2 I nor I is the hidden size, so a transposed expert would not fit)."""
     t = dict(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
              num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, attention_bias=False,
              rope_scaling={"rope_type": "default", "mrope_section": [4, 2, 2],
                            "mrope_interleaved": True})
     t.update(text)
-    c = Qwen3VLConfig(text_config=t, vision_config=dict(
+    if moe:
+        t.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                 decoder_sparse_step=1, mlp_only_layers=[])
+    config, model = ((Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration) if moe
+                     else (Qwen3VLConfig, Qwen3VLForConditionalGeneration))
+    c = config(text_config=t, vision_config=dict(
         depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=48,
         patch_size=14, spatial_merge_size=2, deepstack_visual_indexes=[0, 2],
         num_position_embeddings=36), tie_word_embeddings=tie, **IDS)
-    return Qwen3VLForConditionalGeneration(c), 14
+    return model(c), 14
 
 
 def qwen25(tie=False):
@@ -51,7 +60,8 @@ def qwen25(tie=False):
 
 
 BUILDERS = {"qwen3_vl": qwen3, "qwen3_vl_bias_untied": lambda: qwen3(False, attention_bias=True),
-            "qwen2_5_vl": qwen25, "qwen2_5_vl_tied": lambda: qwen25(True)}
+            "qwen2_5_vl": qwen25, "qwen2_5_vl_tied": lambda: qwen25(True),
+            "qwen3_vl_moe": lambda: qwen3(moe=True)}
 
 
 def randomize(hf, seed):
@@ -200,6 +210,18 @@ def test_unknown_architecture_is_an_error():
     hf.config.model_type = "llava"
     with pytest.raises(ValueError, match="llava"):
         QwenVL(hf.config, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("text,sparse", [(dict(decoder_sparse_step=2), "[1]"),
+                                         (dict(mlp_only_layers=[0]), "[1, 2]")])
+def test_mixed_dense_and_sparse_layers_are_refused(text, sparse):
+    """The stacked decoder holds one layer structure: a MoE config whose layers are partly
+    dense MLPs (transformers' decoder_sparse_step, mlp_only_layers) is named, not mis-built."""
+    config = qwen3(moe=True)[0].config
+    for k, v in text.items():
+        setattr(config.text_config, k, v)
+    with pytest.raises(ValueError, match=re.escape(f"decoder layers {sparse} are sparse")):
+        QwenVL(config, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("build", [qwen3, qwen25])

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 from configs.base import JAX_RULES
 from geo3k_jax.core.sharding import AXES, batch_shardings, make_mesh, param_shardings, spec_for
 
-FAKE = types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "tensor": 2})
+FAKE = types.SimpleNamespace(shape={"data": 2, "fsdp": 4, "expert": 4, "tensor": 2})
 
 
 def test_mesh_takes_the_remaining_devices():
@@ -36,6 +36,20 @@ def test_rules_first_match_and_indivisible_dims_replicated():
     assert spec_for("model.visual.blocks.0.attn.proj.bias", (32,), FAKE, JAX_RULES) == P()
     assert spec_for("model.language_model.norm.weight", (64,), FAKE, JAX_RULES) == P()
     assert spec_for("lm_head.weight", (151936, 2048), FAKE, JAX_RULES) == P("tensor", "fsdp")
+
+
+def test_stacked_experts_split_over_the_expert_axis_first():
+    """A MoE layer's (E, out, in) experts: E over `expert`, out and in as the dense projections;
+    the router is replicated (its E x hidden is small, and `gate.weight` is no `gate_proj`)."""
+    key = "model.language_model.layers.mlp.experts.{}"  # stacked: (L, E, out, in)
+    assert spec_for(key.format("gate_up_proj"), (48, 128, 1536, 2048), FAKE, JAX_RULES) == \
+        P(None, "expert", "tensor", "fsdp")
+    assert spec_for(key.format("down_proj"), (48, 128, 2048, 768), FAKE, JAX_RULES) == \
+        P(None, "expert", "fsdp", "tensor")
+    assert spec_for(key.format("down_proj"), (48, 6, 2048, 768), FAKE, JAX_RULES) == \
+        P(None, None, "fsdp", "tensor")  # 6 experts on 4 devices: replicated over them
+    assert spec_for("model.language_model.layers.mlp.gate.weight", (48, 128, 2048), FAKE,
+                    JAX_RULES) == P(None)  # the layer axis, unsharded as ever
 
 
 def test_rule_with_too_many_axes_is_an_error():

@@ -160,3 +160,28 @@ def test_two_processes_train_through_the_loop(tmp_path):
     assert [s["rank"] for s in state["sampler"]] == [0, 1]
     assert [s["n"] for s in state["sampler"]] == [16, 16]  # one order over the 16 training rows
     assert len({(s["epoch"], s["position"]) for s in state["sampler"]}) == 1
+
+
+@pytest.mark.slow
+def test_grpo_steps_through_the_loop_train_the_moe_model(tmp_path):
+    """The JAX learner and engine on a tiny Qwen3-VL-MoE (4 experts, 2 a token, every decoder
+    layer sparse): two GRPO steps of the shared loop with finite losses, and a checkpoint
+    transformers loads as Qwen3-VL-MoE whose experts and routers moved."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    cfg = jax_config(tmp_path, 2)
+    cfg.model.tiny_arch, cfg.model.tiny_dir = "qwen3_vl_moe", str(tmp_path / "tiny_moe")
+    run(cfg, tmp_path / "run")
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert all(np.isfinite(r["train/loss"]) and r["train/grad_norm"] > 0 for r in trained)
+    ckpt = checkpoints.latest(tmp_path / "run" / "checkpoints")
+    assert Qwen3VLMoeForConditionalGeneration.from_pretrained(ckpt).config.model_type == \
+        "qwen3_vl_moe"
+    before = load_file(str(tmp_path / "tiny_moe" / "model.safetensors"))
+    after = load_file(str(ckpt / "model.safetensors"))
+    assert before.keys() == after.keys()
+    assert all(after[k].shape == v.shape for k, v in before.items())  # transformers' layout
+    moved = [k for k in before if not np.array_equal(before[k], after[k])]
+    assert any(".experts." in k for k in moved) and any("mlp.gate." in k for k in moved)

@@ -26,6 +26,9 @@ SHAPES = {
                      vision_hidden=48, vision_heads=2, patch_size=8),
     "qwen2_5_vl": dict(hidden_size=64, heads=2, kv_heads=1, layers=2, vision_depth=4,
                        vision_hidden=64, vision_heads=4, patch_size=10, window_size=40),
+    # the tiny checkpoint's experts: 2I = hidden, so only down_proj's shape tells the layouts apart
+    "qwen3_vl_moe": dict(hidden_size=96, heads=6, kv_heads=3, layers=2, vision_depth=2,
+                         vision_hidden=48, vision_heads=2, patch_size=8),
 }
 
 
@@ -46,16 +49,15 @@ def test_load_is_exact(ckpt):
     model, config = load_model(ckpt)
     _, stacked = split_params(model)
     layers = config.text_config.num_hidden_layers
-    up = stacked["model.language_model.layers.mlp.up_proj.weight"]
-    assert up.shape == (layers, config.text_config.intermediate_size,
-                        config.text_config.hidden_size)
+    norm = stacked["model.language_model.layers.input_layernorm.weight"]
+    assert norm.shape == (layers, config.text_config.hidden_size)
     assert not any(k.startswith("model.language_model.layers.0.") for k in stacked)
     params = to_hf(stacked)
     ref, _ = hf_params(ckpt)
     assert set(params) == set(ref)
     for k, v in ref.items():
         np.testing.assert_array_equal(np.asarray(params[k]), v, err_msg=k)
-    assert config.model_type in ("qwen3_vl", "qwen2_5_vl")
+    assert config.model_type in SHAPES
 
 
 def rewrite(ckpt, tmp_path, edit):
@@ -70,7 +72,7 @@ def rewrite(ckpt, tmp_path, edit):
 
 
 def test_missing_key_is_named(ckpt, tmp_path):
-    key = "model.language_model.layers.1.mlp.up_proj.weight"
+    key = "model.language_model.layers.1.input_layernorm.weight"
     bad = rewrite(ckpt, tmp_path, lambda t: {k: v for k, v in t.items() if canonical_key(k) != key})
     with pytest.raises(CheckpointError, match=f"missing keys.*{key}"):
         load_model(bad)
@@ -87,6 +89,35 @@ def test_misshaped_key_is_named(ckpt, tmp_path):
     bad = rewrite(ckpt, tmp_path, lambda t: {k: np.ones(7, np.float32) if canonical_key(k) == key
                                              else v for k, v in t.items()})
     with pytest.raises(CheckpointError, match=r"norm\.weight'.*shape \(7,\)"):
+        load_model(bad)
+
+
+EXPERT = "model.language_model.layers.{}.mlp.experts.{}"
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_vl_moe"], indirect=True)
+def test_published_expert_layout_loads_the_same(ckpt, tmp_path):
+    """The Hub checkpoints' experts, (E, hidden, 2I) and (E, I, hidden), load as transformers 5's
+    (E, 2I, hidden) and (E, hidden, I): here 2I = hidden, so gate_up_proj's shape alone cannot
+    tell (a loader deciding by it would keep the transposed matrix), its layer's down_proj does."""
+    experts = {EXPERT.format(i, n) for i in range(2) for n in ("gate_up_proj", "down_proj")}
+    published = rewrite(ckpt, tmp_path, lambda t: {
+        k: np.ascontiguousarray(v.swapaxes(1, 2)) if k in experts else v for k, v in t.items()})
+    want = to_hf(split_params(load_model(ckpt)[0])[1])
+    got = to_hf(split_params(load_model(published)[0])[1])
+    gate_up = EXPERT.format(0, "gate_up_proj")
+    assert want[gate_up].shape[1] == want[gate_up].shape[2]
+    assert not np.array_equal(want[gate_up], np.swapaxes(want[gate_up], 1, 2))
+    for k, v in want.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(v), err_msg=k)
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_vl_moe"], indirect=True)
+def test_experts_in_neither_layout_are_named(ckpt, tmp_path):
+    down = EXPERT.format(1, "down_proj")
+    bad = rewrite(ckpt, tmp_path, lambda t: {
+        k: np.ones((4, 50, 96), np.float32) if k == down else v for k, v in t.items()})
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.experts\.down_proj.*neither"):
         load_model(bad)
 
 

@@ -48,7 +48,7 @@ from common.batching import PackedBatch
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
-from geo3k_jax.core.vision_grid import QWEN3, vision_aux
+from geo3k_jax.core.vision_grid import QWEN3, tower, vision_aux
 
 BLOCK = 128  # query block of the text attention (the largest divisor of T up to this)
 PREFIX_UNIT = 32  # the prefix window's length: a multiple of this (a prompt, not a block)
@@ -167,7 +167,7 @@ def pad_patches(row: HostRow | None, config, n_patches: int, length: int) -> dic
     fresh = lambda key: int(aux[key].max()) + 1 if have else 0  # noqa: E731
     new = {"rope_pos": np.zeros((extra, 2), np.int32),
            "segments": np.full(extra, fresh("segments"), np.int32)}
-    if vc.model_type == QWEN3:
+    if tower(vc) == QWEN3:
         new.update(pos_indices=np.zeros((extra, 4), np.int32),
                    pos_weights=np.zeros((extra, 4), np.float32))
     else:

@@ -1,6 +1,6 @@
 """Device mesh and partition rules, both config data (`config.jax` in configs/base.py).
 
-    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})   # -1: all remaining devices
+    mesh = make_mesh({"data": 1, "fsdp": -1, "expert": 1, "tensor": 1})   # -1: the rest
     shardings = param_shardings(params, mesh, rules)        # {checkpoint key: NamedSharding}
 
 A rule is (regex, spec): the first regex that `re.search`es a parameter's checkpoint key gives
@@ -8,7 +8,9 @@ its PartitionSpec, one mesh axis name (or None) per array dimension; no match = 
 dimension whose size the axis does not divide is left replicated rather than failing, so one rule
 set serves every checkpoint shape (the tensor axis on a 2-head vision tower, an odd vocabulary).
 Batch rows are split over the data-parallel axes (`BATCH_AXES`): a row carries its own trained
-positions and image patches, so each device computes only its rows' log-probs and images.
+positions and image patches, so each device computes only its rows' log-probs and images. The
+`expert` axis shards a mixture of experts' stacked experts (`geo3k_jax.models.moe`) and is a
+data-parallel axis for everything else, as in GShard's expert parallelism.
 
 The mesh uses `AxisType.Auto`: the model's code carries no sharding annotations and XLA
 propagates the parameter and batch shardings through it (jax.make_mesh's default is Explicit,
@@ -28,8 +30,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from geo3k_jax.core.batch import REPLICATED_KEYS
 from geo3k_jax.core.stacking import is_stacked, layer_key
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tensor")  # tensor last: a tensor group is adjacent devices
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence | None = None) -> jax.sharding.Mesh:

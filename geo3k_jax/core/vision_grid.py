@@ -16,12 +16,17 @@ import numpy as np
 
 QWEN25 = "qwen2_5_vl_vision"
 QWEN3 = "qwen3_vl_vision"
+# vision config model_type -> its tower (Qwen3-VL-MoE's is Qwen3-VL's)
+TOWERS = {QWEN25: QWEN25, QWEN3: QWEN3, "qwen3_vl_moe_vision": QWEN3}
 
 
-def unsupported(cfg) -> str:
-    """The error message for a vision config of another architecture."""
-    return (f"unsupported vision config model_type {getattr(cfg, 'model_type', None)!r}; "
-            f"known: {QWEN25!r} (Qwen2.5-VL), {QWEN3!r} (Qwen3-VL)")
+def tower(cfg) -> str:
+    """QWEN25 or QWEN3: the tower of vision config `cfg`; an error for another."""
+    kind = getattr(cfg, "model_type", None)
+    if kind not in TOWERS:
+        raise ValueError(f"unsupported vision config model_type {kind!r}; known: "
+                         f"{sorted(TOWERS)}")
+    return TOWERS[kind]
 
 
 def _patch_rows_cols(h: int, w: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -127,17 +132,15 @@ def vision_aux(cfg, grid_thw: np.ndarray) -> dict[str, np.ndarray]:
     grid_thw = np.asarray(grid_thw, dtype=np.int64).reshape(-1, 3)
     merge = cfg.spatial_merge_size
     rope_pos, segments = rope_positions(grid_thw, merge), frame_segments(grid_thw)
-    if cfg.model_type == QWEN3:
+    if tower(cfg) == QWEN3:
         side = int(cfg.num_position_embeddings ** 0.5)
         indices, weights = pos_embed_taps(grid_thw, merge, side)
         return dict(rope_pos=rope_pos, segments=segments, pos_indices=indices, pos_weights=weights)
-    if cfg.model_type == QWEN25:
-        unit = merge * merge
-        index, window_ids = window_order(grid_thw, merge,
-                                         cfg.window_size // merge // cfg.patch_size)
-        perm = _units_to_patches(index, unit)
-        return dict(rope_pos=rope_pos[perm], segments=segments[perm],
-                    window_perm=perm.astype(np.int32),
-                    window_segments=np.repeat(window_ids, unit).astype(np.int32),
-                    merge_unperm=np.argsort(index).astype(np.int32))
-    raise ValueError(unsupported(cfg))
+    unit = merge * merge
+    index, window_ids = window_order(grid_thw, merge,
+                                     cfg.window_size // merge // cfg.patch_size)
+    perm = _units_to_patches(index, unit)
+    return dict(rope_pos=rope_pos[perm], segments=segments[perm],
+                window_perm=perm.astype(np.int32),
+                window_segments=np.repeat(window_ids, unit).astype(np.int32),
+                merge_unperm=np.argsort(index).astype(np.int32))

@@ -51,7 +51,7 @@ def host_mesh(mesh: Mesh) -> Mesh:
         raise ValueError(f"the mesh's tensor axis ({t} devices) spans processes: each process's "
                          "JAX engine samples on its own devices and needs whole tensor groups; "
                          "keep jax.mesh.tensor within a host")
-    return Mesh(np.array(mine)[None], AXES)
+    return Mesh(np.array(mine)[None, :, None], AXES)  # data 1, fsdp the groups, expert 1
 
 
 def on_host(tree: dict, mesh: Mesh) -> dict:

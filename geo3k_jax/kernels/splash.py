@@ -111,7 +111,7 @@ def _shard(attn: Attention, fn, args, specs, out_spec):
                          check_vma=False)(*args)
 
 
-def _row_axes(mesh, rows: int):
+def row_axes(mesh, rows: int):
     """The mesh axes a batch of `rows` is split over (None when they do not divide it)."""
     size = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
     return BATCH_AXES if size > 1 and rows % size == 0 else None
@@ -146,7 +146,7 @@ def text_attention(attn: Attention, q: jax.Array, k: jax.Array, v: jax.Array,
     if attn.mesh is None:
         out = fn(*inputs)
     else:
-        rows, heads = _row_axes(attn.mesh, b), _head_axis(attn.mesh, hkv)
+        rows, heads = row_axes(attn.mesh, b), _head_axis(attn.mesh, hkv)
         qkv = P(rows, heads)
         specs = (qkv, qkv, qkv, P(rows), P(rows))[:len(inputs)]
         out = _shard(attn, fn, inputs, specs, qkv)

@@ -154,6 +154,10 @@ class Learner:
                  comm: Collectives = SingleProcess(), model_dir: str | None = None):
         if loss_cfg.kl_coef and ref_params is None:
             raise ValueError("kl_coef > 0 needs reference parameters")
+        if loss_cfg.router_aux_coef:
+            raise ValueError("loss.router_aux_coef > 0: the JAX learner has no router "
+                             "load-balancing loss (the torch learner has, geo3k_torch.router); "
+                             "set it to 0 or train with geo3k_torch")
         self.merge, self.loss_cfg, self.cfg = merge, loss_cfg, train_cfg
         self.temperature, self.compute_dtype, self.mesh = temperature, compute_dtype, mesh
         self.processor, self.config, self.comm, self.model_dir = processor, config, comm, model_dir

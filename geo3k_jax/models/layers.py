@@ -22,7 +22,8 @@ from geo3k_jax.core.dtypes import wide_dtype
 INIT_STD = 0.02
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+def init_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    """A new weight of `shape`: normal with std INIT_STD (the checkpoint overwrites it)."""
     return (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
@@ -30,7 +31,7 @@ class Linear(nnx.Module):
     """y = x @ weight.T + bias. weight: (out, in); x: (..., in) -> (..., out)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (d_out, d_in), dtype))
+        self.weight = nnx.Param(init_normal(rngs, (d_out, d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -42,7 +43,7 @@ class Embedding(nnx.Module):
     """Token embedding table. weight: (vocab, dim); ids: (...) int -> (..., dim)."""
 
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_normal(rngs, (vocab, dim), dtype))
+        self.weight = nnx.Param(init_normal(rngs, (vocab, dim), dtype))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0)

@@ -7,6 +7,9 @@ Both are pre-norm decoders with grouped-query attention and a gated SiLU MLP. Th
     Qwen3-VL:   optional attention bias (`attention_bias`), RMSNorm on every q and k head, its own
                 `head_dim`; M-RoPE frequencies interleaved  [t h w t h w ... t t t]; DeepStack:
                 vision features added to the image tokens' hidden states after the first layers.
+    Qwen3-VL-MoE: Qwen3-VL whose sparse layers' MLP is a top-k mixture of experts
+                (`geo3k_jax.models.moe`); every layer sparse (Qwen3-VL-30B-A3B) or every layer
+                dense, since the stacked layers share one structure.
 
 Inputs are rows of packed sequences: a (B, T) batch whose row b holds several sequences told apart
 by segment ids; attention is causal within a segment, which is what transformers does when it is
@@ -31,12 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from common.processor import family
 from geo3k_jax.models.layers import (Embedding, GatedMLP, LayerStack, Linear, RMSNorm, apply_rotary,
                               rope_inv_freq, scatter_rows)
 from geo3k_jax.kernels.splash import Attention, text_attention
 from geo3k_jax.kernels.windowed import WINDOW_AXES, window_mask, windowed_attention
+from geo3k_jax.models.moe import SparseMoeBlock, sparse_layers
 
-ARCHS = ("qwen2_5_vl", "qwen3_vl")
+ARCHS = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def mrope_rows(arch: str, section: list[int], half: int) -> np.ndarray:
@@ -102,10 +107,14 @@ class TextAttention(nnx.Module):
 class DecoderLayer(nnx.Module):
     """Pre-norm attention + MLP block. x: (B, T, hidden) -> (B, T, hidden)."""
 
-    def __init__(self, cfg, arch: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg, arch: str, *, sparse: bool, dtype, rngs: nnx.Rngs,
+                 attention: Attention):
+        """arch: the family (`common.processor.family`); sparse: the MLP is a mixture of
+        experts (`geo3k_jax.models.moe`, its rows mapped over `attention.mesh`)."""
         self.self_attn = TextAttention(cfg, arch, dtype=dtype, rngs=rngs)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=False,
-                            dtype=dtype, rngs=rngs)
+        self.mlp = (SparseMoeBlock(cfg, dtype=dtype, rngs=rngs, attention=attention) if sparse
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act,
+                                  bias=False, dtype=dtype, rngs=rngs))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)
@@ -144,7 +153,7 @@ def deepstack_after(deepstack, index: jax.Array, dtype):
 
 def head_dim_of(cfg, arch: str) -> int:
     """Qwen2.5-VL derives head_dim from the hidden size; Qwen3-VL configs carry it."""
-    if arch == "qwen3_vl" and getattr(cfg, "head_dim", None):
+    if family(arch) == "qwen3_vl" and getattr(cfg, "head_dim", None):
         return int(cfg.head_dim)
     return cfg.hidden_size // cfg.num_attention_heads
 
@@ -159,11 +168,17 @@ class TextModel(nnx.Module):
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
             raise ValueError("sliding-window text attention is not supported (Qwen-VL "
                              "checkpoints set use_sliding_window=false)")
+        sparse = sparse_layers(cfg) if arch == "qwen3_vl_moe" else [False]
+        if len(set(sparse)) > 1:
+            raise ValueError(
+                f"decoder layers {[i for i, s in enumerate(sparse) if s]} are sparse MoE blocks "
+                "and the others dense MLPs; the stacked decoder needs every layer alike "
+                "(decoder_sparse_step=1 and mlp_only_layers=[], as Qwen3-VL-30B-A3B)")
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = DecoderStack(cfg.num_hidden_layers,
-                                   lambda: DecoderLayer(cfg, arch, dtype=dtype, rngs=rngs))
+        self.layers = DecoderStack(cfg.num_hidden_layers, lambda: DecoderLayer(
+            cfg, family(arch), sparse=sparse[0], dtype=dtype, rngs=rngs, attention=attention))
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.rope = MRoPE(arch, head_dim_of(cfg, arch), dict(cfg.rope_parameters))
+        self.rope = MRoPE(family(arch), head_dim_of(cfg, arch), dict(cfg.rope_parameters))
         self.attention = attention
 
     def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,

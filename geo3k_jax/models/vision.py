@@ -33,7 +33,7 @@ from geo3k_jax.models.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, L
                               RMSNorm, activation, apply_rotary, attention, rope_inv_freq,
                               segment_mask)
 from geo3k_jax.kernels.splash import Attention, vision_attention
-from geo3k_jax.core.vision_grid import QWEN3, QWEN25, unsupported
+from geo3k_jax.core.vision_grid import QWEN3, QWEN25, tower
 
 NORM_EPS = 1e-6
 BLOCK_PARTS = ("norm1", "norm2", "attn", "mlp")  # a VisionBlock's parts, stacked over blocks
@@ -271,6 +271,4 @@ def build_vision_tower(cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Att
     """The tower for transformers vision config `cfg` (`model.config.vision_config`);
     `attention`: its per-image attention, dense or splash (`geo3k_jax.kernels.splash`)."""
     towers = {QWEN25: Qwen25VisionTower, QWEN3: Qwen3VisionTower}
-    if getattr(cfg, "model_type", None) not in towers:
-        raise ValueError(unsupported(cfg))
-    return towers[cfg.model_type](cfg, dtype=dtype, rngs=rngs, attention=attention)
+    return towers[tower(cfg)](cfg, dtype=dtype, rngs=rngs, attention=attention)

@@ -13,7 +13,15 @@ error naming it. Older Qwen2.5-VL files (`visual.*`, `model.layers.*`) are renam
 layout transformers 5 writes (`model.visual.*`, `model.language_model.*`), as transformers does
 when it loads them.
 
-Export writes that layout, layers unstacked, float32 or bfloat16, with the config (and the tokenizer / processor
+Qwen3-VL-MoE's experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) come in two
+layouts: transformers 5's, which its `save_pretrained` writes and this export writes too, (E, 2I,
+hidden) and (E, hidden, I); and the published checkpoints' (and older transformers'), the same
+transposed: (E, hidden, 2I) and (E, I, hidden). Each layer's pair of tensors is read in the layout
+its two shapes name (`expert_transposed`). The pair always tells them apart: gate_up_proj's
+shape does unless hidden = 2I, down_proj's unless hidden = I, and both cannot hold; a pair that
+matches neither layout, or one each, is an error naming it.
+
+Export writes the transformers-5 layout, layers unstacked, float32 or bfloat16, with the config (and the tokenizer / processor
 files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it; on several
 hosts each writes a shard of its own (transformers' sharded layout, with its index).
 """
@@ -92,6 +100,35 @@ def read_tensor(file: Path, key: str) -> np.ndarray:
             return np.asarray(f.get_tensor(key))
 
 
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # (E, out, in) in transformers 5
+
+
+def tensor_shape(file: Path, key: str) -> tuple[int, ...]:
+    """A stored tensor's shape, from the safetensors header (nothing read)."""
+    with safe_open(file, "np") as f:
+        return tuple(f.get_slice(key).get_shape())
+
+
+def expert_transposed(stored: dict[str, tuple], want: dict[str, tuple]) -> dict[str, bool]:
+    """{checkpoint key: stored transposed} for the expert tensors of {key: stored shape}, by
+    layer: a layer's gate_up_proj and down_proj are both in transformers 5's layout (`want`'s
+    shapes: False) or both with their last two axes swapped (True); anything else is a
+    CheckpointError."""
+    out = {}
+    for key in stored:
+        if not key.endswith(EXPERTS[0]):
+            continue
+        pair = (key, key[:-len(EXPERTS[0])] + EXPERTS[1])
+        shapes = tuple(stored[k] for k in pair)
+        native = tuple(want[k] for k in pair)
+        swapped = tuple(s[:-2] + s[:-3:-1] for s in native)
+        if shapes not in (native, swapped):
+            raise CheckpointError(f"{pair} have shapes {shapes}: neither transformers' {native} "
+                                  f"nor the published checkpoints' {swapped}")
+        out.update(dict.fromkeys(pair, shapes == swapped))
+    return out
+
+
 def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=(),
                attention: Attention = Attention()) -> tuple[QwenVL, object]:
     """(model, transformers config) with parameters in `dtype`, sharded on `mesh` by `rules`
@@ -113,9 +150,14 @@ def load_model(path: str | Path, *, dtype=jnp.float32, mesh=None, rules=(),
         raise CheckpointError(f"{path}: missing keys {_few(missing)}; unexpected keys "
                               f"{_few(unexpected)}")
 
+    transposed = expert_transposed(
+        {k: tensor_shape(*files[k]) for k in want if k.endswith(EXPERTS)}, want)
+
     def read(name):
         file, key = files[name]
         array = read_tensor(file, key)
+        if transposed.get(name):
+            array = np.swapaxes(array, -1, -2)
         if array.shape != want[name]:
             raise CheckpointError(f"{path}: {key!r} has shape {array.shape}, the config "
                                   f"needs {want[name]}")

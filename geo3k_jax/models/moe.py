@@ -1,0 +1,118 @@
+"""Qwen3-VL-MoE's sparse MLP block in Flax NNX: a top-k router and experts as grouped matmuls.
+
+transformers' `Qwen3VLMoeTextSparseMoeBlock`, under its parameter names and layouts:
+
+    mlp.gate.weight                (E, hidden)        router logits = x @ weight.T
+    mlp.experts.gate_up_proj       (E, 2 I, hidden)   rows [0, I) the gate, [I, 2 I) the up
+    mlp.experts.down_proj          (E, hidden, I)
+
+Each token's router logits are softmaxed over the E experts in fp32, the top k kept and
+renormalised to sum to 1 (transformers' `Qwen3VLMoeTextTopKRouter` always renormalises; its
+config has no `norm_topk_prob`), cast back to the logits' dtype; the block's output is the
+weighted sum of the k experts' gated SiLU MLPs.
+
+The experts run as two grouped matmuls (`jax.lax.ragged_dot_general`) over the N x k
+(token, expert) assignments sorted by expert: each expert multiplies only the tokens routed
+to it, so the block costs k / E of running every expert on every token (Qwen3-VL-30B-A3B:
+8 of 128), and the weights keep transformers' layout (the contraction is over their last
+axis). A dense dispatch (every expert on every token, then a one-hot combine) equals it to
+float32 rounding on a CPU but costs E / k times the FLOPs; XLA's CPU runs the ragged dot
+(forward and gradient), and for TPU it compiles to libtpu's ragged-dot kernel (a Mosaic
+custom call), checked with `jax.jit(...).lower(...).compile()` on `geo3k_jax.tpu.topology`'s
+compile-only devices.
+
+The tokens of a call are sorted together, so left to XLA's sharding propagation every
+data-parallel device would gather the step's tokens and compute every assignment. With a mesh
+(`attention.mesh`: the one the splash kernel maps the rows over, `geo3k_jax.kernels.splash`)
+the block runs under `shard_map` over the batch axes instead: each device routes and sorts its
+own rows' tokens and multiplies them by the experts gathered whole (sharding the experts over
+`expert` divides their memory at rest, not the compute; routing tokens to the devices holding
+their experts, an all-to-all, is not done).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax.sharding import PartitionSpec as P
+
+from geo3k_jax.kernels.splash import Attention, row_axes
+from geo3k_jax.models.layers import Linear, activation, init_normal
+
+# lhs (M, in) ragged along M by expert, rhs (E, out, in): contract in with rhs' last axis
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def sparse_layers(cfg) -> list[bool]:
+    """Which decoder layers of text config `cfg` have a sparse MoE block, as transformers'
+    `Qwen3VLMoeTextDecoderLayer` decides: not in `mlp_only_layers`, and every
+    `decoder_sparse_step`-th layer when there are experts."""
+    return [i not in cfg.mlp_only_layers and cfg.num_experts > 0
+            and (i + 1) % cfg.decoder_sparse_step == 0 for i in range(cfg.num_hidden_layers)]
+
+
+def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing of router logits (N, E): (weights (N, k) in the logits' dtype, summing to
+    1 per token; expert indices (N, k) int32), the softmax in fp32."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    top, index = jax.lax.top_k(probs, k)
+    return (top / top.sum(-1, keepdims=True)).astype(logits.dtype), index
+
+
+class Experts(nnx.Module):
+    """E gated MLPs stacked: gate_up_proj (E, 2 I, hidden), down_proj (E, hidden, I) (`routed`
+    runs them)."""
+
+    def __init__(self, experts: int, hidden: int, inner: int, act: str, *, dtype,
+                 rngs: nnx.Rngs):
+        self.gate_up_proj = nnx.Param(init_normal(rngs, (experts, 2 * inner, hidden), dtype))
+        self.down_proj = nnx.Param(init_normal(rngs, (experts, hidden, inner), dtype))
+        self.act = activation(act)
+
+
+
+def routed(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, k: int,
+           act) -> jax.Array:
+    """The block on tokens x (N, hidden) with router (E, hidden), gate_up (E, 2I, hidden) and
+    down (E, hidden, I): each token's top-k experts' outputs, weighted, summed; (N, hidden)."""
+    weights, index = route(jnp.einsum("nh,eh->ne", x, router), k)  # (N, k) each
+    flat = index.reshape(-1)  # (N k,) assignment j is token j // k's
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=router.shape[0]).astype(jnp.int32)  # (E,)
+    h = jax.lax.ragged_dot_general(x[token], gate_up, sizes, _GROUPED)
+    gate, up = jnp.split(h, 2, axis=-1)  # (N k, I) each
+    y = jax.lax.ragged_dot_general(act(gate) * up, down, sizes, _GROUPED)  # (N k, hidden)
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[token].add(y)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router and experts (transformers' `mlp` of a sparse layer). x (..., hidden) -> (...,
+    hidden)."""
+
+    def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()):
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               cfg.hidden_act, dtype=dtype, rngs=rngs)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False, dtype=dtype, rngs=rngs)
+        self.top_k = cfg.num_experts_per_tok
+        self.attention = attention  # its mesh: the one the rows are split over (None: none)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x (B, T, hidden): B rows, split over the mesh's batch axes when they divide B."""
+        def block(x, router, gate_up, down):
+            flat = x.reshape(-1, x.shape[-1])  # (N, hidden): this device's rows' tokens
+            return routed(flat, router, gate_up, down, self.top_k,
+                          self.experts.act).reshape(x.shape)
+        args = (x, self.gate.weight[...], self.experts.gate_up_proj[...],
+                self.experts.down_proj[...])
+        mesh = self.attention.mesh
+        rows = None if mesh is None else row_axes(mesh, x.shape[0])
+        if rows is None:
+            return block(*args)
+        return jax.shard_map(block, mesh=mesh, in_specs=(P(rows), P(), P(), P()),
+                             out_specs=P(rows), check_vma=False)(*args)

@@ -1,0 +1,122 @@
+"""Qwen3-VL-MoE's sparse block in JAX (geo3k_jax.models.moe) against transformers' own, and its
+grouped matmuls compiled for a TPU (the model-level numerics are tests/test_jax_model.py's)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers import Qwen3VLMoeConfig
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+
+from geo3k_jax.models.moe import SparseMoeBlock, sparse_layers
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def text_config(**kw):
+    return Qwen3VLMoeConfig(text_config=dict(
+        dict(hidden_size=48, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
+             num_hidden_layers=4), **kw)).text_config
+
+
+def blocks(cfg, seed=0):
+    """transformers' block with random weights and the JAX block holding the same."""
+    torch.manual_seed(seed)
+    hf = Qwen3VLMoeTextSparseMoeBlock(cfg).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    block = SparseMoeBlock(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    block.gate.weight[...] = jnp.asarray(hf.gate.weight.detach().numpy())
+    block.experts.gate_up_proj[...] = jnp.asarray(hf.experts.gate_up_proj.detach().numpy())
+    block.experts.down_proj[...] = jnp.asarray(hf.experts.down_proj.detach().numpy())
+    return hf, block
+
+
+def test_block_equals_transformers_with_its_gradient():
+    """Rows of tokens routed over 6 experts, 2 a token: the output and the gradients of the
+    input and of every weight (the router's through the renormalised top-k weights) are
+    transformers'."""
+    cfg = text_config()
+    hf, block = blocks(cfg)
+    x = np.random.default_rng(1).standard_normal((3, 7, 48)).astype(np.float32)
+    xt = torch.from_numpy(x).requires_grad_()
+    ref = hf(xt)
+    (ref * ref).sum().backward()
+    graphdef, state = nnx.split(block)
+
+    def loss(state, x):
+        y = nnx.merge(graphdef, state)(x)
+        return (y * y).sum(), y
+    (_, y), (grads, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        state, jnp.asarray(x))
+    for got, want in ((y, ref.detach().numpy()), (gx, xt.grad.numpy())):
+        assert np.abs(np.asarray(got) - want).max() <= 1e-6 * np.abs(want).max()
+    for name, g in (("gate.weight", grads["gate"]["weight"]),
+                    ("experts.gate_up_proj", grads["experts"]["gate_up_proj"]),
+                    ("experts.down_proj", grads["experts"]["down_proj"])):
+        want = hf.get_parameter(name).grad.numpy()
+        assert np.linalg.norm(np.asarray(g[...]) - want) <= 1e-5 * np.linalg.norm(want), name
+    chosen = hf.gate(xt.reshape(-1, 48))[2].flatten().numpy()
+    assert len(set(chosen.tolist())) >= 4  # most experts take tokens: their grouping matters
+
+
+@pytest.mark.parametrize("kw,want", [
+    (dict(), [True] * 4), (dict(decoder_sparse_step=2), [False, True, False, True]),
+    (dict(mlp_only_layers=[0, 3]), [False, True, True, False]),
+    (dict(num_experts=0), [False] * 4)])
+def test_sparse_layers_are_the_ones_transformers_builds(kw, want):
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextDecoderLayer
+    cfg = text_config(**kw)
+    built = [isinstance(Qwen3VLMoeTextDecoderLayer(cfg, i).mlp, Qwen3VLMoeTextSparseMoeBlock)
+             for i in range(4)]
+    assert sparse_layers(cfg) == built == want
+
+
+def test_experts_compile_for_tpu_as_a_ragged_dot_with_experts_sharded():
+    """libtpu compiles the block's gradient for a v5p with the experts over an `expert` axis of
+    4 chips: the grouped matmuls become its ragged-dot kernel, not a dense product over every
+    expert."""
+    pytest.importorskip("libtpu", reason="the TPU compiler: pip install libtpu==0.0.42")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from geo3k_jax.tpu.topology import topology_devices
+
+    cfg = text_config(num_experts=8)
+    block = nnx.eval_shape(lambda: SparseMoeBlock(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(block)
+    mesh = Mesh(np.array(topology_devices("v5p-8")).reshape(4), ("expert",))
+    spec = jax.tree.map(lambda a: NamedSharding(mesh, P("expert") if a.ndim == 3 else P()),
+                        state)
+    x = jax.ShapeDtypeStruct((2, 256, 48), jnp.float32)
+    fn = jax.jit(jax.grad(lambda s, x: (nnx.merge(graphdef, s)(x) ** 2).sum()),
+                 in_shardings=(spec, NamedSharding(mesh, P())))
+    with jax.default_matmul_precision(None):  # the TPU kernels take the default
+        hlo = fn.lower(state, x).compile().as_text()
+    assert "ragged-dot" in hlo
+    assert not any(f"f32[512,8,{n}]" in hlo for n in (32, 48))  # no every-expert product
+
+
+@pytest.mark.slow
+def test_rows_mapped_over_the_mesh_route_their_own_tokens():
+    """On 4 fake devices (data 2 x fsdp 2, the splash kernel's mesh) the block's rows are
+    mapped over the batch axes: output and gradients are one device's, and each device sorts
+    its own row's 64 tokens x 2 experts (128 assignments) where XLA's propagation alone gathers
+    all 4 rows' 512 on every device."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=4")
+    out = subprocess.run([sys.executable, "-m", "tests.jax_moe_worker"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["leaves"] == 5 and r["rel"] <= 1e-6  # the value, x's and 3 weights' gradients
+    assert 512 in r["plain_rows"] and 128 in r["rows"] and max(r["rows"]) < 256, r
