@@ -60,18 +60,19 @@ def save_published(model, out: str | os.PathLike, state_dict: dict | None = None
     batch job's log), then the weights it wrote in the model's layout rewritten where published
     checkpoints hold them transposed (Qwen3-VL-MoE's experts; `geo3k_torch.model.hub_layout`):
     SGLang loads the folder as it loads the Hub's, and transformers still does (by shape). A
-    weight whose two layouts have one shape stays in the model's, as `from_pretrained` reads it."""
+    model whose two layouts share a shape (`layouts_differ_in_shape`: H = 2I, tiny models only)
+    keeps its own layout in every file, the one `from_pretrained` then reads right."""
     from safetensors.torch import load_file, save_file
 
-    from geo3k_torch.model import hub_layout, transposed_weights
+    from geo3k_torch.model import hub_layout, layouts_differ_in_shape
 
     with quiet_progress():
         model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-    if not transposed_weights(model):
+    if not layouts_differ_in_shape(model):
         return
     for f in sorted(Path(out).glob("*.safetensors")):
         tensors = load_file(f)
-        published = hub_layout(tensors, model, distinguishable_only=True)
+        published = hub_layout(tensors, model)
         if any(published[k] is not tensors[k] for k in tensors):
             save_file(published, str(f), metadata={"format": "pt"})
 

@@ -260,15 +260,12 @@ def _model_layout(full: dict[str, torch.Tensor], model) -> dict[str, torch.Tenso
     return full
 
 
-def hub_layout(named: dict[str, torch.Tensor], model, distinguishable_only: bool = False
-               ) -> dict[str, torch.Tensor]:
+def hub_layout(named: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
     """Tensors by checkpoint name in `model`'s layout -> the layout of the published
     checkpoints, which SGLang's loaders read (0.5.23's qwen3_vl_moe.py transposes a fused
     expert weight unconditionally): each of `transposed_weights`' rules undone. transformers'
     `save_pretrained` does not undo them (its reverse transpose compares the shape with the
-    model's own, always equal), so it writes the model's layout. distinguishable_only: leave a
-    weight whose transposed shape equals its own (H = 2I or H = I) as it is: `from_pretrained`
-    tells the layouts apart by shape only, and reads such a weight as the model's layout."""
+    model's own, always equal), so it writes the model's layout."""
     import re
 
     out = dict(named)
@@ -277,9 +274,21 @@ def hub_layout(named: dict[str, torch.Tensor], model, distinguishable_only: bool
             t = out[name]
             for op in reversed(ops):
                 t = t.transpose(op.dim0, op.dim1)
-            if not (distinguishable_only and t.shape == out[name].shape):
-                out[name] = t.contiguous()
+            out[name] = t.contiguous()
     return out
+
+
+def layouts_differ_in_shape(model) -> bool:
+    """Whether every weight that `hub_layout` transposes has another shape transposed, so that
+    `from_pretrained` (which tells the layouts apart by shape alone) reads a published file
+    right. Not so for a model with H = 2I or H = I (a tiny one), nor for one with no such
+    weight."""
+    import re
+
+    found = [p.shape[op.dim0] != p.shape[op.dim1]
+             for pattern, ops in transposed_weights(model)
+             for name, p in model.named_parameters() if re.search(pattern, name) for op in ops]
+    return bool(found) and all(found)
 
 
 def _tied(model) -> set[str]:

@@ -55,7 +55,7 @@ class TinySizes:
     vision_hidden: int = 64
     experts: int = 4  # qwen3_vl_moe: experts per MoE block (Qwen3-VL-30B-A3B: 128)
     experts_per_token: int = 2  # and how many each token is routed to (30B-A3B: 8)
-    moe_intermediate_size: int | None = None  # each expert's; 3/8 of hidden_size (30B-A3B: 768 of 2048)
+    moe_intermediate_size: int | None = None  # each expert's; about 3/8 of hidden_size, a multiple of 8 (30B-A3B: 768 of 2048)
     vision_heads: int | None = None  # vision_hidden // 32 (at least 1)
     vision_intermediate: int | None = None  # 2 * vision_hidden
     patch_size: int | None = None  # 16 for qwen3_vl, 14 for qwen2_5_vl
@@ -73,7 +73,7 @@ class TinySizes:
         out = dataclasses.replace(
             self, patch_size=patch,
             intermediate_size=self.intermediate_size or 3 * self.hidden_size,
-            moe_intermediate_size=self.moe_intermediate_size or 3 * self.hidden_size // 8,
+            moe_intermediate_size=self.moe_intermediate_size or max(8, 3 * self.hidden_size // 64 * 8),
             vision_heads=self.vision_heads or max(1, self.vision_hidden // 32),
             vision_intermediate=self.vision_intermediate or 2 * self.vision_hidden,
             window_size=self.window_size or 2 * unit,

@@ -27,8 +27,9 @@ SHAPES = {
     "qwen2_5_vl": dict(hidden_size=64, heads=2, kv_heads=1, layers=2, vision_depth=4,
                        vision_hidden=64, vision_heads=4, patch_size=10, window_size=40),
     # the tiny checkpoint's experts: 2I = hidden, so only down_proj's shape tells the layouts apart
+    # 2I = hidden: gate_up_proj's two layouts share a shape (written in transformers' own)
     "qwen3_vl_moe": dict(hidden_size=96, heads=6, kv_heads=3, layers=2, vision_depth=2,
-                         vision_hidden=48, vision_heads=2, patch_size=8),
+                         vision_hidden=48, vision_heads=2, patch_size=8, moe_intermediate_size=48),
 }
 
 
