@@ -225,6 +225,26 @@ def test_an_unknown_config_key_is_one_line_naming_the_nearest(entry, arg, key, n
     assert HEAVY_NONE in out.stdout
 
 
+def test_expert_groups_must_divide_the_servers_gpus():
+    """engine.sglang_ep_size: a divisor of sglang_gpus_per_server passes, another is one line
+    naming both; at the command line the preflight refuses it (exit 2) before torch loads."""
+    from common.config_rules import problems
+    from configs import h100
+    cfg = h100.get_config()
+    cfg.engine.sglang_gpus_per_server = 8
+    for ep in (1, 2, 4, 8):
+        cfg.engine.sglang_ep_size = ep
+        assert problems(cfg) == [], ep
+    cfg.engine.sglang_ep_size = 3
+    want = ("engine.sglang_ep_size=3 must divide engine.sglang_gpus_per_server=8: SGLang splits "
+            "a server's experts into ep groups over its tp GPUs (--ep-size, --tp-size)")
+    assert problems(cfg) == [want]
+    out = run_entry("geo3k_torch.main", "--config=configs/h100.py",
+                    "--config.engine.sglang_gpus_per_server=8", "--config.engine.sglang_ep_size=3")
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {want}", out.stderr[-2000:]
+    assert HEAVY_NONE in out.stdout
+
+
 CLI_MAIN_CHILD = """
 from common import cli
 cli.main(lambda config, workdir: {}, rank=lambda: 0)
