@@ -179,7 +179,8 @@ def test_every_numeric_field_has_a_rule_and_every_config_keeps_them():
     assert sorted(set(numeric) - set(RANGES)) == []
     assert sorted(set(RANGES) - set(numeric)) == []
     for spec in ("cpu.py", "cpu_perception.py", "h100.py", "h100_areal.py", "h100_areal.py:cpu",
-                 "h100_single_turn.py", "h100_single_turn.py:cpu", "tpu.py", "tpu.py:cpu"):
+                 "h100_single_turn.py", "h100_single_turn.py:cpu", "h100_moe.py",
+                 "h100_moe.py:cpu", "tpu.py", "tpu.py:cpu"):
         assert problems(load(str(ROOT / "configs" / spec)), grpo=True) == [], spec
     for spec in ("sft.py", "sft.py:cpu"):
         assert problems(load(str(ROOT / "configs" / spec))) == [], spec
