@@ -1,4 +1,5 @@
-"""Which values each numeric config field may take, as data, and what GRPO needs beyond them.
+"""Which values each numeric config field may take, as data, which field must divide another,
+and what GRPO needs beyond them.
 
     problems(cfg)              -> ["train.lr=-0.001 must be in (0, inf)", ...]   every field
     problems(cfg, grpo=True)   -> the same, and "rollout.n_samples=1: ..." where GRPO cannot train
@@ -46,6 +47,7 @@ RANGES = {
     "engine.local_attention_bucket": "[0, inf)",
     "engine.sglang_servers": "[1, inf)",
     "engine.sglang_gpus_per_server": "[1, inf)",
+    "engine.sglang_ep_size": "[1, inf)",
     "engine.sglang_base_gpu": "[-1, inf)",
     "engine.sglang_mem_fraction": "(0, 1]",
     "engine.sglang_bucket_mb": "(0, inf)",
@@ -118,6 +120,12 @@ GRPO = {
                             "episodes of one prompt are all alike"),
 }
 
+# A field that must divide another (both within RANGES): field -> (the other, why).
+DIVIDES = {
+    "engine.sglang_ep_size": ("engine.sglang_gpus_per_server", "SGLang splits a server's "
+                              "experts into ep groups over its tp GPUs (--ep-size, --tp-size)"),
+}
+
 OPTIONAL = ("loss.dual_clip", "loss.tis_cap")  # may be None: off
 WORDS = {"train.micro_batch_tokens": ("auto",)}  # a word it may be instead of a number
 
@@ -151,9 +159,9 @@ def _get(cfg, key: str):
 
 def problems(cfg, grpo: bool = False) -> list[str]:
     """One line per field of `cfg` (a ConfigDict or nested dicts) outside its rule, in RANGES'
-    order, then (with `grpo`) per GRPO rule it breaks. A field the config lacks is skipped (a
-    config of another shape); None passes only where the config's field is a placeholder
-    (`loss.dual_clip`, `loss.tis_cap`: off)."""
+    order, then per field that does not divide its DIVIDES partner, then (with `grpo`) per GRPO
+    rule it breaks. A field the config lacks is skipped (a config of another shape); None passes
+    only where the config's field is a placeholder (`loss.dual_clip`, `loss.tis_cap`: off)."""
     out = []
     for key, rule in RANGES.items():
         try:
@@ -168,6 +176,13 @@ def problems(cfg, grpo: bool = False) -> list[str]:
             off = (" (or None: off)" if key in OPTIONAL else
                    "".join(f" (or {w!r})" for w in WORDS.get(key, ())))
             out.append(f"{key}={value!r}{kind} must be {describe(rule)}{off}")
+    for key, (other, why) in DIVIDES.items():
+        try:
+            value, whole = _get(cfg, key), _get(cfg, other)
+        except (KeyError, AttributeError, TypeError):
+            continue
+        if contains(RANGES[key], value) and contains(RANGES[other], whole) and whole % value:
+            out.append(f"{key}={value!r} must divide {other}={whole!r}: {why}")
     if grpo:
         for key, (rule, why) in GRPO.items():
             try:

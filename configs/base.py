@@ -136,6 +136,10 @@ def get_config() -> ml_collections.ConfigDict:
     # weights and KV cache (0.6: slime's colocated Geometry3K multi-turn recipe).
     c.engine.sglang_servers = 1
     c.engine.sglang_gpus_per_server = 1  # SGLang --tp-size
+    # SGLang --ep-size: a MoE model's experts split into this many groups over a server's GPUs
+    # (ep = sglang_gpus_per_server: each GPU holds E / ep whole experts); 1: every GPU holds a
+    # tp slice of every expert. Divides sglang_gpus_per_server and the model's expert count.
+    c.engine.sglang_ep_size = 1
     c.engine.sglang_base_gpu = -1  # first GPU of dedicated servers (-1: after the learners')
     c.engine.sglang_mem_fraction = 0.6  # SGLang --mem-fraction-static
     # Weight sync: auto (bf16 in memory for colocated servers the learner can hand tensors to,

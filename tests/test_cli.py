@@ -179,7 +179,8 @@ def test_every_numeric_field_has_a_rule_and_every_config_keeps_them():
     assert sorted(set(numeric) - set(RANGES)) == []
     assert sorted(set(RANGES) - set(numeric)) == []
     for spec in ("cpu.py", "cpu_perception.py", "h100.py", "h100_areal.py", "h100_areal.py:cpu",
-                 "h100_single_turn.py", "h100_single_turn.py:cpu", "tpu.py", "tpu.py:cpu"):
+                 "h100_single_turn.py", "h100_single_turn.py:cpu", "h100_moe.py",
+                 "h100_moe.py:cpu", "tpu.py", "tpu.py:cpu"):
         assert problems(load(str(ROOT / "configs" / spec)), grpo=True) == [], spec
     for spec in ("sft.py", "sft.py:cpu"):
         assert problems(load(str(ROOT / "configs" / spec))) == [], spec
@@ -222,6 +223,26 @@ def test_an_unknown_config_key_is_one_line_naming_the_nearest(entry, arg, key, n
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1, out.stderr
     assert f"--config.{key}" in lines[0] and f"did you mean {nearest}" in lines[0], lines[0]
+    assert HEAVY_NONE in out.stdout
+
+
+def test_expert_groups_must_divide_the_servers_gpus():
+    """engine.sglang_ep_size: a divisor of sglang_gpus_per_server passes, another is one line
+    naming both; at the command line the preflight refuses it (exit 2) before torch loads."""
+    from common.config_rules import problems
+    from configs import h100
+    cfg = h100.get_config()
+    cfg.engine.sglang_gpus_per_server = 8
+    for ep in (1, 2, 4, 8):
+        cfg.engine.sglang_ep_size = ep
+        assert problems(cfg) == [], ep
+    cfg.engine.sglang_ep_size = 3
+    want = ("engine.sglang_ep_size=3 must divide engine.sglang_gpus_per_server=8: SGLang splits "
+            "a server's experts into ep groups over its tp GPUs (--ep-size, --tp-size)")
+    assert problems(cfg) == [want]
+    out = run_entry("geo3k_torch.main", "--config=configs/h100.py",
+                    "--config.engine.sglang_gpus_per_server=8", "--config.engine.sglang_ep_size=3")
+    assert out.returncode == 2 and out.stderr.strip() == f"error: {want}", out.stderr[-2000:]
     assert HEAVY_NONE in out.stdout
 
 

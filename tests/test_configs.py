@@ -10,15 +10,15 @@ from common.env import EnvConfig
 from common.grpo import LossConfig
 from common.rollout import RolloutConfig
 from common.reward import RewardConfig
-from configs import (base, cpu, cpu_perception, h100, h100_areal, h100_single_turn, sft,
-                     to_dataclass, tpu)
+from configs import (base, cpu, cpu_perception, h100, h100_areal, h100_moe, h100_single_turn,
+                     sft, to_dataclass, tpu)
 
 SECTIONS = {"env": EnvConfig, "reward": RewardConfig, "rollout": RolloutConfig,
             "loss": LossConfig}
 
 
 @pytest.mark.parametrize("module", [base, cpu, cpu_perception, h100, tpu, h100_single_turn,
-                                    h100_areal, sft])
+                                    h100_areal, h100_moe, sft])
 def test_sections_build_their_dataclasses(module):
     cfg = module.get_config()
     for name, cls in SECTIONS.items():
@@ -44,6 +44,49 @@ def test_tpu_recipe_is_the_anchor_on_the_jax_learner():
     cfg, gpu = tpu.get_config(), h100.get_config()
     for section in ("rollout", "env", "loss", "reward", "advantage"):
         assert cfg[section].to_dict() == gpu[section].to_dict(), section
+
+
+def test_moe_recipe_is_the_anchor_with_one_server_over_the_node(monkeypatch):
+    """configs/h100_moe.py: h100.py's task, loss and advantage; one colocated server over the
+    8 GPUs (tp 8, ep 8) that every process uses; the build's own checks pass, and ep 8 splits
+    the published 30B-A3B's 128 experts."""
+    from common.prepare import check_config
+    from common.sglang.backend import check_expert_groups
+    from common.sglang.placement import place
+    from configs.models import model_shapes
+
+    cfg, anchor = h100_moe.get_config(), h100.get_config()
+    for section in ("rollout", "env", "loss", "reward", "advantage", "train"):
+        assert cfg[section].to_dict() == anchor[section].to_dict(), section
+    assert cfg.loss.router_aux_coef == 0.0 and cfg.train.micro_batch_tokens == "auto"
+    plans = [place(cfg.engine, r, r, 8) for r in range(8)]
+    assert [s.gpus for s in plans[0].servers] == [tuple(range(8))]
+    assert [p.launch for p in plans] == [(0,)] + [()] * 7 and {p.use for p in plans} == {(0,)}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    check_config(cfg, 8)
+    check_expert_groups(cfg.engine.sglang_ep_size, model_shapes("qwen3_vl_30b_a3b"), "30b")
+    assert h100_moe.get_config("cpu").model.tiny_arch == "qwen3_vl_moe"
+
+
+def test_moe_recipe_memory_figures_are_the_models(tmp_path):
+    """The per-GPU figures of configs/h100_moe.py's docstring, from the 30B-A3B's shapes (meta
+    device): fp32 weights and AdamW's moments sharded 8 ways, the bf16 weights over tp 8, and
+    the KV cache per token of a GPU (tp 8 over 4 KV heads: one head each)."""
+    import torch
+    import transformers
+
+    from configs.models import write_config_dir
+
+    config = transformers.AutoConfig.from_pretrained(
+        write_config_dir("qwen3_vl_30b_a3b", tmp_path))
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(config)
+    n, gib, text = sum(p.numel() for p in model.parameters()), 2 ** 30, config.text_config
+    assert round(4 * n / 8 / gib, 1) == 14.5 and round(8 * n / 8 / gib, 1) == 28.9
+    assert round(2 * n / gib, 1) == 57.9 and round(2 * n / 1e9, 1) == 62.1
+    assert round(2 * n / 8 / gib, 1) == 7.2
+    heads = max(1, text.num_key_value_heads // h100_moe.get_config().engine.sglang_gpus_per_server)
+    assert text.num_hidden_layers * 2 * heads * text.head_dim * 2 == 24 * 2 ** 10
 
 
 @pytest.mark.slow

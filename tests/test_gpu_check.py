@@ -50,16 +50,27 @@ def _linear_weights(module) -> int:
     return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
 
 
-@pytest.mark.parametrize("name", ["qwen3_vl_2b", "qwen2_5_vl_7b"])
+def _token_weights(layer, text) -> int:
+    """A decoder layer's matmul weights one token meets: its linears, and of a MoE block the
+    router and top-k of the experts' 3-D tensors (not modules, so not among the linears)."""
+    mlp = layer.mlp
+    if not hasattr(mlp, "experts"):
+        return _linear_weights(layer)
+    expert = mlp.experts.gate_up_proj[0].numel() + mlp.experts.down_proj[0].numel()
+    return _linear_weights(layer) + mlp.gate.weight.numel() + text.num_experts_per_tok * expert
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_2b", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b"])
 def test_matmul_params_are_the_models(sections, name, tmp_path):
     """The FLOPs count's weights per unit equal the transformers model's: a wrong head count,
-    a missing KV projection or the wrong MLP arity (Qwen3 vision: 2, Qwen2.5: 3) shows here."""
+    a missing KV projection, the wrong MLP arity (Qwen3 vision: 2, Qwen2.5: 3) or all E experts
+    counted per token instead of the top k shows here."""
     cfg = transformers.AutoConfig.from_pretrained(write_config_dir(name, tmp_path))
     with torch.device("meta"):
         model = transformers.AutoModelForImageTextToText.from_config(cfg)
     visual = model.model.visual
     got = matmul_params(cfg)
-    assert got["layer"] == _linear_weights(model.model.language_model.layers[0])
+    assert got["layer"] == _token_weights(model.model.language_model.layers[0], cfg.text_config)
     assert got["vision_block"] == _linear_weights(visual.blocks[0])
     assert got["merger"] == _linear_weights(visual.merger)
     assert got["patch_embed"] == visual.patch_embed.proj.weight.numel()

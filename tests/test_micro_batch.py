@@ -106,9 +106,9 @@ def test_anything_else_stops_at_the_start_up_checks(value):
 
 
 def test_the_gpu_recipes_use_auto_and_their_cpu_shrinks_a_number():
-    from configs import h100, h100_areal, h100_single_turn
+    from configs import h100, h100_areal, h100_moe, h100_single_turn
 
-    for module in (h100, h100_areal, h100_single_turn):
+    for module in (h100, h100_areal, h100_single_turn, h100_moe):
         assert module.get_config().train.micro_batch_tokens == AUTO
-    for module in (h100_areal, h100_single_turn):  # the CPU shrink: configs/cpu.py's number
+    for module in (h100_areal, h100_single_turn, h100_moe):  # the CPU shrink: cpu.py's number
         assert module.get_config("cpu").train.micro_batch_tokens == 2048

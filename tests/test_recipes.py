@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from configs import h100_areal, h100_single_turn
+from configs import h100_areal, h100_moe, h100_single_turn
 from geo3k_torch import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def local(module, arg, shared):
     """The recipe's CPU form, on a private tiny checkpoint and synthetic set."""
     cfg = module.get_config(arg)
-    cfg.model.tiny_dir, cfg.model.tiny_prime_steps = str(shared / "tiny"), 0
+    cfg.model.tiny_dir = str(shared / f"tiny-{cfg.model.tiny_arch}")
+    cfg.model.tiny_prime_steps = 0
     cfg.data.synthetic_dir = str(shared / "data")
     cfg.data.synthetic_train_size, cfg.data.synthetic_test_size = 8, 2
     return cfg
@@ -35,8 +36,8 @@ def test_a_recipe_argument_it_does_not_know_is_an_error():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, arg", [(h100_single_turn, "cpu"),
-                                         (h100_areal, "cpu,individual")],
-                         ids=["single_turn", "areal"])
+                                         (h100_areal, "cpu,individual"), (h100_moe, "cpu")],
+                         ids=["single_turn", "areal", "moe"])
 def test_grpo_recipe_runs_on_cpu(module, arg, shared, tmp_path):
     last = train_main.train(local(module, arg, shared), str(tmp_path))
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

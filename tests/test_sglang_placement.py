@@ -19,7 +19,7 @@ import torch
 
 from common.sglang import backend as sglang_backend
 from common.sglang.placement import colocated, dedicated
-from common.sglang.server import server_argv
+from common.sglang.server import launch_servers, server_argv
 from common.sglang.wire import SGLangError
 from configs import base
 from geo3k_torch.weight_sync import serialize
@@ -74,6 +74,17 @@ def test_server_argv_names_its_first_gpu():
     assert argv == ["sg", "--model-path", "/m", "--host", "127.0.0.1", "--port", "30002",
                     "--tp-size", "2", "--base-gpu-id", "4", "--mem-fraction-static", "0.6",
                     "--enable-memory-saver"]
+
+
+def test_server_argv_splits_experts_only_when_asked():
+    """ep 8 of tp 8: `--ep-size 8` after the memory share; ep 1 leaves the line as it was."""
+    argv = server_argv("/m", "127.0.0.1", 30000, 8, 0, 0.4, None, True, [], command=("sg",),
+                       ep=8)
+    assert argv[argv.index("--mem-fraction-static"):] == [
+        "--mem-fraction-static", "0.4", "--ep-size", "8", "--enable-memory-saver"]
+    assert "--ep-size" not in server_argv("/m", "h", 1, 8, 0, 0.4, None, True, [], ep=1)
+    with pytest.raises(ValueError, match="ep_size=3 must divide gpus_per_server=8"):
+        launch_servers("/m", gpus_per_server=8, ep_size=3)  # before any port or process
 
 
 # ------------------------------------------------------------- the backend, process by process
@@ -203,10 +214,12 @@ def run_processes(world, body):
     return results
 
 
-def make_backends(cfg, world, tmp_path, weights=True, frees=None):
+def make_backends(cfg, world, tmp_path, weights=True, frees=None, config=None):
+    """One `SGLangBackend` per thread "process"; the model's config.json is `config` (default:
+    a dense model's image token alone)."""
     model_dir = tmp_path / "model"
     model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({"image_token_id": 2000}))
+    (model_dir / "config.json").write_text(json.dumps(config or {"image_token_id": 2000}))
     shared = Shared(world)
 
     def build(r):
@@ -218,7 +231,7 @@ def make_backends(cfg, world, tmp_path, weights=True, frees=None):
     return run_processes(world, build)
 
 
-@pytest.mark.parametrize("world,tp", [(1, 1), (4, 1), (8, 1), (4, 2), (8, 2)])
+@pytest.mark.parametrize("world,tp", [(1, 1), (4, 1), (8, 1), (4, 2), (8, 2), (8, 8)])
 def test_colocated_launch_and_in_memory_sync(launches, tmp_path, world, tp):
     """Each block's first process launches one server on its block's GPUs (memory saver on,
     memory handed back first); every process generates through its own GPU's server; a sync
@@ -327,6 +340,40 @@ def test_a_failed_launch_stops_every_process(launches, tmp_path, monkeypatch):
     assert sorted(said) == [0, 1, 2, 3] and said[2] == "scripted launch failure"  # its own
     assert all(said[r] == "SGLang launch failed on another process: process 2: scripted "
                "launch failure" for r in (0, 1, 3)), said
+
+
+def moe_config(experts):
+    return {"image_token_id": 2000, "text_config": {"num_experts": experts}}
+
+
+def test_one_server_over_8_gpus_splits_128_experts_8_ways(launches, tmp_path):
+    """One MoE server over a node: process 0 launches it on GPUs 0-7 with tp 8
+    and ep 8; all 8 processes generate through it."""
+    record, fakes = launches
+    cfg = engine_cfg(True, tp=8)
+    cfg.engine.sglang_ep_size = 8
+    backends = make_backends(cfg, 8, tmp_path, config=moe_config(128))
+    assert [(r["base_gpu"], r["n"], r["tp"], r["ep_size"]) for r in record] == [(0, 1, 8, 8)]
+    assert {tuple(b.engine.urls) for b in backends} == {(fakes[0].url,)}
+    for b in backends:
+        b.close()
+
+
+@pytest.mark.parametrize("config, said", [
+    (moe_config(6), r"sglang_ep_size=4 must divide the 6 experts of .*config\.json"),
+    ({"image_token_id": 2000}, r"sglang_ep_size=4 splits a MoE model's experts, and .* has "
+                               r"none \(no text_config\.num_experts\): set it to 1"),
+])
+def test_expert_groups_that_do_not_split_the_experts_are_refused(launches, tmp_path, config,
+                                                                 said):
+    """Before any launch: SGLang would assert deep in its MoE layer (E % ep) or, for a dense
+    model, have nothing to split."""
+    record, _ = launches
+    cfg = engine_cfg(True, tp=4)
+    cfg.engine.sglang_ep_size = 4
+    with pytest.raises(ValueError, match=said):
+        make_backends(cfg, 4, tmp_path, config=config)
+    assert record == []
 
 
 def test_weight_sync_setting_is_checked(launches, tmp_path):

@@ -188,7 +188,7 @@ def test_launch_flags_are_sglang_config_fields():
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 fields.add(node.target.id)
-    argv = server_argv("/m", "127.0.0.1", 30000, 2, 4, 0.6, "fa3", True, [], command=())
+    argv = server_argv("/m", "127.0.0.1", 30000, 2, 4, 0.6, "fa3", True, [], command=(), ep=2)
     flags = [a[2:].replace("-", "_") for a in argv if a.startswith("--")]
     assert flags and set(flags) <= fields, set(flags) - fields
 

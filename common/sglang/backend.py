@@ -5,10 +5,11 @@ uses all of them) or launched here as `common.sglang.placement` places them: col
 server per block of `engine.sglang_gpus_per_server` learner GPUs, started by the block's first
 process, each process generating through the server on its own GPU; otherwise
 `engine.sglang_servers` servers on GPUs of their own from `engine.sglang_base_gpu`, started by
-process 0 and shared. Each launch waits until its servers generate (`common.sglang.server`);
-the learner's cached accelerator memory is handed back first (`free_memory`), so SGLang sizes
-its KV cache on what is really free. A failed launch stops every process, each saying which
-server failed.
+process 0 and shared; a MoE model's experts split into `engine.sglang_ep_size` groups over each
+server's GPUs (`check_expert_groups` first). Each launch waits until its servers generate
+(`common.sglang.server`); the learner's cached accelerator memory is handed back first
+(`free_memory`), so SGLang sizes its KV cache on what is really free. A failed launch stops
+every process, each saying which server failed.
 
 Weight sync after every optimizer step, as weight version <step>, checked on every server
 (/model_info) and in every later answer (`common.sglang.engine`):
@@ -61,6 +62,19 @@ class TensorWeights(Protocol):
         config and processor files); process 0 writes."""
 
 
+def check_expert_groups(ep: int, config: dict, model_dir: str) -> None:
+    """Refuse `engine.sglang_ep_size` > 1 unless it divides the expert count of the model's
+    config.json (`text_config.num_experts`): SGLang gives each group E / ep experts."""
+    experts = config.get("text_config", config).get("num_experts", 0)
+    if ep > 1 and not experts:
+        raise ValueError(f"engine.sglang_ep_size={ep} splits a MoE model's experts, and "
+                         f"{model_dir}/config.json has none (no text_config.num_experts): "
+                         "set it to 1")
+    if ep > 1 and experts % ep:
+        raise ValueError(f"engine.sglang_ep_size={ep} must divide the {experts} experts of "
+                         f"{model_dir}/config.json (text_config.num_experts)")
+
+
 def local_layout(comm: Collectives) -> tuple[int, int]:
     """(local rank, processes on this node): torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, else
     one node."""
@@ -95,12 +109,14 @@ class SGLangBackend:
                              "(engine.sglang_colocated=True; launched here, or one given URL "
                              "for a one-process run) and a learner that hands its weights over "
                              "(the torch learner); use 'auto' or 'disk'")
+        config = json.loads((Path(model_dir) / "config.json").read_text())
         if urls:  # process 0 controls every server; every process generates through all
             self.leads, self.tp_ranks, mine = comm.rank == 0, [comm.rank], urls
         else:
+            check_expert_groups(e.sglang_ep_size, config, model_dir)
             mine = self._launch(cfg, model_dir, local or local_layout(comm))
-        image_token_id = json.loads((Path(model_dir) / "config.json").read_text())["image_token_id"]
-        self.engine = SGLangEngine(mine, image_token_id=image_token_id, processor=processor,
+        self.engine = SGLangEngine(mine, image_token_id=config["image_token_id"],
+                                   processor=processor,
                                    timeout_s=e.sglang_timeout_s, max_retries=e.sglang_max_retries,
                                    max_concurrency=e.sglang_max_concurrency,
                                    check_prompt_ids=e.sglang_check_prompt_ids,
@@ -134,7 +150,8 @@ class SGLangBackend:
             self.free_memory()  # SGLang sizes its KV cache on the memory free at start
             self.group = launch_servers(
                 model_dir, n=len(specs), gpus_per_server=g, base_gpu=specs[0].base_gpu,
-                port_base=specs[0].port, mem_fraction=e.sglang_mem_fraction,
+                port_base=specs[0].port, ep_size=e.sglang_ep_size,
+                mem_fraction=e.sglang_mem_fraction,
                 attention_backend=e.sglang_attention_backend or None,
                 memory_saver=e.sglang_colocated, startup_timeout_s=e.sglang_startup_timeout_s,
                 health_timeout_s=e.sglang_health_timeout_s,

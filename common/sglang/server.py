@@ -8,7 +8,7 @@ Server i runs, in its own process group,
 
     python -m sglang.launch_server --model-path M --host 127.0.0.1 --port <port_base + i>
         --tp-size G --base-gpu-id <base_gpu + i * G> --mem-fraction-static F
-        [--attention-backend B] [--enable-memory-saver] *extra_args
+        [--ep-size EP] [--attention-backend B] [--enable-memory-saver] *extra_args
 
 (0.5.23 derives its flags from the config fields of srt/arg_groups/fields/: `--base-gpu-id`
 picks the first of the server's G consecutive GPUs, counted in this process's
@@ -146,11 +146,14 @@ def _check_port_free(host: str, port: int) -> None:
 
 def server_argv(model_path: str, host: str, port: int, tp: int, base_gpu: int,
                 mem_fraction: float, attention_backend: str | None, memory_saver: bool,
-                extra_args: Sequence[str], command: Sequence[str] = SGLANG_COMMAND) -> list[str]:
-    """The command line of one server."""
+                extra_args: Sequence[str], command: Sequence[str] = SGLANG_COMMAND,
+                ep: int = 1) -> list[str]:
+    """The command line of one server; `--ep-size` only where experts are split (ep > 1)."""
     argv = [*command, "--model-path", str(model_path), "--host", host, "--port", str(port),
             "--tp-size", str(tp), "--base-gpu-id", str(base_gpu),
             "--mem-fraction-static", str(mem_fraction)]
+    if ep > 1:
+        argv += ["--ep-size", str(ep)]
     if attention_backend:
         argv += ["--attention-backend", attention_backend]
     if memory_saver:
@@ -181,7 +184,8 @@ def probe(url: str, timeout: float) -> str:
 def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
                    mem_fraction: float = 0.8, attention_backend: str | None = None,
                    port_base: int = 30000, extra_args: Sequence[str] = (), *,
-                   base_gpu: int = 0, host: str = "127.0.0.1", memory_saver: bool = False,
+                   base_gpu: int = 0, ep_size: int = 1, host: str = "127.0.0.1",
+                   memory_saver: bool = False,
                    startup_timeout_s: float = 900.0, poll_s: float = 1.0, grace_s: float = 30.0,
                    health_timeout_s: float = 60.0, check_versions: bool = True,
                    log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -189,6 +193,7 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
     """Start `n` servers on ports port_base..port_base+n-1 and wait until each generates.
 
     base_gpu: server i runs on GPUs base_gpu + i * gpus_per_server onwards (`--base-gpu-id`).
+    ep_size: SGLang's `--ep-size`, the expert groups of a MoE model over a server's GPUs.
     memory_saver: pass `--enable-memory-saver` (needed by release/resume memory, colocated).
     startup_timeout_s: for all servers together; poll_s: seconds between health checks.
     health_timeout_s: read timeout of one health check (SGLang's own gives up after 20 s).
@@ -199,6 +204,8 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
     """
     if n < 1 or gpus_per_server < 1:
         raise ValueError(f"need n >= 1 and gpus_per_server >= 1, got {n}, {gpus_per_server}")
+    if ep_size < 1 or gpus_per_server % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide gpus_per_server={gpus_per_server}")
     ports = [port_base + i for i in range(n)]
     for port in ports:
         _check_port_free(host, port)
@@ -212,7 +219,7 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
             argv = server_argv(model_path, host, port, gpus_per_server,
                                base_gpu + i * gpus_per_server,
                                mem_fraction, attention_backend, memory_saver, extra_args,
-                               command)
+                               command, ep_size)
             log_path = log_dir / f"server_{i}.log"
             log_file = open(log_path, "wb")
             process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,

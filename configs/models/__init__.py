@@ -9,7 +9,8 @@ import json
 import pathlib
 
 HERE = pathlib.Path(__file__).resolve().parent
-NAMES = ("qwen3_vl_2b", "qwen3_vl_8b", "qwen2_5_vl_3b", "qwen2_5_vl_7b")
+NAMES = ("qwen3_vl_2b", "qwen3_vl_8b", "qwen2_5_vl_3b", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b",
+         "qwen3_vl_235b_a22b")
 
 
 def model_shapes(name: str) -> dict:
