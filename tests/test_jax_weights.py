@@ -273,3 +273,23 @@ def test_each_parameter_is_gathered_to_its_writer_alone(tmp_path):
                                           "permute": True, "all_gather": False}
             for name in ("tensor", "replicated"):
                 assert p[f"{name}_{owner}"]["rounds"] == 0
+
+
+def test_the_export_writes_the_published_expert_layout(tmp_path):
+    """Where the two layouts differ in shape (hidden 96, I 32) the export holds the experts as
+    the published checkpoints do, (E, hidden, 2I) and (E, I, hidden), as the torch learner's;
+    it loads back to the same parameters."""
+    src = build_tiny_checkpoint(tmp_path / "src", arch="qwen3_vl_moe", seed=3,
+                                **SHAPES["qwen3_vl_moe"] | {"moe_intermediate_size": 32})
+    model, config = load_model(src)
+    out = save_hf(model, config, tmp_path / "export")
+    saved = load_file(str(out / "model.safetensors"))
+    assert saved[EXPERT.format(0, "gate_up_proj")].shape == (4, 96, 64)
+    assert saved[EXPERT.format(1, "down_proj")].shape == (4, 32, 96)
+    torch_saved = load_file(str(src / "model.safetensors"))  # the torch learner's build
+    for k, v in saved.items():
+        np.testing.assert_array_equal(v, torch_saved[k], err_msg=k)
+    _, a = split_params(model)
+    _, b = split_params(load_model(out)[0])
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(b[k]), np.asarray(a[k]), err_msg=k)

@@ -14,16 +14,19 @@ layout transformers 5 writes (`model.visual.*`, `model.language_model.*`), as tr
 when it loads them.
 
 Qwen3-VL-MoE's experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) come in two
-layouts: transformers 5's, which its `save_pretrained` writes and this export writes too, (E, 2I,
-hidden) and (E, hidden, I); and the published checkpoints' (and older transformers'), the same
-transposed: (E, hidden, 2I) and (E, I, hidden). Each layer's pair of tensors is read in the layout
+layouts: transformers 5's, which its `save_pretrained` writes, (E, 2I, hidden) and (E, hidden, I);
+and the published checkpoints' (and older transformers'), the same transposed: (E, hidden, 2I)
+and (E, I, hidden), which SGLang's loader reads and this export writes. Each layer's pair of tensors is read in the layout
 its two shapes name (`expert_transposed`). The pair always tells them apart: gate_up_proj's
 shape does unless hidden = 2I, down_proj's unless hidden = I, and both cannot hold; a pair that
 matches neither layout, or one each, is an error naming it.
 
-Export writes the transformers-5 layout, layers unstacked, float32 or bfloat16, with the config (and the tokenizer / processor
-files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it; on several
-hosts each writes a shard of its own (transformers' sharded layout, with its index).
+Export writes the transformers-5 names, the experts in the published layout (`published`: in
+transformers 5's where the two share a shape, hidden = 2I or I, which `from_pretrained` tells
+apart by shape alone), layers unstacked, float32 or bfloat16, with the config (and the tokenizer /
+processor files of `source_dir`), so `AutoModelForImageTextToText.from_pretrained(out)` loads it
+as the torch learner's export (`geo3k_torch.checkpoint.save_published`); on several hosts each
+writes a shard of its own (transformers' sharded layout, with its index).
 """
 
 from __future__ import annotations
@@ -284,8 +287,7 @@ def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
     params = split_params(model)[1]
     itemsize = np.dtype(dtype).itemsize
     owner = owners({k: v.size * itemsize for k, v in params.items()}, world)
-    tensors = {k: np.ascontiguousarray(v) for k, v in
-               owned_params(params, owner, dtype).items()}
+    tensors = published(owned_params(params, owner, dtype), config)
     writers = sorted(set(owner.values()))  # every process, unless there are more than tensors
     files = {p: shard_name(i, len(writers)) for i, p in enumerate(writers)}
     index = None
@@ -307,6 +309,17 @@ def save_hf(model, config, out_dir: str | Path, *, dtype=np.float32,
     if world > 1:
         multihost_utils.sync_global_devices(f"save_hf {out_dir}")
     return out
+
+
+def published(tensors: dict[str, np.ndarray], config) -> dict[str, np.ndarray]:
+    """{checkpoint key: array} in transformers 5's layout -> the experts (`EXPERTS`, (E, out,
+    in)) in the published checkpoints' (E, in, out) where the two differ in shape (see the
+    module docstring); contiguous arrays."""
+    text = config.get_text_config()
+    i, h = getattr(text, "moe_intermediate_size", 0), text.hidden_size
+    swap = bool(i) and h not in (i, 2 * i)
+    return {k: np.ascontiguousarray(v.swapaxes(1, 2) if swap and k.endswith(EXPERTS) else v)
+            for k, v in tensors.items()}
 
 
 def _param_key(hf_key: str, params: dict) -> str:
