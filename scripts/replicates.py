@@ -35,12 +35,15 @@ SEED_BASE = {"torch": 0, "jax": 100}  # replicate k's seed: k + its learner's ba
 # (header, metrics key, its standard error's key or None) of each number the table shows
 COLUMNS = (
     ("first try", "eval/greedy_first_try_accuracy", "eval/greedy_first_try_accuracy_se"),
+    ("with feedback", "eval/greedy_accuracy", "eval/greedy_accuracy_se"),
+    ("cond.", "eval/greedy_conditional_line", None),
     ("own-miss recovery", "eval/greedy_recovery_after_miss", "eval/greedy_recovery_after_miss_se"),
     ("own-miss lookup share", "eval/greedy_retry_lookup_share", None),
     ("forced-miss recovery", "eval/forced/greedy_recovery", "eval/forced/greedy_recovery_se"),
     ("blind line", "eval/forced/greedy_blind_retry_line", None),
     ("forced-miss lookup share", "eval/forced/greedy_retry_lookup_share", None),
     ("blank first try", "eval/blank/greedy_first_try_accuracy", "eval/blank/greedy_first_try_accuracy_se"),
+    ("blank with feedback", "eval/blank/greedy_accuracy", "eval/blank/greedy_accuracy_se"),
     ("blank turn 2 valid", "eval/blank/greedy_turn_2_valid_answer_rate", None),
     ("blank turn 2 repeats", "eval/blank/greedy_turn_2_repeat_rate", None),
 )

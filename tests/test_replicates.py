@@ -14,7 +14,8 @@ def _row(step, first, recovery, forced=None, line=0.7, blank=(0.2, 0.9, 0.1)):
     """An evaluation row as the loop writes it; `forced` (recovery, its SE) or None for a run
     evaluated without `eval.forced_miss`."""
     row = {"step": step, "eval/greedy_first_try_accuracy": first,
-           "eval/greedy_first_try_accuracy_se": 0.03, "eval/greedy_recovery_after_miss": recovery,
+           "eval/greedy_first_try_accuracy_se": 0.03, "eval/greedy_accuracy": 0.9,
+           "eval/greedy_conditional_line": 0.85, "eval/greedy_recovery_after_miss": recovery,
            "eval/greedy_recovery_after_miss_se": 0.05, "eval/greedy_retry_lookup_share": 0.95,
            "eval/blank/greedy_first_try_accuracy": blank[0],
            "eval/blank/greedy_first_try_accuracy_se": 0.025,
@@ -76,10 +77,11 @@ def test_table_has_step_zero_and_the_last_evaluation_with_errors_seeds_and_count
     text = rep.table(tmp_path)
     lines = text.splitlines()
     assert lines[0].startswith("| learner | k | seeds (run, tiny, data) | step | first try |")
-    assert lines[2] == ("| jax | 1 | 10, 10, 10 | 0 | 0.300 ± 0.030 | 0.140 ± 0.050 | 0.950 | - | - "
-                        "| - | 0.200 ± 0.025 | 0.900 | 0.100 |  |")
-    assert lines[3] == ("| jax | 1 | 10, 10, 10 | 180 | 0.550 ± 0.030 | 0.780 ± 0.050 | 0.950 "
-                        "| 0.900 ± 0.020 | 0.700 | 0.600 | 0.200 ± 0.025 | 0.900 | 0.100 | yes |")
+    assert lines[2] == ("| jax | 1 | 10, 10, 10 | 0 | 0.300 ± 0.030 | 0.900 | 0.850 | 0.140 ± 0.050 "
+                        "| 0.950 | - | - | - | 0.200 ± 0.025 | - | 0.900 | 0.100 |  |")
+    assert lines[3] == ("| jax | 1 | 10, 10, 10 | 180 | 0.550 ± 0.030 | 0.900 | 0.850 | 0.780 ± 0.050 "
+                        "| 0.950 | 0.900 ± 0.020 | 0.700 | 0.600 | 0.200 ± 0.025 | - | 0.900 | 0.100 "
+                        "| yes |")
     assert lines[5].endswith("| (running: 200 steps) |") and lines[7].endswith("| no forced-miss row |")
     # replicates in numeric order (2 before 10), step 100 left out
     assert [l.split(" | ")[1:4:2] for l in lines[8:13]] == [["0", "0"], ["0", "200"], ["2", "0"],
