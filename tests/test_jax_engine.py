@@ -123,7 +123,7 @@ def test_engine_logprobs_equal_learner(tiny, temperature=0.7):
     JAX learner's at the same temperature. A decode position off by one after an image (text
     resumes at start + max(h, w)) or a DeepStack feature missing from the prefill moves them by
     1e-3 or more."""
-    engine = tiny.engine(seed=3)
+    engine = tiny.engine(seed=4)  # at seed 3 the tiny MoE's sessions never kept a cache
     evicted, prefilled = engine.evictions, engine.prefilled
     turns = episodes(engine, tiny.processor, 2, temperature=temperature)
     seqs = trajectories(turns)

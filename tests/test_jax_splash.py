@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from common.batching import pack
 from geo3k_jax.core.batch import attention_windows, device_batch
 from geo3k_jax.models.model import token_logprobs
-from geo3k_jax.core.sharding import BATCH_AXES
+from geo3k_jax.core.sharding import AXES, BATCH_AXES
 from geo3k_jax.kernels.splash import Attention, resolve_attention, text_attention, vision_attention
 from geo3k_jax.kernels.windowed import WINDOW_AXES, window_mask, windowed_attention
 from tests.test_jax_attention import rows_of, shared_rows
@@ -139,7 +139,7 @@ def tpu_mesh():
     # compiling only: no TPU is opened, so other processes' compiles may hold libtpu too
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     devices = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices
-    return jax.sharding.Mesh(np.array(devices).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
+    return jax.sharding.Mesh(np.array(devices).reshape(1, 4, 1, 1), AXES)
 
 
 @pytest.mark.slow  # interpret mode, or a TPU compile: seconds

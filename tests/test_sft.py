@@ -2,6 +2,7 @@
 falling on the synthetic set, and a GRPO run starting from the SFT checkpoint."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,7 +81,7 @@ def test_sft_lowers_the_loss_and_grpo_starts_from_its_checkpoint(shared, tmp_pat
     grpo.advantage.filter_equal_groups = False  # train on the step whatever the rewards
     train_main.train(grpo, str(tmp_path / "grpo"))
     w_sft = load_file(str(ckpt / "model.safetensors"))
-    w_base = load_file(str(shared / "tiny" / "model.safetensors"))
+    w_base = load_file(str(Path(grpo.model.tiny_dir) / "model.safetensors"))
     w_grpo = load_file(str(tmp_path / "grpo" / "checkpoints" / "step_1" / "model.safetensors"))
     # GRPO started from the SFT weights (not the tiny base): one step at the quick CPU run's lr stays close
     dist = lambda a, b: max(float(np.abs(a[k] - b[k]).max()) for k in a)  # noqa: E731
