@@ -17,7 +17,8 @@ separate sequences while the prompt (and its images) is computed once per group.
 
 Token arrays are aligned with the tokens: `loss_mask[t]` and `rollout_logprobs[t]` belong to token
 t, whose log-prob the learner reads from the logits at position t - 1 of the same sequence (the
-first token of a sequence is always prompt, mask 0).
+first token of a sequence is always prompt, mask 0). So are `routed_experts[t]`, the experts the
+engine routed token t to (`loss.routing_replay`): a shared prompt takes its first sample's.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class TrainSequence:
     """One training sequence. Arrays are (T,); `traj_index` points back at its trajectory.
     `advantage`: its episode's, or (T,) one per token (`turn_token_advantages`).
     `episode_tokens`: the trained tokens of its whole episode when it is one turn of it (the
-    `individual` export), so that a per-sequence mean weighs each episode once; 0: its own."""
+    `individual` export), so that a per-sequence mean weighs each episode once; 0: its own.
+    `routed_experts`: (T, L, K) int16, the engine's experts per token and sparse layer (-1: not
+    recorded), or None (`common.rollout.Trajectory.routed_experts`)."""
 
     token_ids: np.ndarray
     loss_mask: np.ndarray
@@ -45,6 +48,7 @@ class TrainSequence:
     images: list
     traj_index: int
     episode_tokens: int = 0
+    routed_experts: np.ndarray | None = None
 
     @property
     def mean_over(self) -> float:
@@ -95,7 +99,7 @@ def training_sequences(trajectories: Sequence[Trajectory], advantages: Sequence,
             if p.loss_mask.any():
                 out.append(TrainSequence(p.token_ids, p.loss_mask, p.rollout_logprobs,
                                          float(a) if np.ndim(a) == 0 else a[:len(p.token_ids)],
-                                         p.images, i, total))
+                                         p.images, i, total, p.routed_experts))
     return out
 
 
@@ -108,7 +112,8 @@ class PackedBatch:
     sequences' images in order (sum(image_counts) of them); old_logprobs: (T,) the behaviour
     policy's log-probs when several updates share one rollout (None: the current weights');
     mean_over: (S,) the trained tokens each segment's per-sequence mean divides by (its own, or
-    its episode's: `TrainSequence.episode_tokens`).
+    its episode's: `TrainSequence.episode_tokens`); routed_experts: (T, L, K) int16 (-1 where
+    not recorded), None when no sequence has it.
     Segments are sequences or shared prefixes; parents: (S,) the segment whose tokens come
     before segment s's (a shared prefix: no trained token, seq_index -1), -1 for none.
     """
@@ -125,6 +130,7 @@ class PackedBatch:
     old_logprobs: np.ndarray | None = None
     parents: np.ndarray | None = None  # None: no segment continues another
     mean_over: np.ndarray | None = None  # None: each segment's own trained tokens
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -153,7 +159,34 @@ def _concat(seqs: Sequence[TrainSequence], index: Sequence[int],
         images=[im for s in seqs for im in s.images],
         parents=None if parents is None else np.asarray(parents, np.int64),
         mean_over=np.array([s.mean_over for s in seqs], np.float64),
+        routed_experts=_concat_routing(seqs),
     )
+
+
+def _concat_routing(seqs: Sequence[TrainSequence]) -> np.ndarray | None:
+    """(T, L, K) int16: the sequences' routed experts one after the other, -1 rows for those
+    without; None when none has them."""
+    known = {s.routed_experts.shape[1:] for s in seqs if s.routed_experts is not None}
+    if not known:
+        return None
+    if len(known) > 1:
+        raise ValueError(f"sequences routed over different (layers, top_k): {sorted(known)}")
+    (lk,) = known
+    return np.concatenate([np.full((len(s),) + lk, -1, np.int16) if s.routed_experts is None
+                           else s.routed_experts.astype(np.int16, copy=False) for s in seqs])
+
+
+def replayed_routing(batch: PackedBatch) -> np.ndarray | None:
+    """The micro-batch's (T, L, K) routed experts for a learner that replays them
+    (`loss.routing_replay`), None for a batch that trains nothing (a filler routes freely).
+    A batch with trained tokens but no routing is an error: the engine did not record it."""
+    if batch.routed_experts is None:
+        if batch.loss_mask.any():
+            raise ValueError("loss.routing_replay: the rollouts carry no routed experts; the "
+                             "engine must record them (a MoE model; SGLang is launched with "
+                             "--enable-return-routed-experts when routing_replay is on)")
+        return None
+    return batch.routed_experts
 
 
 @dataclasses.dataclass
@@ -219,17 +252,22 @@ def _concat_shared(seqs: Sequence[TrainSequence], units: Sequence[_Unit]) -> Pac
         first, n = seqs[unit.members[0]], unit.prefix
         root = len(parts)
         parts.append(TrainSequence(first.token_ids[:n], np.zeros(n, first.loss_mask.dtype),
-                                   np.zeros(n, np.float32), 0.0, list(first.images), -1))
+                                   np.zeros(n, np.float32), 0.0, list(first.images), -1,
+                                   routed_experts=_rows(first.routed_experts, slice(0, n))))
         index.append(-1)
         parents.append(-1)
         for i in unit.members:
             s = seqs[i]
             parts.append(TrainSequence(s.token_ids[n:], s.loss_mask[n:], s.rollout_logprobs[n:],
                                        s.token_advantages()[n:], [], s.traj_index,
-                                       int(s.mean_over)))
+                                       int(s.mean_over), _rows(s.routed_experts, slice(n, None))))
             index.append(i)
             parents.append(root)
     return _concat(parts, index, parents)
+
+
+def _rows(routed: np.ndarray | None, rows: slice) -> np.ndarray | None:
+    return None if routed is None else routed[rows]
 
 
 def shared_prefix_len(s: TrainSequence, image_token_id: int) -> int:

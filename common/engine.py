@@ -9,6 +9,11 @@ per merged patch), exactly the ids the learner trains on. An engine that expands
 must say so and take care not to expand them twice.
 
 A `Backend` owns an engine for the training loop and keeps it on the current policy.
+
+Routing replay (`loss.routing_replay`, a mixture-of-experts model): an engine built to record
+its routing returns, with each completion, the experts every fed position was routed to
+(`Completion.routed_experts`, SGLang's `return_routed_experts` layout), and the learner's
+forward routes each token to the same experts (Rollout Routing Replay, Ma et al. 2025).
 """
 
 from __future__ import annotations
@@ -65,15 +70,23 @@ class Completion:
 
     `logprobs[i]` is log p(token_ids[i]) at the sampling temperature, from raw logits (not the
     processed scores of top-p/top-k); shapes: both length n_new.
+    `routed_experts`: None, or (n_in + n_new - 1, L, K) integers: row t holds the K experts each
+    of the L sparse layers chose for position t of the request's `input_ids` followed by the new
+    tokens (every position the model was fed: the last new token never was), from an engine
+    that records its routing (module docstring).
     """
 
     token_ids: Sequence[int]
     logprobs: Sequence[float]
     finish_reason: str
+    routed_experts: Any = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} log-probs")
+        if self.routed_experts is not None and getattr(self.routed_experts, "ndim", 0) != 3:
+            raise ValueError("routed_experts must be a (positions, layers, top_k) array, got "
+                             f"shape {getattr(self.routed_experts, 'shape', None)}")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"unknown finish_reason {self.finish_reason!r}")
 

@@ -117,6 +117,7 @@ class LossConfig:
     tis_cap: float | None = None
     agg: str = "token-mean"
     router_aux_coef: float = 0.0  # a MoE model's load-balancing loss (the torch learner)
+    routing_replay: bool = False  # a MoE learner routes as the engine did (`Trajectory.routed_experts`)
 
     def __post_init__(self):
         if self.agg not in AGG_MODES:

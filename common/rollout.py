@@ -122,6 +122,9 @@ class Trajectory:
     correct_turn: int | None = None
     abort_reason: str | None = None  # one of ABORT_REASONS when aborted
     policy_version: int | None = None  # updates the sampling weights had (`common.pipeline`)
+    # (T, L, K) int16: the experts the engine routed each token to in each sparse layer, -1
+    # where it did not say (`common.engine.Completion.routed_experts`); None: not recorded
+    routed_experts: np.ndarray | None = None
 
     @property
     def response_len(self) -> int:
@@ -147,6 +150,7 @@ class _Episode:
     turns: list[Turn] = dataclasses.field(default_factory=list)
     status: str | None = None
     abort_reason: str | None = None
+    routing: np.ndarray | None = None  # the latest completion's `routed_experts`
 
 
 def generate_with_retries(engine: Engine, requests: list[Request],
@@ -192,6 +196,12 @@ def _advance(ep: _Episode, out: Completion, renderer: Renderer, cfg: RolloutConf
              prompt_len: int) -> None:
     """Append one completion, step the environment and, if the episode goes on, the feedback."""
     start = len(ep.ids)
+    if out.routed_experts is not None:
+        rows, fed = len(out.routed_experts), start + len(out.token_ids) - 1
+        if rows != fed:
+            raise ValueError(f"the engine's routed_experts has {rows} rows for the {fed} "
+                             "positions it was fed")
+        ep.routing = np.asarray(out.routed_experts)
     ep.ids.extend(int(t) for t in out.token_ids)
     ep.mask.extend([1] * len(out.token_ids))
     ep.logps.extend(float(x) for x in out.logprobs)
@@ -378,7 +388,21 @@ def _trajectory(ep: _Episode, reward_config: RewardConfig, env_config: EnvConfig
         rollout_logprobs=np.asarray(ep.logps, np.float32), prompt_len=ep.prompt_len,
         images=list(prompt.images), turns=ep.turns, status=ep.status,
         reward=0.0 if aborted else score.reward, correct=score.correct and not aborted,
-        correct_turn=None if aborted else score.correct_turn, abort_reason=ep.abort_reason)
+        correct_turn=None if aborted else score.correct_turn, abort_reason=ep.abort_reason,
+        routed_experts=_routing(ep.routing, len(ep.ids)))
+
+
+def _routing(routed: np.ndarray | None, length: int) -> np.ndarray | None:
+    """(length, L, K) int16: an episode's last `routed_experts` (R, L, K), R <= length, then
+    rows of -1 (not recorded); None for None."""
+    if routed is None:
+        return None
+    if len(routed) and (routed.min() < 0 or routed.max() > np.iinfo(np.int16).max):
+        raise ValueError(f"routed expert ids must lie in [0, 32767], got {routed.min()}.."
+                         f"{routed.max()}")
+    out = np.full((length,) + routed.shape[1:], -1, np.int16)
+    out[:len(routed)] = routed
+    return out
 
 
 def split_turns(traj: Trajectory) -> list[Trajectory]:
@@ -394,5 +418,7 @@ def split_turns(traj: Trajectory) -> list[Trajectory]:
         logps = np.where(mask == 1, traj.rollout_logprobs[:turn.end], 0.0).astype(np.float32)
         pieces.append(dataclasses.replace(
             traj, token_ids=traj.token_ids[:turn.end].copy(), loss_mask=mask,
-            rollout_logprobs=logps, prompt_len=turn.start, turns=[turn]))
+            rollout_logprobs=logps, prompt_len=turn.start, turns=[turn],
+            routed_experts=None if traj.routed_experts is None
+            else traj.routed_experts[:turn.end]))
     return pieces

@@ -192,6 +192,12 @@ def get_config() -> ml_collections.ConfigDict:
     # A MoE model's (qwen3_vl_moe, torch learner) Switch load-balancing loss over the trained
     # tokens, per layer averaged, added with this weight (0: off; transformers' default 0.001)
     c.loss.router_aux_coef = 0.0
+    # A MoE model's learner routes each token to the experts the engine routed it to (Rollout
+    # Routing Replay, Ma et al. 2025): engine and learner otherwise may pick other experts for
+    # the same token, a log-prob mismatch that destabilises GRPO on MoE models. The engine
+    # records its routing (SGLang gets --enable-return-routed-experts); the router's weights
+    # still learn through the replayed experts' scores.
+    c.loss.routing_replay = False
     c.advantage = ml_collections.ConfigDict()
     c.advantage.normalize_std = True  # divide by the group's reward std (False: Dr. GRPO)
     c.advantage.filter_equal_groups = True  # dynamic sampling: drop groups with equal rewards
