@@ -20,8 +20,9 @@ decoder: the HF model's own embedding, norms, q/k/v/o projections (Qwen3-VL: q_n
 head_dim before RoPE), rotary module (at position ids (3, n, 1), so Qwen2.5-VL's sectioned and
 Qwen3-VL's interleaved M-RoPE both come out right), MLPs and head (a MoE block's router and
 experts called in turn when the slots record the routing). Each slot's new key and value (and
-routed experts) are written into its own row at `pos`, and the one query token attends over cache indices <= pos
-of the first `span` (a (n, 1, 1, span) boolean mask built from `pos` on the device) with
+routed experts) are written into its own row at `pos`, and the one query token attends over
+cache indices <= pos of the first `span` (a (n, 1, 1, span) boolean mask built from `pos` on
+the device) with
 F.scaled_dot_product_attention; GQA reads the cache unrepeated (the query heads of one KV head
 are that head's queries). The engine picks the span: the whole capacity, or the live rows'
 longest position rounded up to a bucket (`engine.local_attention_bucket`), so early steps do not

@@ -1,5 +1,5 @@
-"""A MoE model's routing in the learner's forward: the load-balancing loss, the load metrics and
-routing replay.
+"""A MoE model's routing in the learner's forward (the load-balancing loss, the load metrics,
+routing replay) and the engine's record of it.
 
 Qwen3-VL-MoE routes each token of a sparse decoder layer to its top-k experts by a softmax over
 the router's logits (transformers' `Qwen3VLMoeTextTopKRouter`). `Routing` keeps every router's
@@ -31,7 +31,13 @@ softmax probabilities renormalised as transformers renormalises its top-k, so th
 weights still learn through them. The rows stay on the routers until the block exits, so wrap
 the backward pass too: an activation-checkpointed layer's recomputation must replay the same
 experts (a compiled layer keeps them as an input of its graph). `replay_mismatch` counts the
-(token, layer) routings where the router's own top-k differs from the replayed one.
+(token, layer) routings where the router's own top-k differs from the replayed one. The local
+engine records what each router chose in a prefill with `recording(experts=True)` ((T, K) per
+sparse layer); one `Routing` per model (`of`), so an engine sharing the learner's model adds no
+second hook.
+
+    with routing.replaying(rows):                 # rows: (T, L, K) on the device, -1: free
+        loss = ...forward...; loss.backward()     # the recomputation replays too
 """
 
 from __future__ import annotations

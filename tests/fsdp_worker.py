@@ -79,7 +79,8 @@ def main(out, arch, agg, layout="strided"):
     aux = 0.01 if arch == "qwen3_vl_moe" else 0.0  # the load-balancing loss's weighting too
     loss = LossConfig(agg=agg, tis_cap=2.0, router_aux_coef=aux,
                       routing_replay=layout == "replay")
-    learner = Learner(model, processor, loss, cfg, 1.0, comm=comm, chunk=8)  # the LM head 8 trained tokens at a time, under FSDP too
+    # the LM head 8 trained tokens at a time, under FSDP too
+    learner = Learner(model, processor, loss, cfg, 1.0, comm=comm, chunk=8)
     budget = max(len(s) for s in seqs)  # several micro-batches: accumulation is exercised too
     batches = pack(mine, budget)
     n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]

@@ -36,11 +36,13 @@ def forward_routing(model, processor, ids, images) -> np.ndarray:
     routes each position to, sorted within each row."""
     imgs = image_inputs(processor, list(images))
     grid = imgs["image_grid_thw"]
-    pos = mrope_position_ids(np.asarray(ids), IMG, grid, model.config.vision_config.spatial_merge_size)
+    merge = model.config.vision_config.spatial_merge_size
+    pos = mrope_position_ids(np.asarray(ids), IMG, grid, merge)
     pos = np.concatenate([np.arange(len(ids))[None], pos])[:, None]  # (4, 1, T)
     with torch.no_grad(), Routing.of(model).recording(experts=True) as chosen:
         model(input_ids=torch.tensor(np.asarray(ids, np.int64))[None],
-              position_ids=torch.from_numpy(pos), pixel_values=torch.from_numpy(imgs["pixel_values"]),
+              position_ids=torch.from_numpy(pos),
+              pixel_values=torch.from_numpy(imgs["pixel_values"]),
               image_grid_thw=torch.from_numpy(grid), use_cache=False)
     return torch.stack(chosen, 1).sort(-1).values.numpy()
 

@@ -97,8 +97,9 @@ def test_replaying_learner_matches_the_engine_where_free_routing_does_not(tiny, 
     """The issue's done-when: the flipping engine routes some trained and prompt tokens
     elsewhere (measured: 356 of its (token, layer) routings); the replaying learner's log-probs
     equal its rollout log-probs to fp32 rounding (measured: 0, the same arithmetic), the free
-    one's differ by far more (measured: at most 0.018), and the step's metrics say both (replayed and free mismatch, the share of trained
-    routings replayed against the router's own choice)."""
+    one's differ by far more (measured: at most 0.018), and the step's metrics say both
+    (replayed and free mismatch, the share of trained routings replayed against the router's
+    own choice)."""
     batches, flips = rollouts
     assert flips > 0
     engine = rollout_logprobs(batches)
