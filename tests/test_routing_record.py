@@ -58,7 +58,7 @@ def check_routing(model, processor, requests, completions) -> None:
         np.testing.assert_array_equal(np.sort(c.routed_experts, -1), want)
 
 
-@pytest.mark.parametrize("fast", ["plain", "compiled"])
+@pytest.mark.parametrize("fast", ["plain", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_the_engine_records_the_routing_a_forward_computes(tiny, fast):
     """Seven requests in three refilled, compacted slots (plain, and the compiled decode step
     over kept slots), then their second turns on the kept caches: every row is the forward's,
