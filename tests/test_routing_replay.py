@@ -24,7 +24,7 @@ from geo3k_torch.router import Routing, replayed_choice
 from tests.test_learners import LOSS, step, tiny_setup, torch_learner
 from tests.tiny_models import qwen3_vl, qwen3_vl_moe
 
-TIE = 0.05  # near ties a flipping engine breaks the other way (probabilities)
+TIE = 0.005  # near ties a flipping engine breaks the other way (probabilities)
 REPLAY = dataclasses.replace(LOSS, routing_replay=True)
 
 
@@ -95,9 +95,9 @@ def rollout_logprobs(batches) -> np.ndarray:
 
 def test_replaying_learner_matches_the_engine_where_free_routing_does_not(tiny, rollouts):
     """The issue's done-when: the flipping engine routes some trained and prompt tokens
-    elsewhere (measured: 356 of its (token, layer) routings); the replaying learner's log-probs
-    equal its rollout log-probs to fp32 rounding (measured: 0, the same arithmetic), the free
-    one's differ by far more (measured: at most 0.018), and the step's metrics say both
+    elsewhere (measured: 68 of its 396 (token, layer) routings); the replaying learner's
+    log-probs equal its rollout log-probs to fp32 rounding (measured: 0, the same arithmetic),
+    the free one's differ by far more (measured: at most 0.013), and the step's metrics say both
     (replayed and free mismatch, the share of trained routings replayed against the router's
     own choice)."""
     batches, flips = rollouts
@@ -264,8 +264,8 @@ def test_compiled_layers_replay_without_a_graph_per_micro_batch(tiny, rollouts):
 def test_the_local_engines_routing_replayed_gives_its_logprobs(tiny):
     """End to end through the local engine (greedy, its own decode step and KV cache) on the
     flipping model: the completions' recorded routing, replayed, brings the learner's log-probs
-    to the engine's within the decode step's fp32 rounding (measured: 0 here), where free
-    routing leaves them far off (measured: at most 0.027)."""
+    to the engine's within the decode step's fp32 rounding (measured: at most 4.8e-7), where
+    free routing leaves them far off (measured: at most 0.0088)."""
     from common.batching import TrainSequence
     from geo3k_torch.engine import LocalEngine
     from tests.test_torch_engine_fast import make_requests
@@ -287,7 +287,7 @@ def test_the_local_engines_routing_replayed_gives_its_logprobs(tiny):
     free = np.abs(learner_logprobs(torch_learner(tiny), batches) - engine_logp)
     print(f"local engine: max |logp - engine| replayed {replayed.max():.3g}, free "
           f"{free.max():.3g}")
-    assert replayed.max() <= 1e-5 and free.max() > 1e-2
+    assert replayed.max() <= 1e-5 and free.max() > 1e-3
 
 
 @pytest.mark.slow  # two GRPO steps of the loop
