@@ -24,12 +24,14 @@ from geo3k_torch.model import load_model
 
 
 def engine_settings(cfg) -> dict:
-    """`LocalEngine`'s keyword arguments from the config's `engine.local_*` settings."""
+    """`LocalEngine`'s keyword arguments from the config's `engine.local_*` settings, and
+    whether it records its routing (`loss.routing_replay`)."""
     e = cfg.engine
     return {"max_batch": e.local_max_batch, "kv_budget_gb": e.local_kv_budget_gb,
             "cuda_graphs": e.local_cuda_graphs, "graph_sampling": e.local_graph_sampling,
             "keep_slots": e.local_keep_slots, "attention_bucket": e.local_attention_bucket,
-            "compile": e.local_compile, "compile_backend": e.local_compile_backend}
+            "compile": e.local_compile, "compile_backend": e.local_compile_backend,
+            "record_routing": cfg.loss.routing_replay}
 
 
 class LocalBackend:

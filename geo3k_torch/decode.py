@@ -11,13 +11,18 @@ kept for the next ones (`engine.local_keep_slots`):
     temperature, top_p, max_new, stops   the slot's request's sampling settings
     tokens, logprobs (rows, columns) what it sampled (the last column takes the writes of
                    finished rows), count (rows,) how many, done (rows,) bool
+    routed         None, or (rows, capacity, L, K) int16: the experts each of the L sparse
+                   layers routed the token at each cache index to (routing replay), written as
+                   the keys and values are
 
 `Decoder.step(n, span, nucleus)` feeds `last` of slots 0 .. n - 1 through the model's text
 decoder: the HF model's own embedding, norms, q/k/v/o projections (Qwen3-VL: q_norm/k_norm on
 head_dim before RoPE), rotary module (at position ids (3, n, 1), so Qwen2.5-VL's sectioned and
-Qwen3-VL's interleaved M-RoPE both come out right), MLPs and head. Each slot's new key and value
-are written into its own row at `pos`, and the one query token attends over cache indices <= pos
-of the first `span` (a (n, 1, 1, span) boolean mask built from `pos` on the device) with
+Qwen3-VL's interleaved M-RoPE both come out right), MLPs and head (a MoE block's router and
+experts called in turn when the slots record the routing). Each slot's new key and value (and
+routed experts) are written into its own row at `pos`, and the one query token attends over
+cache indices <= pos of the first `span` (a (n, 1, 1, span) boolean mask built from `pos` on
+the device) with
 F.scaled_dot_product_attention; GQA reads the cache unrepeated (the query heads of one KV head
 are that head's queries). The engine picks the span: the whole capacity, or the live rows'
 longest position rounded up to a bucket (`engine.local_attention_bucket`), so early steps do not
@@ -96,12 +101,15 @@ class Slots:
     logprobs: torch.Tensor
     count: torch.Tensor
     done: torch.Tensor
+    routed: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, text_config, rows: int, capacity: int, max_new: int, n_stops: int,
-                 dtype: torch.dtype, device: torch.device) -> "Slots":
+                 dtype: torch.dtype, device: torch.device,
+                 routing: tuple[int, int] | None = None) -> "Slots":
         """`rows` empty (done) slots of `capacity` tokens each, for requests of at most
-        `max_new` new tokens and `n_stops` stop tokens. The cache starts at zero: a masked
+        `max_new` new tokens and `n_stops` stop tokens; routing: (L sparse layers, top k) to
+        record the routing of, None: not recorded. The cache starts at zero: a masked
         position must never hold a NaN (0 x NaN in the attention's weighted sum)."""
         t = text_config
         head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
@@ -109,11 +117,13 @@ class Slots:
         cache = lambda: [torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
                          for _ in range(t.num_hidden_layers)]
         long = lambda *s: torch.zeros(s, dtype=torch.long, device=device)  # noqa: E731
+        routed = None if routing is None else torch.zeros((rows, capacity, *routing),
+                                                          dtype=torch.int16, device=device)
         return cls(cache(), cache(), long(rows), long(rows), long(rows),
                    torch.ones(rows, device=device), torch.ones(rows, device=device),
                    long(rows), torch.full((rows, n_stops), -1, dtype=torch.long, device=device),
                    long(rows, max_new + 1), torch.zeros(rows, max_new + 1, device=device),
-                   long(rows), torch.ones(rows, dtype=torch.bool, device=device))
+                   long(rows), torch.ones(rows, dtype=torch.bool, device=device), routed)
 
     @property
     def rows(self) -> int:
@@ -157,7 +167,7 @@ class Slots:
         k = len(src)
         for t in [*self.keys, *self.values, self.last, self.pos, self.mpos, self.temperature,
                   self.top_p, self.max_new, self.stops, self.tokens, self.logprobs, self.count,
-                  self.done]:
+                  self.done, *([] if self.routed is None else [self.routed])]:
             t[:k] = t[src]
 
 
@@ -192,6 +202,9 @@ class Decoder:
                 raise ValueError("sliding-window attention layers are not supported by the "
                                  "torch engine's decode step")
         self.slots, self.generator, self.banned = slots, generator, banned
+        # each layer's index among the sparse ones (-1: dense), where the slots record routing
+        sparse = [hasattr(layer.mlp, "experts") for layer in self.layers]
+        self.sparse = [sum(sparse[:i]) if is_sparse else -1 for i, is_sparse in enumerate(sparse)]
         device = slots.pos.device
         self.index = torch.arange(slots.capacity, device=device)  # (L,) cache indices
         self.every = torch.arange(slots.rows, device=device)  # (rows,) slot indices
@@ -283,7 +296,7 @@ class Decoder:
         x = self.embed(s.last[:n, None])  # (n, 1, hidden)
         cos, sin = self.rotary(x, s.mpos[:n].view(1, n, 1).expand(3, n, 1))  # (n, 1, D) each
         mask = (index[None] <= pos[:, None])[:, None, None]  # (n, 1, 1, L)
-        for layer, keys, values in zip(self.layers, s.keys, s.values):
+        for layer, keys, values, sparse in zip(self.layers, s.keys, s.values, self.sparse):
             attn = layer.self_attn
             kv_heads, head_dim = keys.shape[1], keys.shape[3]
             h = layer.input_layernorm(x)
@@ -300,8 +313,22 @@ class Decoder:
                 q.view(n, kv_heads, -1, head_dim), keys[:n, :, :L], values[:n, :, :L],
                 attn_mask=mask, scale=attn.scaling)
             x = x + attn.o_proj(out.reshape(n, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            h = layer.post_attention_layernorm(x)
+            if s.routed is None or sparse < 0:
+                x = x + layer.mlp(h)
+            else:
+                out, experts = sparse_block(layer.mlp, h)
+                s.routed[rows, pos, sparse] = experts.to(s.routed.dtype)  # (n, K)
+                x = x + out
         return self.head(self.norm(x))[:, 0].float()
+
+
+def sparse_block(block, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `Qwen3VLMoeTextSparseMoeBlock.forward` of hidden (..., H), and the experts
+    its router chose for each token (N, K) int64, N the tokens."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    _, weights, experts = block.gate(flat)
+    return block.experts(flat, experts, weights).view_as(hidden), experts
 
 
 def _replay_then_sample(graph, logits: torch.Tensor, slots: Slots, rows: torch.Tensor,

@@ -33,12 +33,20 @@ or at its `max_new_tokens`. Draws come from `generator` (seeded) in slot order; 
 requests all fit the slots draws as one static batch would until the first compaction, after
 which fewer rows draw per step: with one seed the tokens are reproducible, but not those of an
 engine that batched differently.
+
+Built with `record_routing` (routing replay, `loss.routing_replay`; a MoE model), the engine
+records the experts every sparse layer routed every fed position to: a prefill's from its
+forward (`geo3k_torch.router.Routing.recording`), a decode step's into the slots beside the KV
+cache, a session's cached positions' from when they were computed (kept with the cache), and
+returns them as `Completion.routed_experts` (n_in + n_new - 1 rows: the last new token is never
+fed). Off, nothing is recorded.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from typing import Sequence
 
 import numpy as np
@@ -50,6 +58,7 @@ from common.mrope import image_token_counts, mrope_position_ids
 from common.processor import image_inputs, image_key
 from geo3k_torch.decode import Decoder, Slots
 from geo3k_torch.model import upload, vision_inputs
+from geo3k_torch.router import Routing
 
 SYNC_STEPS = 8  # decode steps between the host's reads of the done flags, at most
 REFILL_SHARE = 8  # refill once 1/8 of the slots are free (or every waiting request fits)
@@ -68,11 +77,13 @@ def row_counts(rows: int) -> list[int]:
 
 @dataclasses.dataclass
 class _Cached:
-    """The KV cache of one session: per layer (H, n, D) keys and values of the tokens `ids`."""
+    """The KV cache of one session: per layer (H, n, D) keys and values of the tokens `ids`,
+    and when the engine records routing their (n, L, K) routed experts."""
 
     ids: list[int]
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    routed: torch.Tensor | None = None
 
 
 class LocalEngine:
@@ -89,10 +100,11 @@ class LocalEngine:
                  share_prefill: bool = True, max_batch: int = 256, kv_budget_gb: float = 24.0,
                  cuda_graphs: bool = True, graph_sampling: bool = False,
                  keep_slots: bool = False, attention_bucket: int = 0, compile: bool = False,
-                 compile_backend: str = "inductor"):
+                 compile_backend: str = "inductor", record_routing: bool = False):
         """max_batch, kv_budget_gb, cuda_graphs, graph_sampling, keep_slots, attention_bucket,
         compile, compile_backend: the `engine.local_*` settings of the same names (graphs on
-        CUDA only; see configs/base.py)."""
+        CUDA only; see configs/base.py). record_routing: return each completion's routed
+        experts (a MoE model; `loss.routing_replay`)."""
         if max_batch < 1 or kv_budget_gb <= 0:
             raise ValueError(f"engine.local_max_batch={max_batch} must be >= 1 and "
                              f"engine.local_kv_budget_gb={kv_budget_gb} > 0")
@@ -114,6 +126,10 @@ class LocalEngine:
         self.compile_backend = compile_backend if compile else ""
         self._cache: dict[str, _Cached] = {}
         self._kept: Decoder | None = None  # the slots and steps kept across calls
+        self.routing = Routing.of(model) if record_routing else None
+        if record_routing and self.routing is None:
+            raise ValueError("loss.routing_replay: the engine records a MoE model's routing, "
+                             f"and {model.config.model_type} has no experts")
         cfg = model.config
         self.image_token_id = cfg.image_token_id
         self.merge = cfg.vision_config.spatial_merge_size
@@ -121,11 +137,18 @@ class LocalEngine:
         self.banned = torch.tensor(sorted(placeholders), device=self.device)
 
     def kv_bytes_per_token(self) -> int:
-        """Keys and values of one token in every decoder layer, in the model's dtype."""
+        """Keys and values of one token in every decoder layer, in the model's dtype (and its
+        routed experts, int16, when recorded)."""
         text = self.model.config.get_text_config()
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         itemsize = next(self.model.parameters()).dtype.itemsize
-        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * itemsize
+        routed = 0 if self.routing is None else 2 * math.prod(self._routing_shape())
+        return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * itemsize + routed
+
+    def _routing_shape(self) -> tuple[int, int] | None:
+        """(L sparse layers, top k) when the engine records routing, else None."""
+        return None if self.routing is None else (len(self.routing.routers),
+                                                  self.routing.top_k)
 
     def plan(self, requests: Sequence[Request]) -> tuple[int, int]:
         """(slots, capacity) for these requests: capacity = the longest prompt + max_new_tokens
@@ -249,7 +272,8 @@ class LocalEngine:
                 capacity = wider
             max_new, n_stops = capacity - 1, -(-n_stops // STOP_ROUND) * STOP_ROUND
         slots = Slots.allocate(self.model.config.get_text_config(), rows, capacity, max_new,
-                               n_stops, next(self.model.parameters()).dtype, self.device)
+                               n_stops, next(self.model.parameters()).dtype, self.device,
+                               self._routing_shape())
         decoder = Decoder(self.model, slots, self.generator, self.banned,
                           cuda_graphs=self.cuda_graphs, graph_sampling=self.graph_sampling,
                           compile_backend=self.compile_backend)
@@ -261,7 +285,7 @@ class LocalEngine:
                ) -> None:
         """Prefill `requests` into the free slots `at` (one each, in order) and sample their
         first tokens."""
-        cache, logits, rows, expand, C, N = self._prefill(requests)
+        cache, logits, rows, expand, C, N, routed = self._prefill(requests)
         dev, k = self.device, len(requests)
         lengths = [len(ids) for ids, *_ in rows]
         T = max(lengths)
@@ -276,6 +300,11 @@ class LocalEngine:
             pick = index[:, None, :, None].expand(k, keys.shape[1], T, keys.shape[3])
             keys[slot, :, :T] = layer.keys[src].gather(2, pick)
             values[slot, :, :T] = layer.values[src].gather(2, pick)
+        if routed is not None:  # each row: its cached positions' routing, then the prefill's
+            for j, (ids, _, cached, c, _) in enumerate(rows):
+                new = routed[expand[j], N - (len(ids) - c):]
+                slots.routed[at[j], :len(ids)] = new if cached is None else torch.cat(
+                    [cached.routed[:c], new])
         stops = torch.full((k, slots.stops.shape[1]), -1, dtype=torch.long)
         for j, r in enumerate(requests):
             stops[j, :len(r.sampling.stop_token_ids)] = torch.tensor(r.sampling.stop_token_ids,
@@ -298,22 +327,27 @@ class LocalEngine:
         index = torch.tensor(finished, device=self.device)
         tokens, logprobs, count, pos = (t[index].cpu() for t in (
             slots.tokens, slots.logprobs, slots.count, slots.pos))
+        routed = None if slots.routed is None else \
+            slots.routed[index, :int(pos.max())].cpu().numpy()  # (k, fed, L, K)
         for j, (s, i) in enumerate(zip(finished, owners)):
             r, c, p = requests[i], int(count[j]), int(pos[j])
             ids = tokens[j, :c].tolist()
             reason = STOP if ids[-1] in r.sampling.stop_token_ids else LENGTH
-            out[i] = Completion(ids, logprobs[j, :c].tolist(), reason)
+            out[i] = Completion(ids, logprobs[j, :c].tolist(), reason,
+                                None if routed is None else routed[j, :p])
             if self.keep_cache and r.session:
                 kept[r.session] = _Cached(list(r.input_ids) + ids[:p - len(r.input_ids)],
                                           [k[s, :, :p].clone() for k in slots.keys],
-                                          [v[s, :, :p].clone() for v in slots.values])
+                                          [v[s, :, :p].clone() for v in slots.values],
+                                          None if routed is None else slots.routed[s, :p].clone())
 
     def _prefill(self, requests: list[Request]):
         """One prefill forward of `requests`' new tokens, left-padded behind their sessions'
         caches (C tokens at most) to N new tokens. Returns (its DynamicCache, per layer (P, H,
         C + N, D); next-token logits (P, V) fp32; per request (ids, M-RoPE positions (3, n),
         cache or None, cached length c, its new images); each request's prefill row (P rows,
-        `share_prefill`); C; N)."""
+        `share_prefill`); C; N; when recording routing the (P, N, L, K) experts of the new
+        tokens, else None)."""
         dev = self.device
         images = [im for r in requests for im in r.images]
         keys = [image_key(im) for im in images]
@@ -363,8 +397,13 @@ class LocalEngine:
             inputs |= upload(vision_inputs(self.model.config, grids[new_images]), dev)
         if C:
             inputs["past_key_values"] = self._stack_caches(rows, C)
-        out = self.model(**inputs, use_cache=True, logits_to_keep=1)
-        return out.past_key_values, out.logits[:, -1].float(), rows_all, expand, C, N
+        if self.routing is None:
+            out, routed = self.model(**inputs, use_cache=True, logits_to_keep=1), None
+        else:
+            with self.routing.recording(experts=True) as chosen:
+                out = self.model(**inputs, use_cache=True, logits_to_keep=1)
+            routed = torch.stack(chosen, 1).view(B, N, *self._routing_shape()).to(torch.int16)
+        return out.past_key_values, out.logits[:, -1].float(), rows_all, expand, C, N, routed
 
     def _reusable(self, req: Request, n_image_tokens_per_image: np.ndarray) -> _Cached | None:
         """The session's cache if it holds a strict prefix of the request that ends between

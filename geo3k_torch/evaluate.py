@@ -76,7 +76,8 @@ def eval_backend(cfg, model_dir: str, processor, device, workdir: str):
         from geo3k_torch.model import load_model
         model = load_model(model_dir, device=device).eval().requires_grad_(False)
         return LocalBackend(processor, model_dir, seed=cfg.seed, device=device,
-                            comm=SingleProcess(), model=model, **engine_settings(cfg))
+                            comm=SingleProcess(), model=model,
+                            **engine_settings(cfg) | {"record_routing": False})
     return make_backend(cfg, own=own, own_kind="torch", model_dir=model_dir, processor=processor,
                         workdir=workdir, comm=SingleProcess())
 

@@ -12,7 +12,12 @@ before the first of several updates on one rollout) or, with one optimizer step 
 anchor recipe), the learner's own log-probs at the current weights, detached; their distance to
 the engine's rollout log-probs is reported (mean and max over trained tokens). A MoE model's
 routing (`geo3k_torch.router`) adds its load-balancing loss (`loss.router_aux_coef` > 0) and
-reports its router entropy and per-expert load.
+reports its router entropy and per-expert load. With `loss.routing_replay` every forward of the
+policy (the trained one, its recomputation, the old log-probs) routes each token to the experts
+the engine routed it to (`common.batching.replayed_routing`), so logp_diff_* measure the
+replayed mismatch; a no-grad forward of each step's first micro-batch routes freely for
+logp_diff_*_free, and routing_replay_mismatch is the share of the trained tokens' (token, layer)
+routings whose free top-k would differ from the replayed one.
 
 The device never waits for the host inside a step. A micro-batch's host work (the image
 processor, M-RoPE positions, the loss weights: `MicroBatch.prepare`) runs in a background thread
@@ -35,7 +40,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from common.batching import PackedBatch, TrainSequence, pack
+from common.batching import PackedBatch, TrainSequence, pack, replayed_routing
 from common.grpo import LossConfig, per_token_terms, token_weights
 from common.learner import Collectives, SingleProcess, is_vision
 from common.schedule import horizon, lr_factor
@@ -44,7 +49,13 @@ from geo3k_torch.attention import to_device
 from geo3k_torch.head import fused_loss
 from geo3k_torch.model import host_inputs, token_logprobs, upload
 from geo3k_torch.precision import MasterWeights
-from geo3k_torch.router import Routing, balance_loss, load_metrics, routing_sums
+from geo3k_torch.router import (Routing, balance_loss, load_metrics, replay_mismatch,
+                                routing_sums)
+
+# metrics that are not token means over the step's trained tokens: maxima, and ratios of their
+# own counts (the free-routing forward sees only each process's first micro-batch)
+MAX_KEYS = ("logp_diff_max", "logp_diff_max_free")
+RATIOS = {"logp_diff_mean_free": "free_tokens", "routing_replay_mismatch": "replayed_routings"}
 
 
 @dataclasses.dataclass
@@ -53,7 +64,8 @@ class MicroBatch:
     (`geo3k_torch.model.host_inputs`) and (K,) tensors of the trained tokens' row positions
     (`targets`, int64) and float32 constants (`advantages`, `rollout`, `old` or None,
     `weights`: the loss weights of `common.grpo.token_weights`); n_tokens: the global batch's
-    trained tokens."""
+    trained tokens; routed: (T, L, K) int16, the experts to replay (`loss.routing_replay`), or
+    None (free routing)."""
 
     inputs: dict
     targets: torch.Tensor
@@ -62,11 +74,14 @@ class MicroBatch:
     old: torch.Tensor | None
     weights: torch.Tensor
     n_tokens: float
+    routed: torch.Tensor | None = None
 
     @classmethod
     def prepare(cls, batch: PackedBatch, processor, config, agg: str, n_tokens: float,
-                n_seqs: float) -> MicroBatch:
-        """Everything the host computes for `batch` (no device work: safe in a thread)."""
+                n_seqs: float, replay: bool = False) -> MicroBatch:
+        """Everything the host computes for `batch` (no device work: safe in a thread); with
+        `replay`, the engine's routing (`common.batching.replayed_routing`)."""
+        routed = replayed_routing(batch) if replay else None
         idx = np.nonzero(batch.loss_mask)[0]
         const = lambda a: torch.from_numpy(np.asarray(a, np.float32)[idx])  # noqa: E731
         weights = token_weights(batch.loss_mask, agg, seq_ids=batch.seq_ids, n_tokens=n_tokens,
@@ -74,14 +89,14 @@ class MicroBatch:
         return cls(host_inputs(batch, processor, config), torch.from_numpy(idx),
                    const(batch.advantages), const(batch.rollout_logprobs),
                    None if batch.old_logprobs is None else const(batch.old_logprobs),
-                   const(weights), n_tokens)
+                   const(weights), n_tokens, None if routed is None else torch.from_numpy(routed))
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device`, copied without blocking (pinned memory on CUDA)."""
         move = lambda t: None if t is None else to_device(t, device)  # noqa: E731
         return MicroBatch(upload(self.inputs, device), move(self.targets),
                           move(self.advantages), move(self.rollout), move(self.old),
-                          move(self.weights), self.n_tokens)
+                          move(self.weights), self.n_tokens, move(self.routed))
 
 
 def prefetched(fn: Callable, items: Sequence) -> Iterator:
@@ -123,6 +138,9 @@ class Learner:
         if loss_cfg.router_aux_coef and self.routing is None:
             raise ValueError("loss.router_aux_coef > 0 needs a MoE model (qwen3_vl_moe), got "
                              f"{model.config.model_type}")
+        if loss_cfg.routing_replay and self.routing is None:
+            raise ValueError("loss.routing_replay needs a MoE model (qwen3_vl_moe), got "
+                             f"{model.config.model_type}")
         if train_cfg.freeze_vision:
             frozen = [p for name, p in model.named_parameters() if is_vision(name)]
             if not frozen:
@@ -146,6 +164,13 @@ class Learner:
         """Around the policy's forwards: its bf16 copies in place under master weights."""
         return self.master.compute() if self.master else contextlib.nullcontext()
 
+    def _replaying(self, mb: MicroBatch):
+        """Around a micro-batch's forward and backward: the policy's routers replay `mb.routed`
+        (`geo3k_torch.router.Routing.replaying`); nothing without routing replay."""
+        if not self.loss_cfg.routing_replay:
+            return contextlib.nullcontext()
+        return self.routing.replaying(mb.routed)
+
     def _forward(self, model, mb: MicroBatch, entropy: bool):
         """The compute dtype is the model's: FSDP2's policy (bf16 over fp32 master weights, see
         `geo3k_torch.distributed`) or its parameters' own; never autocast, which leaves q and k
@@ -157,7 +182,8 @@ class Learner:
                        n_seqs: float = 1.0) -> Iterator[MicroBatch]:
         """`batches` prepared one ahead in a background thread, each moved to the device."""
         prepare = lambda b: MicroBatch.prepare(  # noqa: E731
-            b, self.processor, self.model.config, self.loss_cfg.agg, n_tokens, n_seqs)
+            b, self.processor, self.model.config, self.loss_cfg.agg, n_tokens, n_seqs,
+            self.loss_cfg.routing_replay)
         for mb in prefetched(prepare, batches):
             yield mb.to(self.device)
 
@@ -189,7 +215,27 @@ class Learner:
                 sums["tis_mean"] = sums.pop("tis")
         if routed is not None:
             loss = loss + self._router_loss(mb, routed, sums)
+            if self.loss_cfg.routing_replay:
+                sums |= self._mismatch(mb, routed)
         return loss, sums
+
+    def _mismatch(self, mb: MicroBatch, logits: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`geo3k_torch.router.replay_mismatch` of a replayed micro-batch (0 for a filler)."""
+        if mb.routed is None:
+            zero = torch.zeros((), device=mb.targets.device)
+            return {"routing_replay_mismatch": zero, "replayed_routings": zero}
+        return replay_mismatch(logits, mb.routed, mb.targets, self.routing.top_k)
+
+    @torch.no_grad()
+    def _free_routing_sums(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """Under routing replay: the distance of `mb`'s log-probs to the engine's when the
+        routers route freely (one forward without gradients): sum and max over its trained
+        tokens, and their count."""
+        logp = self._forward(self.model, mb, False) if len(mb.targets) else mb.rollout
+        diff = (logp - mb.rollout).abs()
+        return {"logp_diff_mean_free": diff.sum(),
+                "logp_diff_max_free": diff.max() if len(diff) else diff.new_zeros(()),
+                "free_tokens": diff.new_tensor(float(len(diff)))}
 
     def _router_loss(self, mb: MicroBatch, logits: list[torch.Tensor],
                      sums: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -228,7 +274,9 @@ class Learner:
         the whole step (every rank): loss, grad_norm, lr, skipped (1 if the gradients were not
         finite), and token means over all ranks of entropy, clip_frac, approx_kl, kl, tis_mean,
         logp_diff_mean, plus logp_diff_max; a MoE model's router_aux_loss, router_entropy (token
-        means) and router_load_max / _min / _cv (`geo3k_torch.router.load_metrics`).
+        means) and router_load_max / _min / _cv (`geo3k_torch.router.load_metrics`); under
+        routing replay logp_diff_mean_free, logp_diff_max_free (each process's first
+        micro-batch, routed freely) and routing_replay_mismatch (a share of routings).
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -255,27 +303,34 @@ class Learner:
             if self.master:
                 self.master.refresh()  # the step's one copy of the new weights into bf16
         host["tokens"] = float(sum(int(b.loss_mask.astype(bool).sum()) for b in batches))
-        host = self.comm.sum_scalars(host, max_keys=("logp_diff_max",))
+        host = self.comm.sum_scalars(host, max_keys=MAX_KEYS)
         n = max(host.pop("tokens"), 1.0)
+        ratios = {k: host.pop(k) / max(host.pop(count), 1.0)
+                  for k, count in RATIOS.items() if k in host}
         out = {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
         if counts is not None:
             out |= load_metrics(np.array([host.pop(f"router_counts/{i}")
                                           for i in range(counts.numel())]).reshape(counts.shape))
-        out.update({k: (v if k in ("loss", "logp_diff_max") else v / n)
+        out.update({k: (v if k == "loss" or k in MAX_KEYS else v / n)
                     for k, v in host.items()})
-        return out
+        return out | ratios
 
     def accumulate(self, batches: Sequence[PackedBatch], n_tokens: float, n_seqs: float
                    ) -> dict[str, torch.Tensor]:
         """Forward and backward over `batches`, gradients accumulated into the Parameters'
         .grad (fp32 under master weights): the metric sums of the step as 0-d device tensors
-        ("loss" the step's loss; "logp_diff_max" a max; a MoE model's "router_counts" (L, E)).
-        Reads nothing back from the device."""
+        ("loss" the step's loss; `MAX_KEYS` maxima; a MoE model's "router_counts" (L, E)).
+        Under routing replay each micro-batch's forward and backward replay its routing, and the
+        first one is run again without it (`_free_routing_sums`). Reads nothing back from the
+        device."""
         sums: dict[str, torch.Tensor] = {}
         with self._compute():
-            for mb in self._micro_batches(batches, n_tokens, n_seqs):
-                loss, s = self.micro_batch_loss(mb)
-                loss.backward()
+            for i, mb in enumerate(self._micro_batches(batches, n_tokens, n_seqs)):
+                with self._replaying(mb):  # a checkpointed layer's recomputation replays too
+                    loss, s = self.micro_batch_loss(mb)
+                    loss.backward()
+                if self.loss_cfg.routing_replay and i == 0:
+                    s |= self._free_routing_sums(mb)
                 self._add(sums, s, loss)
         if self.master:
             self.master.grads_to_params()
@@ -291,7 +346,7 @@ class Learner:
         for k, v in s.items():
             if k not in sums:
                 sums[k] = v
-            elif k == "logp_diff_max":
+            elif k in MAX_KEYS:
                 sums[k] = torch.maximum(sums[k], v)
             else:
                 sums[k] = sums[k] + v
@@ -302,7 +357,10 @@ class Learner:
         mask): the behaviour policy when several updates share one rollout."""
         self.model.eval()
         with self._compute():
-            got = [self._forward(self.model, mb, False) for mb in self._micro_batches(batches)]
+            got = []
+            for mb in self._micro_batches(batches):
+                with self._replaying(mb):
+                    got.append(self._forward(self.model, mb, False))
         out = []
         for batch, logp in zip(batches, got):  # read back once the device has them all
             full = np.zeros(batch.num_tokens, np.float32)

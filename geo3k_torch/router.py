@@ -1,4 +1,5 @@
-"""A MoE model's routing in the learner's forward: the load-balancing loss and the load metrics.
+"""A MoE model's routing in the learner's forward (the load-balancing loss, the load metrics,
+routing replay) and the engine's record of it.
 
 Qwen3-VL-MoE routes each token of a sparse decoder layer to its top-k experts by a softmax over
 the router's logits (transformers' `Qwen3VLMoeTextTopKRouter`). `Routing` keeps every router's
@@ -22,6 +23,21 @@ which lets one layer's imbalance cancel another's.) `load_metrics` turns the ste
 scalars: E x the largest and smallest fraction of a layer's assignments an expert took (1 and 1
 when balanced; 0 for an expert no trained token reached) and their coefficient of variation over
 experts, averaged over the layers.
+
+Routing replay (`loss.routing_replay`, Rollout Routing Replay: Ma et al. 2025): inside
+`replaying(rows)` the same hook makes each router return the experts the engine chose, rows
+(T, L, K), in place of its own top-k (`replayed_choice`; a row of -1 routes freely), and their
+softmax probabilities renormalised as transformers renormalises its top-k, so the router's
+weights still learn through them. The rows stay on the routers until the block exits, so wrap
+the backward pass too: an activation-checkpointed layer's recomputation must replay the same
+experts (a compiled layer keeps them as an input of its graph). `replay_mismatch` counts the
+(token, layer) routings where the router's own top-k differs from the replayed one. The local
+engine records what each router chose in a prefill with `recording(experts=True)` ((T, K) per
+sparse layer); one `Routing` per model (`of`), so an engine sharing the learner's model adds no
+second hook.
+
+    with routing.replaying(rows):                 # rows: (T, L, K) on the device, -1: free
+        loss = ...forward...; loss.backward()     # the recomputation replays too
 """
 
 from __future__ import annotations
@@ -33,7 +49,8 @@ import torch
 
 
 class Routing:
-    """Records the router logits of `model`'s sparse MoE blocks (see the module docstring)."""
+    """Records (and replays) the routing of `model`'s sparse MoE blocks (see the module
+    docstring). One per model (`of`): a learner and an engine on the same model share it."""
 
     def __init__(self, model):
         text = model.model.language_model
@@ -42,31 +59,91 @@ class Routing:
             raise ValueError(f"{type(model).__name__} has no sparse MoE blocks")
         config = model.config.get_text_config()
         self.top_k = config.num_experts_per_tok
-        self.active = False
+        self.active, self.part = False, 0  # recording; what: 0 logits, 2 chosen experts
         for router in self.routers:
-            router.register_forward_hook(self._record)
+            router.replayed = None  # (T, K) experts to route to (`replaying`)
+            router.register_forward_hook(self._hook)
 
     @classmethod
     def of(cls, model) -> Routing | None:
-        """`Routing(model)` for a MoE model, None for a dense one."""
-        return cls(model) if getattr(model.config.get_text_config(), "num_experts", 0) else None
+        """The `Routing` of a MoE model (made at the first call, kept on the model), None for a
+        dense one."""
+        if not getattr(model.config.get_text_config(), "num_experts", 0):
+            return None
+        if "_routing" not in model.__dict__:
+            model._routing = cls(model)
+        return model._routing
 
-    def _record(self, module, args, output) -> None:
+    def _hook(self, module, args, output):
+        replayed = module.replayed
+        if replayed is not None:
+            scores, experts = replayed_choice(output[0], output[2], replayed)
+            output = (output[0], scores, experts)
         if self.active:
-            module.recorded_logits = output[0]  # (T, E): the router's logits
+            module.recorded = output[self.part]
+        return None if replayed is None else output
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, experts: bool = False):
         """Yields a list that holds, once the block exits, the (T, E) router logits of each
-        sparse layer of the forward inside (in layer order)."""
+        sparse layer of the forward inside (in layer order), or with `experts` the (T, K)
+        experts each routed its tokens to (int64)."""
         out: list[torch.Tensor] = []
-        self.active = True
+        self.active, self.part = True, 2 if experts else 0
         try:
             yield out
         finally:
             self.active = False
-            out.extend(r.__dict__.pop("recorded_logits") for r in self.routers
-                       if "recorded_logits" in r.__dict__)
+            out.extend(r.__dict__.pop("recorded") for r in self.routers
+                       if "recorded" in r.__dict__)
+
+    @contextlib.contextmanager
+    def replaying(self, rows: torch.Tensor | None):
+        """Inside, the router of sparse layer l routes token t to the experts rows[t, l] (rows:
+        (T, L, K) integers on the model's device, T the forward's tokens; a row of -1 routes
+        freely); None: every router routes freely. Nests: the previous rows come back at
+        exit."""
+        if rows is not None and tuple(rows.shape[1:]) != (len(self.routers), self.top_k):
+            raise ValueError(f"replayed routing of shape {tuple(rows.shape)} for a model of "
+                             f"{len(self.routers)} sparse layers, top {self.top_k}")
+        before = [r.replayed for r in self.routers]
+        for i, r in enumerate(self.routers):
+            r.replayed = None if rows is None else rows[:, i]
+        try:
+            yield
+        finally:
+            for r, b in zip(self.routers, before):
+                r.replayed = b
+
+
+def replayed_choice(logits: torch.Tensor, free: torch.Tensor, rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A router's choice with `rows` replayed: logits (T, E), its own top-k `free` (T, K) int64,
+    rows (T, K) integers (-1 rows: keep `free`). Returns (scores (T, K) in the logits' dtype, the
+    softmax probabilities at the chosen experts over their sum, as transformers'
+    `Qwen3VLMoeTextTopKRouter` computes its top-k's; experts (T, K) int64). Where the rows equal
+    `free` (same order), both are bitwise the router's own."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    experts = torch.where(rows[:, :1] >= 0, rows.long(), free)
+    top = probs.gather(-1, experts)
+    return (top / top.sum(-1, keepdim=True)).to(logits.dtype), experts
+
+
+@torch.no_grad()
+def replay_mismatch(logits: list[torch.Tensor], rows: torch.Tensor, targets: torch.Tensor,
+                    top_k: int) -> dict[str, torch.Tensor]:
+    """At the trained tokens `targets` (K,) of a replayed forward, given each sparse layer's
+    (T, E) logits and the replayed rows (T, L, top_k): `routing_replay_mismatch`, how many
+    (token, layer) routings the router's own top-k would have sent to another set of experts
+    than the replayed one, and `replayed_routings`, how many were replayed (rows not -1); 0-d
+    fp32 each."""
+    x = torch.stack([layer[targets].float() for layer in logits])  # (L, K, E)
+    free = x.topk(top_k, dim=-1).indices.sort(-1).values
+    replayed = rows[targets].transpose(0, 1).long().sort(-1).values  # (L, K, top_k)
+    known = replayed[..., -1] >= 0
+    differ = (free != replayed).any(-1) & known
+    return {"routing_replay_mismatch": differ.sum().float(),
+            "replayed_routings": known.sum().float()}
 
 
 def balance_loss(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int) -> torch.Tensor:

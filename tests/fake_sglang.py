@@ -10,6 +10,12 @@ released server (read from the 0.5.23 wheel's source) where the client depends o
     allowed token finishes as "stop" (0.5.23; `stop_beats_length=False` gives 0.5.15's
     "length"); `meta_info.weight_version` is the version of the last weight update ("default"
     before any); `return_prompt_token_ids` returns the expanded prompt ids.
+  * routed experts (`routed_experts=(L, K, E)`: launched with --enable-return-routed-experts,
+    serving a model of L layers routing to the top K of E experts): a request with
+    `return_routed_experts` gets `meta_info.routed_experts`, base64 of int32 (rows, L, K) bytes,
+    one row per fed position (prompt_tokens + completion_tokens - 1; `routed_row(t, l)` the
+    experts of position t in layer l), an aborted one none; launched without the flag (None),
+    the key is missing and nothing says why, as SGLang does.
   * /flush_cache answers 400 (plain text) while a request is running; /abort_request
     {"abort_all": true} ends every running request as "abort" (each leaves `abort_linger_s`
     after the abort, and only once a /flush_cache has been refused: aborting is not idling);
@@ -70,6 +76,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Sequence
 
+import numpy as np
+
 LOGPROB_STEP = -0.01
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # srt/constants.py GPU_MEMORY_ALL_TYPES  # the i-th new token's log-prob is LOGPROB_STEP * (i + 1)
 
@@ -86,6 +94,11 @@ class Action:
 
 def logprob(i: int) -> float:
     return LOGPROB_STEP * (i + 1)
+
+
+def routed_row(t: int, layer: int, k: int, experts: int) -> list[int]:
+    """The K experts the fake routes position t to in `layer`: distinct, in no sorted order."""
+    return [(3 * t + layer + j) % experts for j in range(k)][::-1]
 
 
 def decode_image(item: str):
@@ -108,7 +121,8 @@ class FakeSGLang:
                  loading_s: float = 0.0, health_delay_s: float = 1.0, abort_linger_s: float = 0.2,
                  version: str = "0.5.23", stop_beats_length: bool = True,
                  on_death: Callable[[], None] | None = None, tp_rank: int = 0,
-                 tensor_loader: Callable[[bytes], list] | None = None):
+                 tensor_loader: Callable[[bytes], list] | None = None,
+                 routed_experts: tuple[int, int, int] | None = None):
         self.image_token_id = image_token_id
         self.tokens_per_image = tokens_per_image
         self.healthy = healthy
@@ -134,6 +148,7 @@ class FakeSGLang:
         self.tensors: dict[str, object] = {}  # what /update_weights_from_tensor loaded
         self.tensor_loader = tensor_loader
         self.tp_rank = tp_rank
+        self.routed_experts = routed_experts
         self.garbage: list[str] = []  # why answers came from weights or memory not in place
         self.inflight = self.max_inflight = 0
         self.abort_epoch = 0  # bumped by every /abort_request with abort_all
@@ -228,6 +243,11 @@ class FakeSGLang:
                 "prompt_tokens": len(prompt), "weight_version": self.weight_version,
                 "completion_tokens": len(out), "cached_tokens": 0,
                 "output_token_logprobs": [[logprob(i), t, None] for i, t in enumerate(out)]}
+        if self.routed_experts and body.get("return_routed_experts"):
+            layers, k, e = self.routed_experts
+            rows = np.array([[routed_row(t, i, k, e) for i in range(layers)]
+                             for t in range(len(prompt) + len(out) - 1)], np.int32)
+            meta["routed_experts"] = base64.b64encode(rows.tobytes()).decode("ascii")
         answer = {"text": "", "output_ids": out, "meta_info": meta}
         if body.get("return_prompt_token_ids"):
             answer["prompt_token_ids"] = prompt
@@ -451,13 +471,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--unhealthy", action="store_true", help="health checks answer 503")
     parser.add_argument("--ignore-sigterm", action="store_true", help="only SIGKILL stops it")
     parser.add_argument("--version", default="0.5.23", help="reported by /server_info")
+    parser.add_argument("--enable-return-routed-experts", action="store_true",
+                        help="answer routed experts of the tiny MoE's shape (2 layers, top 2 of 4)")
     args, _ = parser.parse_known_args(argv)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("env:", {k: os.environ.get(k) for k in TORCHRUN_VARS}, flush=True)
     fake = FakeSGLang(port=args.port, healthy=not args.unhealthy, loading_s=args.loading_s,
                       health_delay_s=args.health_delay_s, version=args.version,
-                      on_death=lambda: os._exit(1))
+                      on_death=lambda: os._exit(1),
+                      routed_experts=(2, 2, 4) if args.enable_return_routed_experts else None)
     print(f"fake sglang serving at {fake.url}", flush=True)
     if args.exit_after_s is not None:
         time.sleep(args.exit_after_s)

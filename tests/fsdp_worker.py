@@ -1,7 +1,8 @@
 """One learner step on a fixed global batch, with or without FSDP; run by tests/test_fsdp.py.
 
     python -m torch.distributed.run --nproc_per_node=2 tests/fsdp_worker.py OUT.json ARCH AGG [LAYOUT]
-Rank r trains on sequences r, r + world, ...; rank 0 writes loss, grad norm and a checksum of
+Rank r trains on sequences r, r + world, ... (LAYOUT "replay": so, a MoE model replaying random
+routing, a fifth of the rows -1); rank 0 writes loss, grad norm and a checksum of
 the updated parameters to OUT.json, with the learner's merged metrics, and whether every rank's
 in-memory weight-sync buckets (geo3k_torch.weight_sync: bf16 cast on the shard, then gathered)
 hold exactly the updated weights in bf16, under their checkpoint names.
@@ -43,17 +44,31 @@ def global_batch(processor, n=6):
     return seqs
 
 
+def with_routing(seqs, layers=2, k=2, experts=4):
+    """`seqs` with random routed experts (T, L, K) to replay, a fifth of the rows -1."""
+    rng = np.random.default_rng(1)
+    out = []
+    for s in seqs:
+        rows = np.argsort(rng.random((len(s), layers, experts)), -1)[..., :k].astype(np.int16)
+        rows[rng.random(len(s)) < 0.2] = -1
+        out.append(dataclasses.replace(s, routed_experts=rows))
+    return out
+
+
 def main(out, arch, agg, layout="strided"):
-    """layout: strided (rank r gets sequences r, r + world, ...) or empty_rank (rank 0 gets all,
-    the others none: they take part with a spare sequence that trains nothing)."""
+    """layout: strided (rank r gets sequences r, r + world, ...), replay (strided, routing
+    replayed) or empty_rank (rank 0 gets all, the others none: they take part with a spare
+    sequence that trains nothing)."""
     rank, world = distributed.init("cpu")
     model, patch = {"qwen3_vl": qwen3_vl, "qwen2_5_vl": qwen2_5_vl,
                     "qwen3_vl_moe": qwen3_vl_moe}[arch](seed=0)
     model.train()
     processor = ImageOnlyProcessor(patch)
     seqs = global_batch(processor)
+    if layout == "replay":
+        seqs = with_routing(seqs)
     n_tokens = float(sum(s.loss_mask.sum() for s in seqs))
-    mine = seqs[rank::world] if layout == "strided" else (seqs if rank == 0 else [])
+    mine = seqs[rank::world] if layout != "empty_rank" else (seqs if rank == 0 else [])
     if world > 1:
         distributed.parallelize(model)
     weights = TorchWeights(model, ".", rank)  # before the step: it must see the updated weights
@@ -62,8 +77,10 @@ def main(out, arch, agg, layout="strided"):
         cfg.lr = 1e-3
     comm = distributed.TorchCollectives()
     aux = 0.01 if arch == "qwen3_vl_moe" else 0.0  # the load-balancing loss's weighting too
-    learner = Learner(model, processor, LossConfig(agg=agg, tis_cap=2.0, router_aux_coef=aux),
-                      cfg, 1.0, comm=comm, chunk=8)  # the LM head 8 trained tokens at a time, under FSDP too
+    loss = LossConfig(agg=agg, tis_cap=2.0, router_aux_coef=aux,
+                      routing_replay=layout == "replay")
+    # the LM head 8 trained tokens at a time, under FSDP too
+    learner = Learner(model, processor, loss, cfg, 1.0, comm=comm, chunk=8)
     budget = max(len(s) for s in seqs)  # several micro-batches: accumulation is exercised too
     batches = pack(mine, budget)
     n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]

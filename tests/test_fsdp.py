@@ -53,6 +53,22 @@ def test_two_processes_equal_one(tmp_path, arch, agg):
         assert two[key] == pytest.approx(one[key], rel=1e-5), key
 
 
+@pytest.mark.slow
+def test_two_processes_replay_the_routing_as_one(tmp_path):
+    """Routing replay under FSDP2 (random routing, some rows free): the two-process step is the
+    one-process step, and so is the share of replayed routings the routers would have chosen
+    otherwise (summed over ranks); the free forward's distance is each rank's first
+    micro-batch's, so it is only reported."""
+    one = run(tmp_path, 1, "qwen3_vl_moe", "token-mean", "replay")
+    two = run(tmp_path, 2, "qwen3_vl_moe", "token-mean", "replay")
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    assert two["checksum"] == pytest.approx(one["checksum"], rel=1e-6)
+    assert 0.5 < one["routing_replay_mismatch"] < 1  # random rows: most differ
+    assert two["routing_replay_mismatch"] == pytest.approx(one["routing_replay_mismatch"])
+    assert one["logp_diff_max_free"] > 0 and two["logp_diff_max_free"] > 0
+
+
 @pytest.mark.heavy
 def test_a_rank_with_nothing_to_train_takes_part(tmp_path):
     """All groups of rank 1 filtered: it runs a spare sequence with an empty loss mask in every

@@ -214,3 +214,38 @@ def test_weight_payloads_pass_sglangs_unpickler(tmp_path):
     assert all(torch.equal(got[k], state[k].to(torch.bfloat16)) for k in state)
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):  # it does refuse
         safe(io.BytesIO(pickle.dumps(os.system))).load()
+
+
+def test_routing_replay_speaks_sglangs_names_and_encoding():
+    """The request field and the launch flag are SGLang's (io_struct.py, arg_groups/fields/),
+    and SGLang's own decoder of `meta_info.routed_experts` (state_capturer/routed_experts.py
+    `extract_routed_experts_from_meta_info`, compiled alone) reads the fake's answer as the
+    client does: the same int32 rows."""
+    import numpy as np
+
+    from common.sglang.wire import parse_generate_response
+
+    body = generate_payload(Request((1, IMAGE, IMAGE, 2), ["data:x"], SAMPLING, ""), IMAGE,
+                            ["data:x"], routed_experts=True)
+    assert body["return_routed_experts"] is True
+    assert set(body) <= struct_fields(SRT / "managers" / "io_struct.py", "GenerateReqInput")
+    argv = server_argv("/m", "127.0.0.1", 30000, 1, 0, 0.6, None, False, [], command=(),
+                       routed_experts=True)
+    fields = {node.target.id for f in (SRT / "arg_groups" / "fields").glob("*.py")
+              for node in ast.walk(ast.parse(f.read_text()))
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+    assert "enable_return_routed_experts" in fields and "--enable-return-routed-experts" in argv
+    source = SRT / "state_capturer" / "routed_experts.py"
+    tree = ast.parse(source.read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+             and n.name == "extract_routed_experts_from_meta_info"]
+    namespace = {}
+    exec(compile(ast.Module([fn], []), str(source), "exec"),
+         {"np": np, "pybase64": base64}, namespace)
+    with FakeSGLang(image_token_id=IMAGE, tokens_per_image=2, routed_experts=(3, 2, 8)) as fake:
+        status, answer = fake.generate(body, fake.abort_epoch)  # no HTTP: the answer itself
+    assert status == 200
+    flat = namespace["extract_routed_experts_from_meta_info"](answer)
+    ours = parse_generate_response(answer, SAMPLING, 4, (3, 2)).routed_experts
+    assert flat.dtype == np.int32 and np.array_equal(flat.reshape(-1, 3, 2), ours)
+    assert len(ours) == 4 + len(answer["output_ids"]) - 1

@@ -154,6 +154,9 @@ def test_warm_up_changes_nothing_the_step_would_not(tiny):
     assert torch.equal(state_a, state_b)
     for field in dataclasses.fields(Slots):
         x, y = getattr(a, field.name), getattr(b, field.name)
+        if x is None:  # routed experts, not recorded here
+            assert y is None
+            continue
         if field.name in ("tokens", "logprobs"):
             x, y = x[:, :-1], y[:, :-1]
         for u, v in zip(x, y) if isinstance(x, list) else [(x, y)]:

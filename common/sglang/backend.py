@@ -75,6 +75,21 @@ def check_expert_groups(ep: int, config: dict, model_dir: str) -> None:
                          f"{model_dir}/config.json (text_config.num_experts)")
 
 
+def routing_shape(config: dict, model_dir: str) -> tuple[int, int]:
+    """(L, K) of the routed experts SGLang returns for the model of `config` (its config.json):
+    every decoder layer's (`text_config.num_hidden_layers`; a dense layer's rows would be 0, so
+    a model with dense layers is refused) and its top k (`num_experts_per_tok`)."""
+    text = config.get("text_config", config)
+    if not text.get("num_experts"):
+        raise ValueError(f"loss.routing_replay needs a MoE model; {model_dir}/config.json has "
+                         "no text_config.num_experts")
+    if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"loss.routing_replay: {model_dir}/config.json has dense decoder "
+                         "layers (mlp_only_layers, decoder_sparse_step), whose rows SGLang "
+                         "fills with expert 0")
+    return int(text["num_hidden_layers"]), int(text["num_experts_per_tok"])
+
+
 def local_layout(comm: Collectives) -> tuple[int, int]:
     """(local rank, processes on this node): torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE, else
     one node."""
@@ -110,6 +125,7 @@ class SGLangBackend:
                              "for a one-process run) and a learner that hands its weights over "
                              "(the torch learner); use 'auto' or 'disk'")
         config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.routing = routing_shape(config, model_dir) if cfg.loss.routing_replay else None
         if urls:  # process 0 controls every server; every process generates through all
             self.leads, self.tp_ranks, mine = comm.rank == 0, [comm.rank], urls
         else:
@@ -120,7 +136,7 @@ class SGLangBackend:
                                    timeout_s=e.sglang_timeout_s, max_retries=e.sglang_max_retries,
                                    max_concurrency=e.sglang_max_concurrency,
                                    check_prompt_ids=e.sglang_check_prompt_ids,
-                                   idle_timeout_s=e.sglang_idle_timeout_s)
+                                   idle_timeout_s=e.sglang_idle_timeout_s, routing=self.routing)
         if urls and comm.rank == 0:
             self.engine.check_server_versions()
         self._rest_released = False  # KV cache and CUDA graphs wait for the new weights
@@ -153,7 +169,8 @@ class SGLangBackend:
                 port_base=specs[0].port, ep_size=e.sglang_ep_size,
                 mem_fraction=e.sglang_mem_fraction,
                 attention_backend=e.sglang_attention_backend or None,
-                memory_saver=e.sglang_colocated, startup_timeout_s=e.sglang_startup_timeout_s,
+                memory_saver=e.sglang_colocated, routed_experts=self.routing is not None,
+                startup_timeout_s=e.sglang_startup_timeout_s,
                 health_timeout_s=e.sglang_health_timeout_s,
                 log_dir=str(self.workdir / "sglang_logs" / f"process{comm.rank}"))
             urls.extend(self.group.urls)

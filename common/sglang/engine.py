@@ -69,13 +69,13 @@ import urllib.parse
 from typing import Any, Sequence
 
 from common.engine import ABORT, Completion, Request
-from common.sglang.wire import (ImageTokenMismatch, SGLangError, SGLangVersionError,
-                                StaleWeightsError, check_answer_prompt_ids,
+from common.sglang.wire import (ImageTokenMismatch, RoutingNotReturned, SGLangError,
+                                SGLangVersionError, StaleWeightsError, check_answer_prompt_ids,
                                 check_answer_version, check_version, encode_image,
                                 generate_payload, learner_image, parse_generate_response, to_rgb)
 
 __all__ = ["SGLangEngine", "SGLangError", "ImageTokenMismatch", "StaleWeightsError",
-           "SGLangVersionError", "http_call"]
+           "SGLangVersionError", "RoutingNotReturned", "http_call"]
 
 log = logging.getLogger(__name__)
 
@@ -177,13 +177,17 @@ class SGLangEngine:
     check_prompt_ids: exact expanded-prompt check: "off", "first" (the first request this engine
         sends, and after each `check_prompt_ids_next()`) or "every" request.
     idle_timeout_s, idle_poll_s: how long `release_memory` polls /flush_cache for an idle server.
+    routing: (L layers, top k) of a MoE model whose routed experts every request asks for and
+        every Completion carries (routing replay; the servers need
+        --enable-return-routed-experts); None: not asked.
     """
 
     def __init__(self, urls: Sequence[str], *, image_token_id: int, processor=None,
                  timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 1.0,
                  max_concurrency: int = 256, control_timeout_s: float = 1800.0,
                  check_prompt_tokens: bool = True, check_prompt_ids: str = "first",
-                 idle_timeout_s: float = 120.0, idle_poll_s: float = 0.5):
+                 idle_timeout_s: float = 120.0, idle_poll_s: float = 0.5,
+                 routing: tuple[int, int] | None = None):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server url")
         if max_retries < 0 or max_concurrency < 1 or timeout_s <= 0 or backoff_s < 0:
@@ -203,6 +207,7 @@ class SGLangEngine:
         self.check_prompt_ids = check_prompt_ids
         self.idle_timeout_s = idle_timeout_s
         self.idle_poll_s = idle_poll_s
+        self.routing = routing
         self.weight_version: str | None = None  # set by the last update; None: not checked
         self._prompt_check_armed = check_prompt_ids == "first"
         self.balancer = _Balancer(len(self.urls))
@@ -233,8 +238,8 @@ class SGLangEngine:
 
     def _send(self, requests: Sequence[Request]) -> list[concurrent.futures.Future]:
         """Encode the requests (each image once) and put them in flight."""
-        bodies = [generate_payload(r, self.image_token_id, [self._encode(im) for im in r.images])
-                  for r in requests]
+        bodies = [generate_payload(r, self.image_token_id, [self._encode(im) for im in r.images],
+                                   self.routing is not None) for r in requests]
         for body in self._prompt_checked(bodies):
             body["return_prompt_token_ids"] = True
         return [self.pool.submit(self._run, r, b) for r, b in zip(requests, bodies)]
@@ -302,7 +307,7 @@ class SGLangEngine:
         if body.get("return_prompt_token_ids") and not aborted:
             check_answer_prompt_ids(out, url, req.input_ids)
         expected = len(req.input_ids) if self.check_prompt_tokens else None
-        return parse_generate_response(out, req.sampling, expected)
+        return parse_generate_response(out, req.sampling, expected, self.routing)
 
     # -- control calls: every server, errors name the servers
 

@@ -147,8 +147,9 @@ def _check_port_free(host: str, port: int) -> None:
 def server_argv(model_path: str, host: str, port: int, tp: int, base_gpu: int,
                 mem_fraction: float, attention_backend: str | None, memory_saver: bool,
                 extra_args: Sequence[str], command: Sequence[str] = SGLANG_COMMAND,
-                ep: int = 1) -> list[str]:
-    """The command line of one server; `--ep-size` only where experts are split (ep > 1)."""
+                ep: int = 1, routed_experts: bool = False) -> list[str]:
+    """The command line of one server; `--ep-size` only where experts are split (ep > 1);
+    routed_experts: `--enable-return-routed-experts` (routing replay)."""
     argv = [*command, "--model-path", str(model_path), "--host", host, "--port", str(port),
             "--tp-size", str(tp), "--base-gpu-id", str(base_gpu),
             "--mem-fraction-static", str(mem_fraction)]
@@ -158,6 +159,8 @@ def server_argv(model_path: str, host: str, port: int, tp: int, base_gpu: int,
         argv += ["--attention-backend", attention_backend]
     if memory_saver:
         argv.append("--enable-memory-saver")
+    if routed_experts:
+        argv.append("--enable-return-routed-experts")
     return argv + [str(a) for a in extra_args]
 
 
@@ -185,7 +188,7 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
                    mem_fraction: float = 0.8, attention_backend: str | None = None,
                    port_base: int = 30000, extra_args: Sequence[str] = (), *,
                    base_gpu: int = 0, ep_size: int = 1, host: str = "127.0.0.1",
-                   memory_saver: bool = False,
+                   memory_saver: bool = False, routed_experts: bool = False,
                    startup_timeout_s: float = 900.0, poll_s: float = 1.0, grace_s: float = 30.0,
                    health_timeout_s: float = 60.0, check_versions: bool = True,
                    log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
@@ -195,6 +198,7 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
     base_gpu: server i runs on GPUs base_gpu + i * gpus_per_server onwards (`--base-gpu-id`).
     ep_size: SGLang's `--ep-size`, the expert groups of a MoE model over a server's GPUs.
     memory_saver: pass `--enable-memory-saver` (needed by release/resume memory, colocated).
+    routed_experts: pass `--enable-return-routed-experts` (routing replay).
     startup_timeout_s: for all servers together; poll_s: seconds between health checks.
     health_timeout_s: read timeout of one health check (SGLang's own gives up after 20 s).
     check_versions: refuse servers older than SGLang 0.5.15 (their /server_info "version").
@@ -219,7 +223,7 @@ def launch_servers(model_path: str, n: int = 1, gpus_per_server: int = 1,
             argv = server_argv(model_path, host, port, gpus_per_server,
                                base_gpu + i * gpus_per_server,
                                mem_fraction, attention_backend, memory_saver, extra_args,
-                               command, ep_size)
+                               command, ep_size, routed_experts)
             log_path = log_dir / f"server_{i}.log"
             log_file = open(log_path, "wb")
             process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,

@@ -33,6 +33,14 @@ Wire format, from SGLang's source (0.5.23, python/sglang/srt/...):
     tested length first, so there a stop token sampled as the last allowed token reads
     "length": we report that as "stop" either way, like `LocalEngine`. Errors come back as
     HTTP 400 `{"error": {"message": ...}}`.
+  * routing replay (`loss.routing_replay`): a request with `return_routed_experts: true` to a
+    server launched with `--enable-return-routed-experts` gets `meta_info.routed_experts`,
+    base64 of int32 bytes (detokenizer_manager.py; tokenizer_manager.py stores it), C-order
+    (rows, L, K) with L = num_hidden_layers and K = num_experts_per_tok: the logical experts
+    every layer chose for each position of [0, prompt_tokens + completion_tokens - 1) (prompt
+    included, the last new token never fed; radix-cached positions keep the routing of when they
+    were computed). A server without the flag answers without the key and without a word, so a
+    missing key is an error here (`RoutingNotReturned`), and so is another row count.
 
 Log-probs (layers/sampler.py `Sampler.forward`): SGLang returns log softmax(logits / T) of the
 sampled token, before top-k / top-p / min-p filtering (it samples from the filtered
@@ -67,6 +75,8 @@ import logging
 import math
 from typing import Sequence
 
+import numpy as np
+
 from common.engine import (ABORT, LENGTH, STOP, Completion, FatalEngineError, Request,
                            SamplingParams)
 
@@ -92,6 +102,11 @@ class StaleWeightsError(SGLangError, FatalEngineError):
 
 class SGLangVersionError(SGLangError):
     """A server runs an SGLang release older than `MIN_SGLANG_VERSION`."""
+
+
+class RoutingNotReturned(SGLangError, FatalEngineError):
+    """Routing replay asked for the routed experts and the answer has none (the server was
+    launched without --enable-return-routed-experts) or not one row per fed position."""
 
 
 # ----------------------------------------------------------------------------- request encoding
@@ -182,8 +197,10 @@ def sampling_payload(s: SamplingParams) -> dict:
             "no_stop_trim": True}
 
 
-def generate_payload(req: Request, image_token_id: int, image_data: Sequence[str]) -> dict:
-    """The JSON body of `POST /generate` for one request (image pads collapsed, see above)."""
+def generate_payload(req: Request, image_token_id: int, image_data: Sequence[str],
+                     routed_experts: bool = False) -> dict:
+    """The JSON body of `POST /generate` for one request (image pads collapsed, see above);
+    routed_experts: ask for the routing of every position (routing replay)."""
     ids, runs = collapse_image_pads(req.input_ids, image_token_id)
     if len(runs) != len(image_data):
         raise ValueError(f"request {req.session!r}: {len(runs)} runs of image token "
@@ -193,15 +210,20 @@ def generate_payload(req: Request, image_token_id: int, image_data: Sequence[str
             "return_logprob": True, "logprob_start_len": -1, "stream": False}
     if image_data:
         body["image_data"] = list(image_data)
+    if routed_experts:
+        body["return_routed_experts"] = True
     return body
 
 
 # ---------------------------------------------------------------------------- response parsing
 
 def parse_generate_response(body: dict, sampling: SamplingParams,
-                            prompt_tokens: int | None = None) -> Completion:
+                            prompt_tokens: int | None = None,
+                            routing: tuple[int, int] | None = None) -> Completion:
     """A `Completion` from SGLang's `/generate` answer. `prompt_tokens`: the expected expanded
-    prompt length (len of the learner's ids), checked against `meta_info.prompt_tokens`."""
+    prompt length (len of the learner's ids), checked against `meta_info.prompt_tokens`.
+    routing: (L layers, top k) of the routed experts the request asked for (`routed_experts`),
+    None: not asked."""
     meta = body["meta_info"]
     finish = meta.get("finish_reason") or {}
     kind = finish.get("type") if isinstance(finish, dict) else None
@@ -230,7 +252,26 @@ def parse_generate_response(body: dict, sampling: SamplingParams,
     if len(ids) > sampling.max_new_tokens:
         raise SGLangError(f"{len(ids)} tokens for max_new_tokens={sampling.max_new_tokens}")
     stopped = kind == "stop" or (ids and ids[-1] in sampling.stop_token_ids)
-    return Completion(ids, logps, STOP if stopped else LENGTH)
+    routed = None if routing is None else routed_experts(meta, routing, len(ids))
+    return Completion(ids, logps, STOP if stopped else LENGTH, routed)
+
+
+def routed_experts(meta: dict, routing: tuple[int, int], new_tokens: int) -> np.ndarray:
+    """(prompt_tokens + new_tokens - 1, L, K) int32: `meta_info.routed_experts` decoded (see the
+    module docstring), routing = (L, K); `RoutingNotReturned` when missing or of another
+    size."""
+    raw = meta.get("routed_experts")
+    if raw is None:
+        raise RoutingNotReturned(
+            "loss.routing_replay: SGLang's answer has no meta_info.routed_experts; launch the "
+            "server with --enable-return-routed-experts (servers launched here get it)")
+    experts = np.frombuffer(base64.b64decode(raw), np.int32)
+    rows = int(meta["prompt_tokens"]) + new_tokens - 1
+    if experts.size != rows * math.prod(routing):
+        raise RoutingNotReturned(
+            f"SGLang returned {experts.size} routed expert ids, {rows} fed positions x "
+            f"{routing[0]} layers x top {routing[1]} expected")
+    return experts.reshape(rows, *routing)
 
 
 def check_answer_version(body: dict, url: str, expected: str) -> None:
