@@ -1,0 +1,116 @@
+"""Expert parallelism (`train.expert_parallel`, geo3k_torch/expert_parallel.py) on CPU: two gloo
+processes that split the tiny Qwen3-VL-MoE's 4 experts between them (FSDP2 over both for the
+rest) take the one-process learner step on the same global batch (tests/ep_worker.py).
+
+Tolerances: fp32, the two runs reduce in another order (other micro-batch packing, gradients
+summed over ranks, the experts' grouped matmuls over other row groups). Measured on this CPU:
+the block's output 2.4e-7 and gradients at most 1.5e-7 of their largest magnitude; the learner's
+loss 2.4e-7 and grad norm 1.0e-7 relative, every gathered gradient within 4.4e-7 of its largest
+magnitude (FSDP over the same two processes without EP: 2.1e-7).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.test_fsdp import ROOT, free_port
+
+TOL = 1e-6
+
+
+def run(tmp_path, nproc: int, ep: int) -> dict:
+    out, work = tmp_path / f"ep-{nproc}-{ep}.pt", tmp_path / f"work-{nproc}-{ep}"
+    work.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           str(ROOT / "tests" / "ep_worker.py"), str(out), str(work), str(ep)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep")
+    return run(tmp, 1, 1), run(tmp, 2, 2)
+
+
+def largest_gap(a: dict, b: dict) -> tuple[float, str]:
+    """The largest max|a - b| / max|b| over the tensors of b, and its name."""
+    return max((float((a[k].double() - b[k].double()).abs().max() / b[k].abs().max()), k)
+               for k in b)
+
+
+@pytest.mark.slow
+def test_split_experts_compute_the_unsharded_block(runs):
+    """Layer 0's experts, 2 on each process, on each process's own tokens: output and gradients
+    (hidden states, router weights, gathered experts) are the unsharded block's; also when every
+    token picks process 0's experts and process 1's receive no rows. A gradient not divided by
+    the world (FSDP's mean over the expert group alone) would be 2x, a gap of 1.0."""
+    block = runs[1]["block"]
+    for case in ("random", "one_sided"):
+        for key, gap in block[case].items():
+            assert gap <= TOL, (case, key, gap)
+
+
+@pytest.mark.slow
+def test_two_processes_with_split_experts_take_the_one_process_step(runs):
+    one, two = runs
+    assert one["slabs"] == [(4, 48, 64)] and two["slabs"] == [(2, 48, 64)] * 2  # (E, 2I, H)
+    assert one["micro_batches"] >= 2 and two["micro_batches"] >= 2  # accumulation as well
+    a, b = one["step1"], two["step1"]
+    assert a["grad_norm"] > 1.0  # clipped at 1: the clip's scale is compared too
+    # the norm counts each expert shard once (1.16268): twice gives 1.16392, none 1.16143
+    for key in ("loss", "grad_norm", "router_aux_loss", "router_entropy", "router_load_max",
+                "router_load_cv", "entropy", "clip_frac"):
+        assert b[key] == pytest.approx(a[key], rel=TOL, abs=1e-9), key
+    gap, name = largest_gap(two["grads"], one["grads"])
+    assert gap <= TOL, (name, gap)
+    # Adam's first step is about lr x sign(g): weights move alike wherever the gradients do
+    assert max(float((two["weights"][k] - one["weights"][k]).abs().max())
+               for k in one["weights"]) < 2e-5
+    checksum = lambda r: float(sum(v.double().abs().sum() for v in r["weights"].values()))  # noqa: E731
+    assert checksum(two) == pytest.approx(checksum(one), rel=1e-8)
+
+
+@pytest.mark.slow
+def test_split_experts_export_sync_and_resume_in_full(runs):
+    """The HF export read back is the gathered weights (full experts, published layout undone by
+    transformers), every process's bf16 weight-sync buckets hold them exactly, and a learner
+    restored from the sharded checkpoint trains the second step as the one that saved it."""
+    one, two = runs
+    assert sorted(two["exported"]) == sorted(one["exported"])
+    assert all(torch.equal(two["exported"][k], two["weights"][k]) for k in two["exported"])
+    assert two["sync_exact"] and one["sync_exact"]
+    for r in (one, two):
+        assert r["resumed"]["loss"] == pytest.approx(r["step2"]["loss"], rel=1e-7)
+        assert r["resumed"]["grad_norm"] == pytest.approx(r["step2"]["grad_norm"], rel=1e-7)
+        assert largest_gap(r["after_resumed"], r["after"])[0] == 0.0
+    assert two["step2"]["loss"] == pytest.approx(one["step2"]["loss"], rel=1e-5)
+
+
+def test_a_degree_that_does_not_fit_is_refused():
+    from common.prepare import check_config
+    from configs import cpu
+    from geo3k_torch.expert_parallel import check
+    from tests.tiny_models import qwen3_vl, qwen3_vl_moe
+
+    cfg = cpu.get_config()
+    cfg.train.prompts_per_step = 6
+    cfg.train.expert_parallel = 2
+    check_config(cfg, 2)
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide the 3 processes"):
+        check_config(cfg, 3)
+    cfg.train.compile = True
+    with pytest.raises(ValueError, match="train.compile"):
+        check_config(cfg, 2)
+    moe, dense = qwen3_vl_moe()[0], qwen3_vl()[0]
+    check(moe, 4, 4)
+    with pytest.raises(ValueError, match="must divide the model's 4 experts"):
+        check(moe, 3, 3)
+    with pytest.raises(ValueError, match="needs a MoE model"):
+        check(dense, 2, 2)
