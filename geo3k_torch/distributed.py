@@ -11,7 +11,9 @@ CPU runs use gloo, and none at world size 1.
 
 FSDP2 (`fully_shard`) wraps each language-model decoder layer and each vision block, then the
 root (torchtitan's order), with one `MixedPrecisionPolicy` when `bf16`: bf16 parameters for
-compute, fp32 master weights, fp32 gradient reduction.
+compute, fp32 master weights, fp32 gradient reduction. With `train.expert_parallel` > 1 a MoE
+model's experts are first split over ranks and sharded on a mesh of their own
+(`geo3k_torch.expert_parallel`); the layers' FSDP units then leave them out.
 """
 
 from __future__ import annotations

@@ -13,16 +13,20 @@ embeddings, the vision tower) stays under FSDP2 over the whole world, as without
     regrouped by local expert; gate_up, SwiGLU, down as two grouped matmuls       (N, H)
     all-to-all back -> unsorted -> x their router weights -> summed over k        (T, H)
 
-the arithmetic of transformers' grouped_mm experts, row for row. The all-to-alls carry autograd
+the ops of transformers' grouped_mm experts (the grouped matmuls see other row groups, which
+round differently: 2.4e-7 of the output in tests/test_expert_parallel.py). The all-to-alls carry autograd
 (their backward is the reverse exchange), so an expert's gradient sums the contributions of
-every token that chose it, on whatever rank it came from: FSDP's reduction over "expert_fsdp"
-then divides by the world size (`set_gradient_divide_factor`), as the non-expert gradients are
-averaged over the world, so both keep the loss's scale (torchtitan's recipe). The split sizes of
-the all-to-alls are host integers: EP reads the counts back once per sparse layer and pass.
+every token that chose it, on whatever rank it came from (each rank's loss is scaled by the
+world size, since FSDP averages the other gradients over the world): it is divided by ep in the
+backward pass and FSDP's mean over "expert_fsdp" divides by the rest of the world. (torchtitan
+sets FSDP's gradient divide factor to the world size instead: torch 2.13's FSDP then reduces by
+a pre-scaled sum, which gloo lacks.) The split sizes of the all-to-alls are host integers: EP
+reads the counts back once per sparse layer and pass (forward, and backward's recomputation).
 
 What follows from the DTensors: the gathered state dict (HF export, engine copies, weight sync)
-holds the full experts; DCP checkpoints hold each rank's shards and reshard on load; the grad
-norm sums each shard once (`clip_grad_norm`, one norm per mesh).
+holds the full experts; DCP checkpoints hold each rank's shards and reshard on load (one process
+resumes what two with ep = 2 saved, tested); the grad norm sums each shard once
+(`clip_grad_norm`, one norm per mesh).
 """
 
 from __future__ import annotations
@@ -85,7 +89,6 @@ def shard_experts(model, ep: int, **fsdp_kw) -> None:
                 requires_grad=full.requires_grad))
         experts.forward = functools.partial(dispatch, experts, experts_mesh.get_group())
         fully_shard(experts, mesh=grid["expert_fsdp"], **fsdp_kw)
-        experts.set_gradient_divide_factor(float(world))  # the world's mean, not the group's
 
 
 def dispatch(experts, group, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -112,7 +115,7 @@ def dispatch(experts, group, hidden: torch.Tensor, top_k_index: torch.Tensor,
     ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(theirs.flatten())
     regroup = torch.argsort(ids, stable=True)  # (N,)
     per_expert = theirs.sum(0)  # (E/ep,)
-    y = _local_experts(experts, x[regroup], per_expert)  # (N, H)
+    y = _local_experts(experts, x[regroup], per_expert, ep)  # (N, H)
     back = torch.empty_like(regroup)
     back[regroup] = torch.arange(len(regroup), device=regroup.device)
     y = all_to_all_single_autograd(y[back], send, recv, group)  # (T*k, H) in `order`
@@ -122,13 +125,21 @@ def dispatch(experts, group, hidden: torch.Tensor, top_k_index: torch.Tensor,
     return out.view(T, k, -1).sum(1).to(hidden.dtype)
 
 
-def _local_experts(experts, x: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+def _grad_divided(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t itself, its gradient divided by n in the backward pass."""
+    if t.requires_grad:
+        t.register_hook(lambda g: g / n)
+    return t
+
+
+def _local_experts(experts, x: torch.Tensor, per_expert: torch.Tensor, ep: int) -> torch.Tensor:
     """x (N, H) grouped by this rank's experts, per_expert (E/ep,) their row counts -> (N, H):
     SwiGLU experts as two grouped matmuls over the local slabs, transformers' grouped_mm
-    arithmetic. No rows (no token chose these experts): one zero row appended, through the last
+    arithmetic; the slabs' gradients divided by ep (module docstring). No rows (no token chose these experts): one zero row appended, through the last
     expert, and dropped (CPU's grouped matmul has no backward for zero rows); its gradients are
     zeros, and the empty x stays in the graph: its all-to-all's backward runs on every rank."""
-    gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+    gate_up, down = (_grad_divided(p.to_local(), ep)
+                     for p in (experts.gate_up_proj, experts.down_proj))  # (E/ep, ., .)
     empty = len(x) == 0
     if empty:
         x = torch.cat([x, x.new_zeros(1, x.shape[1])])
