@@ -29,6 +29,7 @@ from transformers import Qwen3VLMoeForConditionalGeneration
 
 from common.batching import pack
 from common.grpo import LossConfig
+from common.learner import SingleProcess
 from common.step import even_out
 from configs import base
 from geo3k_torch import checkpoint, distributed
@@ -54,6 +55,26 @@ def weights_now(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in checkpoint.full_state_dict(model).items()}
 
 
+def make_learner(model, source: Path, comm=SingleProcess()) -> Learner:
+    """The learner of every run here (its model saved in `source`, fp32 on CPU)."""
+    cfg = base.get_config().train
+    with cfg.unlocked():
+        cfg.lr = 1e-3
+    return Learner(model, ImageOnlyProcessor(16),
+                   LossConfig(agg="token-mean", tis_cap=2.0, router_aux_coef=0.01), cfg, 1.0,
+                   comm=comm, chunk=8, model_dir=str(source))
+
+
+def this_share(comm=SingleProcess()) -> tuple[list, float, float]:
+    """This rank's micro-batches of the global batch (as many on every rank), its trained
+    tokens and sequences (global)."""
+    seqs = global_batch(ImageOnlyProcessor(16))
+    n_tokens, n_seqs = float(sum(s.loss_mask.sum() for s in seqs)), float(len(seqs))
+    batches = pack(seqs[comm.rank::comm.world], max(len(s) for s in seqs))  # several
+    n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]
+    return even_out(batches, int(n_micro), seqs[0]), n_tokens, n_seqs
+
+
 def main(out, workdir, ep):
     rank, world = distributed.init("cpu")
     ep, workdir = int(ep), Path(workdir)
@@ -69,21 +90,11 @@ def main(out, workdir, ep):
             return load_model(str(source)).train()
         return load_sharded(str(source), "cpu", bf16=False, expert_parallel=ep)
 
-    processor = ImageOnlyProcessor(16)
-    seqs = global_batch(processor)
-    n_tokens, n_seqs = float(sum(s.loss_mask.sum() for s in seqs)), float(len(seqs))
     comm = distributed.TorchCollectives()
-    batches = pack(seqs[rank::world], max(len(s) for s in seqs))  # several micro-batches
-    n_micro = comm.sum_scalars({"n": len(batches)}, max_keys=("n",))["n"]
-    batches = even_out(batches, int(n_micro), seqs[0])
-    cfg = base.get_config().train
-    with cfg.unlocked():
-        cfg.lr = 1e-3
+    batches, n_tokens, n_seqs = this_share(comm)
 
     def learner(model):
-        return Learner(model, processor, LossConfig(agg="token-mean", tis_cap=2.0,
-                                                    router_aux_coef=0.01),
-                       cfg, 1.0, comm=comm, chunk=8, model_dir=str(source))
+        return make_learner(model, source, comm)
 
     a = learner(build())
     weights = TorchWeights(a.model, ".", rank)
