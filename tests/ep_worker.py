@@ -1,11 +1,12 @@
 """Expert parallelism on the tiny Qwen3-VL-MoE; run by tests/test_expert_parallel.py.
 
-    python -m torch.distributed.run --nproc_per_node=N tests/ep_worker.py OUT.pt DIR EP
+    python -m torch.distributed.run --nproc_per_node=N tests/ep_worker.py OUT.pt DIR EP [MODE]
 
 With N > 1, first layer 0's experts split over EP ranks against an unsharded copy, on each
 rank's own tokens (`block`). Then rank 0 saves the tiny model to DIR/model as exports are
 written; every rank loads it (N = 1: `load_model`; else `load_sharded`: built on the meta
-device, FSDP2 with the experts split over EP ranks, rank 0's read scattered); one learner step
+device, FSDP2 with the experts split over EP ranks, rank 0's read scattered, activation
+checkpointing MODE: none, full or selective); one learner step
 on the fixed global batch of tests/fsdp_worker.py (rank r trains sequences r, r + N, ...), a
 sharded save into DIR/ckpt, a second step, and a fresh learner that restores DIR/ckpt and takes
 that second step again. Rank 0 writes to OUT.pt (torch.save): each rank's slab of layer 0's
@@ -75,7 +76,7 @@ def this_share(comm=SingleProcess()) -> tuple[list, float, float]:
     return even_out(batches, int(n_micro), seqs[0]), n_tokens, n_seqs
 
 
-def main(out, workdir, ep):
+def main(out, workdir, ep, mode="none"):
     rank, world = distributed.init("cpu")
     ep, workdir = int(ep), Path(workdir)
     report = {"block": block(ep)} if world > 1 else {}
@@ -88,7 +89,8 @@ def main(out, workdir, ep):
     def build():
         if world == 1:
             return load_model(str(source)).train()
-        return load_sharded(str(source), "cpu", bf16=False, expert_parallel=ep)
+        return load_sharded(str(source), "cpu", bf16=False, expert_parallel=ep,
+                            activation_checkpointing=mode)
 
     comm = distributed.TorchCollectives()
     batches, n_tokens, n_seqs = this_share(comm)
