@@ -75,9 +75,15 @@ def shard_experts(model, ep: int, **fsdp_kw) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
+    from geo3k_torch.model import experts_implementation
+
     world = dist.get_world_size()
     check(model, world, ep)
-    grid = mesh("cuda" if "nccl" in dist.get_backend() else "cpu", world, ep)
+    device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"
+    if experts_implementation(device_type) != "grouped_mm":
+        raise ValueError(f"train.expert_parallel={ep} runs the experts as grouped matmuls, which "
+                         f"torch cannot run on this {device_type} (CUDA needs sm80 or newer)")
+    grid = mesh(device_type, world, ep)
     experts_mesh = grid["expert"]
     rank = experts_mesh.get_local_rank()
     for experts in sparse_blocks(model):
