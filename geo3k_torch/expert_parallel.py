@@ -14,14 +14,15 @@ embeddings, the vision tower) stays under FSDP2 over the whole world, as without
     all-to-all back -> unsorted -> x their router weights -> summed over k        (T, H)
 
 the ops of transformers' grouped_mm experts (the grouped matmuls see other row groups, which
-round differently: 2.4e-7 of the output in tests/test_expert_parallel.py). The all-to-alls carry autograd
-(their backward is the reverse exchange), so an expert's gradient sums the contributions of
-every token that chose it, on whatever rank it came from (each rank's loss is scaled by the
-world size, since FSDP averages the other gradients over the world): it is divided by ep in the
-backward pass and FSDP's mean over "expert_fsdp" divides by the rest of the world. (torchtitan
-sets FSDP's gradient divide factor to the world size instead: torch 2.13's FSDP then reduces by
-a pre-scaled sum, which gloo lacks.) The split sizes of the all-to-alls are host integers: EP
-reads the counts back once per sparse layer and pass (forward, and backward's recomputation).
+round differently: 2.4e-7 of the output in tests/test_expert_parallel.py). The all-to-alls
+carry autograd (their backward is the reverse exchange), so an expert's gradient sums the
+contributions of every token that chose it, on whatever rank it came from (each rank's loss is
+scaled by the world size, since FSDP averages the other gradients over the world): it is divided
+by ep in the backward pass and FSDP's mean over "expert_fsdp" divides by the rest of the world.
+(torchtitan sets FSDP's gradient divide factor to the world size instead: torch 2.13's FSDP
+then reduces by a pre-scaled sum, which gloo lacks.) The split sizes of the all-to-alls are
+host integers: EP reads the counts back once per sparse layer and pass (forward, and a
+checkpointed layer's recomputation).
 
 What follows from the DTensors: the gathered state dict (HF export, engine copies, weight sync)
 holds the full experts; DCP checkpoints hold each rank's shards and reshard on load (one process
@@ -141,9 +142,10 @@ def _grad_divided(t: torch.Tensor, n: int) -> torch.Tensor:
 def _local_experts(experts, x: torch.Tensor, per_expert: torch.Tensor, ep: int) -> torch.Tensor:
     """x (N, H) grouped by this rank's experts, per_expert (E/ep,) their row counts -> (N, H):
     SwiGLU experts as two grouped matmuls over the local slabs, transformers' grouped_mm
-    arithmetic; the slabs' gradients divided by ep (module docstring). No rows (no token chose these experts): one zero row appended, through the last
-    expert, and dropped (CPU's grouped matmul has no backward for zero rows); its gradients are
-    zeros, and the empty x stays in the graph: its all-to-all's backward runs on every rank."""
+    arithmetic; the slabs' gradients divided by ep (module docstring). No rows (no token chose
+    these experts): one zero row appended, through the last expert, and dropped (CPU's grouped
+    matmul has no backward for zero rows); its gradients are zeros, and the empty x stays in the
+    graph: its all-to-all's backward runs on every rank."""
     gate_up, down = (_grad_divided(p.to_local(), ep)
                      for p in (experts.gate_up_proj, experts.down_proj))  # (E/ep, ., .)
     empty = len(x) == 0

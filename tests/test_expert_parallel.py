@@ -51,6 +51,10 @@ def largest_gap(a: dict, b: dict) -> tuple[float, str]:
                for k in b)
 
 
+def checksum(r: dict) -> float:
+    return float(sum(v.double().abs().sum() for v in r["weights"].values()))
+
+
 def assert_block_is_unsharded(many: dict) -> None:
     """Layer 0's experts split over the processes, each on its own tokens: output and gradients
     (hidden states, router weights, gathered experts) are the unsharded block's; also when every
@@ -79,7 +83,6 @@ def assert_same_step(one: dict, many: dict) -> None:
     # Adam's first step is about lr x sign(g): weights move alike wherever the gradients do
     assert max(float((many["weights"][k] - one["weights"][k]).abs().max())
                for k in one["weights"]) < 2e-5
-    checksum = lambda r: float(sum(v.double().abs().sum() for v in r["weights"].values()))  # noqa: E731
     assert checksum(many) == pytest.approx(checksum(one), rel=1e-8)
     assert sorted(many["exported"]) == sorted(one["exported"])
     assert all(torch.equal(many["exported"][k], many["weights"][k]) for k in many["exported"])
