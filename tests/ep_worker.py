@@ -12,7 +12,8 @@ sharded save into DIR/ckpt, a second step, and a fresh learner that restores DIR
 that second step again. Rank 0 writes to OUT.pt (torch.save): each rank's slab of layer 0's
 gate_up_proj, the steps' metrics, the first
 step's gradients and weights gathered in full, the weights exported as an HF directory and read
-back, whether every rank's weight-sync buckets hold exactly the trained weights in bf16, and
+back, whether every rank's weight-sync buckets hold exactly the trained weights in bf16 and
+whether every rank's engine copy (`copy_weights`) holds them exactly in fp32, and
 the weights after both second steps.
 """
 
@@ -34,6 +35,7 @@ from common.learner import SingleProcess
 from common.step import even_out
 from configs import base
 from geo3k_torch import checkpoint, distributed
+from geo3k_torch.backend import copy_weights
 from geo3k_torch.expert_parallel import shard_experts
 from geo3k_torch.learner import Learner
 from geo3k_torch.model import load_model, load_sharded, use_grouped_experts
@@ -94,11 +96,7 @@ def main(out, workdir, ep, mode="none"):
 
     comm = distributed.TorchCollectives()
     batches, n_tokens, n_seqs = this_share(comm)
-
-    def learner(model):
-        return make_learner(model, source, comm)
-
-    a = learner(build())
+    a = make_learner(build(), source, comm)
     weights = TorchWeights(a.model, ".", rank)
     slab = a.model.model.language_model.layers[0].mlp.experts.gate_up_proj  # (E, 2I, H) in full
     slab = slab.to_local() if isinstance(slab, DTensor) else slab
@@ -113,6 +111,11 @@ def main(out, workdir, ep, mode="none"):
                             if k in dict(weights.entries)})
     same = sorted(synced) == sorted(want) and all(torch.equal(synced[k], want[k]) for k in want)
     report["sync_exact"] = all(comm.gather(same))
+    engine = load_model(str(source)).eval()  # the local engine's own copy, synced in place
+    copy_weights(a.model, engine)
+    copied = engine.state_dict()
+    report["copy_exact"] = all(comm.gather(all(torch.equal(copied[k], v)
+                                               for k, v in report["weights"].items())))
     a.export_hf(workdir / "hf")
     if rank == 0:
         report["exported"] = Qwen3VLMoeForConditionalGeneration.from_pretrained(
@@ -121,7 +124,7 @@ def main(out, workdir, ep, mode="none"):
     comm.barrier()
     report["step2"] = a.train_step(batches, n_tokens, n_seqs)
     report["after"] = weights_now(a.model)
-    b = learner(build())
+    b = make_learner(build(), source, comm)
     b.restore(workdir / "ckpt")
     report["resumed"] = b.train_step(batches, n_tokens, n_seqs)
     report["after_resumed"] = weights_now(b.model)

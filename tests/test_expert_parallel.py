@@ -68,8 +68,8 @@ def assert_block_is_unsharded(many: dict) -> None:
 def assert_same_step(one: dict, many: dict) -> None:
     """The step of `many` processes is the one-process step: metrics, every gathered gradient,
     the updated weights; its HF export read back is its gathered weights (full experts, the
-    published layout undone by transformers), every process's bf16 weight-sync buckets hold
-    them exactly, and a learner restored from its sharded checkpoint trains the second step as
+    published layout undone by transformers), every process's bf16 weight-sync buckets and its
+    engine copy hold them exactly, and a learner restored from its sharded checkpoint trains the second step as
     the one that saved it."""
     assert one["micro_batches"] >= 2 and many["micro_batches"] >= 2  # accumulation as well
     a, b = one["step1"], many["step1"]
@@ -86,7 +86,8 @@ def assert_same_step(one: dict, many: dict) -> None:
     assert checksum(many) == pytest.approx(checksum(one), rel=1e-8)
     assert sorted(many["exported"]) == sorted(one["exported"])
     assert all(torch.equal(many["exported"][k], many["weights"][k]) for k in many["exported"])
-    assert many["sync_exact"] and one["sync_exact"]
+    assert many["sync_exact"] and one["sync_exact"]  # SGLang's buckets
+    assert many["copy_exact"] and one["copy_exact"]  # the local engine's copy
     for r in (one, many):
         assert r["resumed"]["loss"] == pytest.approx(r["step2"]["loss"], rel=1e-7)
         assert r["resumed"]["grad_norm"] == pytest.approx(r["step2"]["grad_norm"], rel=1e-7)
