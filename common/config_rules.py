@@ -86,6 +86,7 @@ RANGES = {
     "train.weight_decay": "[0, inf)",
     "train.grad_clip": "(0, inf)",
     "train.collective_timeout_s": "(0, inf)",
+    "train.expert_parallel": "[1, inf)",
     "eval.every": "[0, inf)",
     "eval.max_prompts": "[0, inf)",
     "eval.n_samples": "[0, inf)",

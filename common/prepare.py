@@ -262,6 +262,14 @@ def check_config(cfg, world: int) -> None:
                          "older weights, and loss.tis_cap is None leaves them uncorrected: set "
                          "loss.tis_cap (2.0 is slime's value) to weight each token by the "
                          "capped ratio of the current to the behaviour policy, or max_staleness=0")
+    ep = cfg.train.expert_parallel
+    if world % ep:
+        raise ValueError(f"train.expert_parallel={ep} must divide the {world} processes: each "
+                         "group of that many splits a MoE model's experts among its ranks")
+    if ep > 1 and cfg.train.compile:
+        raise ValueError(f"train.expert_parallel={ep} with train.compile=True: the experts' "
+                         "all-to-all sizes are read on the host, a break in every compiled "
+                         "layer's graph; set one of them off")
     if cfg.train.prompts_per_step % world:
         raise ValueError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be a "
                          f"multiple of the {world} processes")

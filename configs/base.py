@@ -258,6 +258,11 @@ def get_config() -> ml_collections.ConfigDict:
     # (geo3k_torch.precision); always: FSDP2 at world size 1 too (casts every micro-batch).
     # Several processes always shard with FSDP2.
     c.train.fsdp = "auto"
+    # A MoE model's experts split over this many processes (it divides the world and the experts;
+    # 1: off): tokens travel to their experts by all-to-all, FSDP2 shards the rest over the world
+    # and the expert slabs over the remaining ranks (geo3k_torch.expert_parallel). Torch learner
+    # only: the JAX learner splits experts over jax.mesh.expert.
+    c.train.expert_parallel = 1
     # On CUDA: recompute each layer in the backward pass (full), only its elementwise work
     # (selective: matmul and attention outputs kept), or nothing (none).
     c.train.activation_checkpointing = "full"

@@ -92,6 +92,9 @@ def build(cfg, workdir: str) -> loop.Run:
     if cfg.jax.compute_dtype not in DTYPES:
         raise ValueError(f"jax.compute_dtype must be one of {sorted(DTYPES)}, got "
                          f"{cfg.jax.compute_dtype!r}")
+    if cfg.train.expert_parallel != 1:
+        raise ValueError(f"train.expert_parallel={cfg.train.expert_parallel} is the torch "
+                         "learner's; the JAX learner splits experts over jax.mesh.expert")
     comm = JaxCollectives()
     check_config(cfg, comm.world)
     notes = check_phases(cfg)  # jax.offload and jax.free_engine against the schedule

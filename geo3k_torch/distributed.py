@@ -11,7 +11,9 @@ CPU runs use gloo, and none at world size 1.
 
 FSDP2 (`fully_shard`) wraps each language-model decoder layer and each vision block, then the
 root (torchtitan's order), with one `MixedPrecisionPolicy` when `bf16`: bf16 parameters for
-compute, fp32 master weights, fp32 gradient reduction.
+compute, fp32 master weights, fp32 gradient reduction. With `train.expert_parallel` > 1 a MoE
+model's experts are first split over ranks and sharded on a mesh of their own
+(`geo3k_torch.expert_parallel`); the layers' FSDP units then leave them out.
 """
 
 from __future__ import annotations
@@ -63,13 +65,19 @@ def mixed_precision(cast_forward_inputs: bool = True):
                                 cast_forward_inputs=cast_forward_inputs)
 
 
-def parallelize(model, bf16: bool = False):
+def parallelize(model, bf16: bool = False, expert_parallel: int = 1):
     """Shard a transformers Qwen-VL model in place with FSDP2 (a process group must exist; at
     world size 1 nothing is split, the policy still applies); returns it. bf16: under
-    `mixed_precision()`, else the parameters' own dtype throughout."""
+    `mixed_precision()`, else the parameters' own dtype throughout. expert_parallel > 1: a MoE
+    model's experts split over that many ranks first (`geo3k_torch.expert_parallel`), FSDP over
+    the world for the rest."""
     from torch.distributed.fsdp import fully_shard
 
     kw = {"mp_policy": mixed_precision()} if bf16 else {}
+    if expert_parallel > 1:
+        from geo3k_torch.expert_parallel import shard_experts
+
+        shard_experts(model, expert_parallel, **kw)
     inner = model.model
     for block in inner.visual.blocks:
         fully_shard(block, **kw)

@@ -46,6 +46,7 @@ from common.learner import Collectives, SingleProcess, is_vision
 from common.schedule import horizon, lr_factor
 from geo3k_torch import checkpoint
 from geo3k_torch.attention import to_device
+from geo3k_torch.expert_parallel import clip_grad_norm
 from geo3k_torch.head import fused_loss
 from geo3k_torch.model import host_inputs, token_logprobs, upload
 from geo3k_torch.precision import MasterWeights
@@ -281,7 +282,7 @@ class Learner:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = self.accumulate(batches, n_tokens, n_seqs)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP
             grad_norm = grad_norm.full_tensor()
         counts = sums.pop("router_counts", None)  # (L, E) of a MoE model

@@ -43,7 +43,7 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, attn: str = attent
 def load_sharded(path: str, device: torch.device | str, bf16: bool,
                  dtype: torch.dtype = torch.float32, attn: str = attention.NAME,
                  activation_checkpointing: str = "none", checkpoint_vision: bool = True,
-                 compile_backend: str | None = None):
+                 compile_backend: str | None = None, expert_parallel: int = 1):
     """The checkpoint at `path` as an FSDP2 model (`geo3k_torch.distributed.parallelize`; every
     rank of the process group calls this), without a full copy on any device: the model is
     built on the meta device, sharded, given storage on `device` for its own shards only, then
@@ -52,7 +52,9 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
     for training, bf16 for the KL reference); bf16: compute under the bf16 policy;
     activation_checkpointing, checkpoint_vision: `checkpoint_layers`' mode and whether it
     covers the vision blocks (set before sharding); compile_backend: its blocks compiled by this
-    torch.compile backend (`compile_layers`, the checkpointing inside), None: eager."""
+    torch.compile backend (`compile_layers`, the checkpointing inside), None: eager;
+    expert_parallel: a MoE model's experts split over that many ranks
+    (`geo3k_torch.expert_parallel`, `train.expert_parallel`)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -71,7 +73,7 @@ def load_sharded(path: str, device: torch.device | str, bf16: bool,
         compile_layers(model, activation_checkpointing, checkpoint_vision, compile_backend)
     else:
         checkpoint_layers(model, activation_checkpointing, checkpoint_vision)
-    distributed.parallelize(model, bf16)
+    distributed.parallelize(model, bf16, expert_parallel)
     model.to_empty(device=device)
     for module in model.modules():  # the rotary tables: buffers outside the checkpoint
         if module._non_persistent_buffers_set:

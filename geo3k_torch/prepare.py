@@ -171,7 +171,9 @@ def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference
     fp32 (the CPU demo). Activation checkpointing (`train.activation_checkpointing`) on CUDA
     only. `train.compile`: each of its blocks compiled (`geo3k_torch.model.compile_layers`, by
     `train.compile_backend`, the checkpointing inside); the policy's only once
-    `train.micro_batch_tokens="auto"` has chosen its checkpointing (`geo3k_torch.memory`)."""
+    `train.micro_batch_tokens="auto"` has chosen its checkpointing (`geo3k_torch.memory`).
+    `train.expert_parallel`: the policy's experts split over that many ranks (the reference keeps
+    plain FSDP: it is never trained)."""
     bf16 = device.type == "cuda" and cfg.train.bf16
     dtype = torch.bfloat16 if reference and bf16 else torch.float32
     mode = cfg.train.activation_checkpointing if device.type == "cuda" and not reference \
@@ -181,7 +183,8 @@ def load_policy(cfg, model_dir: str, device: torch.device, world: int, reference
     if uses_fsdp(cfg, device, world):
         model = load_sharded(model_dir, device, bf16, dtype, activation_checkpointing=mode,
                              checkpoint_vision=cfg.train.checkpoint_vision,
-                             compile_backend=backend)
+                             compile_backend=backend,
+                             expert_parallel=1 if reference else cfg.train.expert_parallel)
     else:
         model = load_model(model_dir, dtype, device=device)
         if backend:
