@@ -79,13 +79,12 @@ def route(logits: jax.Array, k: int, replay: jax.Array | None = None
     k (N, k) int32). replay: (N, k) experts to use instead of the top k (a row with a -1: the
     top k); the weights are the probabilities at the experts used, renormalised."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    _, top = jax.lax.top_k(probs, k)
+    chosen, top = jax.lax.top_k(probs, k)
     index = top
-    if replay is not None:
+    if replay is not None:  # gathered: for the top k, top_k's values and gradient exactly
         index = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True),
                           replay.astype(jnp.int32), top)
-    # gathered rather than top_k's values: the same numbers and gradient for the same experts
-    chosen = jnp.take_along_axis(probs, index, axis=-1)
+        chosen = jnp.take_along_axis(probs, index, axis=-1)
     return (chosen / chosen.sum(-1, keepdims=True)).astype(logits.dtype), index, top
 
 
