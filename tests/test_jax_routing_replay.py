@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from common.batching import TrainSequence, pack
-from common.engine import Request, SamplingParams
 from common.grpo import LossConfig
 from geo3k_jax.core.batch import assemble, host_row
 from geo3k_jax.engine.engine import JaxEngine
@@ -163,6 +162,12 @@ def episode_sequences(turns) -> list[TrainSequence]:
     return seqs
 
 
+def episodes_of(tiny, params: dict, temperature: float):
+    """tests/test_jax_engine's two-turn episodes of 3 sessions, sampled from `params`."""
+    from tests.test_jax_engine import episodes
+    return episodes(tiny.engine(params), tiny.processor, 2, turns=2, temperature=temperature)
+
+
 @pytest.mark.slow
 def test_replayed_learner_logprobs_are_the_engines_where_free_routing_differs(tiny, capsys):
     """The engine samples with experts 2 and 3 tied in every router (the tie goes to 2); the
@@ -204,8 +209,3 @@ def test_replayed_learner_logprobs_are_the_engines_where_free_routing_differs(ti
     assert metrics["logp_diff_max"] == pytest.approx(gap["replay"], abs=1e-6)
     assert metrics["logp_diff_max_free"] == pytest.approx(gap["free"], rel=1e-4)
     assert metrics["routing_replay_mismatch"] == pytest.approx(flips / recorded.sum())
-
-
-def episodes_of(tiny, params, temperature):
-    from tests.test_jax_engine import episodes
-    return episodes(tiny.engine(params), tiny.processor, 2, turns=2, temperature=temperature)

@@ -19,11 +19,11 @@ partition rules; a slice's rows are split over the data-parallel axes.
 
 Routing replay (`loss.routing_replay`, a mixture-of-experts model): each slice carries the
 engine's experts per token and sparse layer (`geo3k_jax.core.batch`'s `routing`) and the
-forward routes every token to them, so its log-probs are the engine's routing's; `logp_diff_*`
-are then the replayed mismatch against the rollout's log-probs. A no-gradient forward of the
-step's first slice routing freely reports what replay removed: `logp_diff_mean_free`,
-`logp_diff_max_free`, and `routing_replay_mismatch`, the share of (token, sparse layer)
-routings whose free top-k set differs from the replayed one.
+forward (the KL reference's too) routes every token to them, so its log-probs are the engine's
+routing's; `logp_diff_*` are then the replayed mismatch against the rollout's log-probs. A
+no-gradient forward of the step's first slice routing freely reports what replay removed:
+`logp_diff_mean_free`, `logp_diff_max_free`, and `routing_replay_mismatch`, the share of
+(token, sparse layer) routings whose free top-k set differs from the replayed one.
 
 Mixed precision (`compute_dtype=bfloat16`): fp32 parameters and optimizer state, the forward
 and backward in bf16 (parameters cast inside the loss), the LM head accumulated in fp32,
