@@ -442,3 +442,32 @@ def test_the_offloaded_state_leaves_the_tpus_memory(offload):
     want = parts["moments"] + (parts["params"] + parts["reference"]) * (offload == "all")
     # the TPU pads the tiny arrays to its tiles: the compiler moves more than their bytes
     assert o["host_out"] >= want and o["device_out"] < 1024
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_engine_recording_its_routing_compiles_for_v5p_8():
+    """With `loss.routing_replay` the engine beside the learner records its routing (each fed
+    token's experts out of the prefill and the decode loop): its prefill and decode compile for
+    v5p-8 with the experts over fsdp 2 x expert 2, and fit."""
+    import jax
+
+    from geo3k_jax import aot
+    from geo3k_jax.tpu.engine_aot import abstract_engine, compile_engine
+
+    cfg = _tiny_tpu_config()
+    cfg.loss.routing_replay = True
+    cfg.jax.mesh.update(fsdp=2, expert=2)
+    devices = aot.topology_devices("v5p-8")
+    hf = config("qwen3_vl_moe")[0]
+    optimise = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with jax.default_matmul_precision(None):
+            learner = aot.abstract_learner(cfg, hf, devices)
+            assert abstract_engine(cfg, learner, hf, memory=2 ** 62)[0].record
+            r = compile_engine(cfg, learner, hf, aot.tpu_chip(devices), ["prefill", "decode"],
+                               "v5p-8")
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimise)
+    assert [(p["program"], p["fits"]) for p in r["programs"]] == [("prefill", True),
+                                                                   ("decode", True)], r
