@@ -126,7 +126,7 @@ def abstract_slice(learner, config) -> dict:
     s = learner.shape
     return assemble([], config, n_rows=learner.rows_per_slice, length=s["length"],
                     n_targets=s["targets"], n_patches=s["patches"], min_window=s["window"],
-                    min_prefix_window=s["prefix_window"])
+                    min_prefix_window=s["prefix_window"], routing=learner.routing)
 
 
 def device_bytes(tree) -> int:

@@ -29,7 +29,7 @@ def main() -> None:
 
     def loss(block, x):  # (value, (x's gradient, the weights' gradients))
         def f(state, x):
-            y = nnx.merge(nnx.split(block)[0], state)(x)
+            y, _ = nnx.merge(nnx.split(block)[0], state)(x)
             return (y * y).sum()
         return jax.value_and_grad(f, argnums=(0, 1))(nnx.state(block), x)
     plain_out = jax.jit(lambda x: loss(plain, x))(x)

@@ -15,9 +15,9 @@ pytest.importorskip("libtpu", reason="the TPU compiler: pip install libtpu==0.0.
                     "(requirements-test.txt)")
 
 
-def tiny_step(arch: str, **mesh) -> dict:
+def tiny_step(arch: str, routing_replay: bool = False, **mesh) -> dict:
     """`aot.compile_step`'s report of the tiny `arch`'s step on a v5p-8 (configs/tpu.py, 256-token
-    rows, `mesh` over the defaults)."""
+    rows, `mesh` over the defaults, `loss.routing_replay`)."""
     import jax
 
     from configs import tpu
@@ -27,6 +27,7 @@ def tiny_step(arch: str, **mesh) -> dict:
     cfg.train.micro_batch_tokens = 256
     cfg.jax.slice.update(targets=128, patches=64, window=256, prefix_window=64)
     cfg.jax.mesh.update(mesh)
+    cfg.loss.routing_replay = routing_replay
     # as a run compiles it: the figures are the optimised program's (tests/conftest.py turns
     # most optimisations off), and the matmul precision the default (other test modules ask for
     # "highest", which the TPU kernels refuse for bf16 operands)
@@ -45,10 +46,13 @@ def tiny_v5p():
 
 
 @pytest.mark.slow
-def test_the_tiny_moe_step_compiles_for_v5p_8_with_experts_sharded():
+@pytest.mark.parametrize("replay", [False, True], ids=["free", "routing_replay"])
+def test_the_tiny_moe_step_compiles_for_v5p_8_with_experts_sharded(replay):
     """Qwen3-VL-MoE's step (splash attention, bf16 compute, remat, experts as ragged dots) on
-    fsdp 2 x expert 2: both programs compile and fit, a row per chip (expert is a data axis)."""
-    r = tiny_step("qwen3_vl_moe", fsdp=2, expert=2)
+    fsdp 2 x expert 2, routing freely or replaying the engine's routing (its (rows, T, L, K)
+    experts split over the rows as every batch array): both programs compile and fit, a row
+    per chip (expert is a data axis)."""
+    r = tiny_step("qwen3_vl_moe", replay, fsdp=2, expert=2)
     assert (r["devices"], r["fits"], r["attention"]) == (4, True, "splash")
     assert r["slice"]["rows"] == 4
     assert [p["program"] for p in r["programs"]] == ["grad", "apply"]
@@ -438,3 +442,32 @@ def test_the_offloaded_state_leaves_the_tpus_memory(offload):
     want = parts["moments"] + (parts["params"] + parts["reference"]) * (offload == "all")
     # the TPU pads the tiny arrays to its tiles: the compiler moves more than their bytes
     assert o["host_out"] >= want and o["device_out"] < 1024
+
+
+@pytest.mark.slow
+def test_the_tiny_moe_engine_recording_its_routing_compiles_for_v5p_8():
+    """With `loss.routing_replay` the engine beside the learner records its routing (each fed
+    token's experts out of the prefill and the decode loop): its prefill and decode compile for
+    v5p-8 with the experts over fsdp 2 x expert 2, and fit."""
+    import jax
+
+    from geo3k_jax import aot
+    from geo3k_jax.tpu.engine_aot import abstract_engine, compile_engine
+
+    cfg = _tiny_tpu_config()
+    cfg.loss.routing_replay = True
+    cfg.jax.mesh.update(fsdp=2, expert=2)
+    devices = aot.topology_devices("v5p-8")
+    hf = config("qwen3_vl_moe")[0]
+    optimise = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with jax.default_matmul_precision(None):
+            learner = aot.abstract_learner(cfg, hf, devices)
+            assert abstract_engine(cfg, learner, hf, memory=2 ** 62)[0].record
+            r = compile_engine(cfg, learner, hf, aot.tpu_chip(devices), ["prefill", "decode"],
+                               "v5p-8")
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimise)
+    assert [(p["program"], p["fits"]) for p in r["programs"]] == [("prefill", True),
+                                                                   ("decode", True)], r

@@ -48,7 +48,7 @@ def test_block_equals_transformers_with_its_gradient():
     graphdef, state = nnx.split(block)
 
     def loss(state, x):
-        y = nnx.merge(graphdef, state)(x)
+        y, _ = nnx.merge(graphdef, state)(x)
         return (y * y).sum(), y
     (_, y), (grads, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
         state, jnp.asarray(x))
@@ -63,6 +63,79 @@ def test_block_equals_transformers_with_its_gradient():
     assert len(set(chosen.tolist())) >= 4  # most experts take tokens: their grouping matters
 
 
+def _grads(block, x, replay=None):
+    """The block's output, router top k, and the gradients of sum(y^2) over its state and x."""
+    graphdef, state = nnx.split(block)
+
+    def loss(state, x):
+        y, top = nnx.merge(graphdef, state)(x, replay)
+        return (y * y).sum(), (y, top)
+    (_, (y, top)), (gs, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        state, x)
+    return y, top, gs, gx
+
+
+def test_replaying_the_free_routing_is_the_free_path_bit_for_bit():
+    """Routing replay given the router's own choice: output, top k and every gradient equal
+    the free path's exactly (the learner with replay on trains what it trained without)."""
+    _, block = blocks(text_config())
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 7, 48)), jnp.float32)
+    free = _grads(block, x)
+    again = _grads(block, x, free[1])
+    for a, b in zip(jax.tree.leaves(free), jax.tree.leaves(again)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _dense_reference(x, router, gate_up, down, index):
+    """Every expert on every token, then each token's `index` (N, k) experts combined with their
+    softmax probabilities renormalised: (N, hidden)."""
+    probs = jax.nn.softmax(x @ router.T, axis=-1)
+    w = jnp.take_along_axis(probs, index, axis=-1)
+    w = w / w.sum(-1, keepdims=True)
+    gate, up = jnp.split(jnp.einsum("nh,eoh->neo", x, gate_up), 2, axis=-1)
+    every = jnp.einsum("nei,ehi->neh", jax.nn.silu(gate) * up, down)  # (N, E, hidden)
+    return jnp.einsum("nk,nkh->nh", w, jnp.take_along_axis(every, index[..., None], axis=1))
+
+
+def test_replayed_experts_weigh_by_their_probabilities_and_minus_one_routes_freely():
+    """Half the tokens replay experts drawn at random (mostly not the router's choice), half
+    hold -1 rows: output and gradients are an every-expert dense reference's with the replayed
+    experts, and the router's own top k where -1. The router learns through the replayed
+    experts' probabilities (its gradient is the reference's, not zero)."""
+    cfg = text_config()
+    _, block = blocks(cfg)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((2, 9, 48)), jnp.float32)
+    y_free, top, _, _ = _grads(block, x)
+    drawn = np.stack([rng.choice(6, 2, replace=False) for _ in range(18)]).reshape(2, 9, 2)
+    replay = np.where((np.arange(9) % 2 == 0)[None, :, None], drawn, -1)
+    replay[0, 1, 1] = 3 if replay[0, 1, 0] != 3 else 4  # one -1 in a row: the whole row free
+    replay[0, 1, 0] = -1
+    y, top_r, gs, gx = _grads(block, x, jnp.asarray(replay, jnp.int32))
+    used = np.where(replay[..., :1] >= 0, replay, np.asarray(top)).reshape(-1, 2)
+    assert np.array_equal(np.asarray(top_r), np.asarray(top))  # the router's own, as before
+    flips = (np.sort(used, -1) != np.sort(np.asarray(top).reshape(-1, 2), -1)).any(-1).sum()
+    assert flips >= 6  # most replayed rows are not the router's choice
+    router, gate_up, down = (block.gate.weight[...], block.experts.gate_up_proj[...],
+                             block.experts.down_proj[...])
+
+    def ref_loss(x, router, gate_up, down):
+        r = _dense_reference(x.reshape(-1, 48), router, gate_up, down, jnp.asarray(used))
+        return (r * r).sum(), r
+    (_, want), grads = jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        x, router, gate_up, down)
+    assert np.abs(np.asarray(y).reshape(-1, 48) - want).max() <= 1e-5 * np.abs(want).max()
+    free_rows = (replay[..., 0] < 0).reshape(-1)
+    assert np.array_equal(np.asarray(y).reshape(-1, 48)[free_rows],
+                          np.asarray(y_free).reshape(-1, 48)[free_rows])
+    for got, want in ((gx, grads[0]), (gs["gate"]["weight"], grads[1]),
+                      (gs["experts"]["gate_up_proj"], grads[2]),
+                      (gs["experts"]["down_proj"], grads[3])):
+        got, want = np.asarray(got[...]), np.asarray(want)
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    assert np.abs(np.asarray(grads[1])).max() > 1e-3
+
+
 @pytest.mark.parametrize("kw,want", [
     (dict(), [True] * 4), (dict(decoder_sparse_step=2), [False, True, False, True]),
     (dict(mlp_only_layers=[0, 3]), [False, True, True, False]),
@@ -75,10 +148,11 @@ def test_sparse_layers_are_the_ones_transformers_builds(kw, want):
     assert sparse_layers(cfg) == built == want
 
 
-def test_experts_compile_for_tpu_as_a_ragged_dot_with_experts_sharded():
+@pytest.mark.parametrize("replay", [False, True], ids=["free", "replayed"])
+def test_experts_compile_for_tpu_as_a_ragged_dot_with_experts_sharded(replay):
     """libtpu compiles the block's gradient for a v5p with the experts over an `expert` axis of
-    4 chips: the grouped matmuls become its ragged-dot kernel, not a dense product over every
-    expert."""
+    4 chips, routing freely or replaying given experts: the grouped matmuls become its
+    ragged-dot kernel, not a dense product over every expert."""
     pytest.importorskip("libtpu", reason="the TPU compiler: pip install libtpu==0.0.42")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -91,10 +165,12 @@ def test_experts_compile_for_tpu_as_a_ragged_dot_with_experts_sharded():
     spec = jax.tree.map(lambda a: NamedSharding(mesh, P("expert") if a.ndim == 3 else P()),
                         state)
     x = jax.ShapeDtypeStruct((2, 256, 48), jnp.float32)
-    fn = jax.jit(jax.grad(lambda s, x: (nnx.merge(graphdef, s)(x) ** 2).sum()),
-                 in_shardings=(spec, NamedSharding(mesh, P())))
+    again = jax.ShapeDtypeStruct((2, 256, 2), jnp.int16) if replay else None
+    fn = jax.jit(jax.grad(lambda s, x, r: (nnx.merge(graphdef, s)(x, r)[0] ** 2).sum()),
+                 in_shardings=(spec, NamedSharding(mesh, P()),
+                               NamedSharding(mesh, P()) if replay else None))
     with jax.default_matmul_precision(None):  # the TPU kernels take the default
-        hlo = fn.lower(state, x).compile().as_text()
+        hlo = fn.lower(state, x, again).compile().as_text()
     assert "ragged-dot" in hlo
     assert not any(f"f32[512,8,{n}]" in hlo for n in (32, 48))  # no every-expert product
 

@@ -22,6 +22,10 @@ backends' inputs identical, which is what the cross-backend check compares.
                                   carry them (several updates on one rollout)
     attn_starts  (B, T / block) int32  first key of each query block's own key window
     prefix_starts (B, T / block) int32 first key of each query block's prefix window
+    routing      (B, T, L, K) int16  only with routing replay (`loss.routing_replay`): the K
+                                  experts each of the L sparse layers routes the token to, as
+                                  the engine did (`common.batching.replayed_routing`); -1 on
+                                  padding, fillers and unrecorded tokens: routed freely
     targets      (B, K) int32     positions of the row's trained tokens (loss mask 1), padded
                                   with 0 (a sequence start, never trained)
     key_offsets  (W,) int32       arange(W) and arange(Wp): the own and prefix windows' lengths
@@ -44,7 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
-from common.batching import PackedBatch
+from common.batching import PackedBatch, replayed_routing
 from common.grpo import token_weights
 from common.mrope import image_token_counts, packed_position_ids
 from common.processor import image_inputs
@@ -68,11 +72,13 @@ class HostRow:
     pixel_values: np.ndarray | None  # (p, width)
     vision: dict  # vision_aux arrays of the row's images
     visual_index: np.ndarray  # (p / m^2,)
+    routing: np.ndarray | None = None  # (t, L, K) int16 the replayed experts (-1: free)
 
 
 def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
-             n_seqs: float) -> HostRow:
-    """The arrays of one micro-batch (images through the processor, M-RoPE, loss weights)."""
+             n_seqs: float, routing: tuple[int, int] | None = None) -> HostRow:
+    """The arrays of one micro-batch (images through the processor, M-RoPE, loss weights).
+    routing: (L, K) of a learner that replays the engine's routing (`assemble`)."""
     merge = config.vision_config.spatial_merge_size
     imgs = image_inputs(processor, b.images)
     grid = imgs.get("image_grid_thw", np.zeros((0, 3), np.int64))
@@ -93,13 +99,28 @@ def host_row(b: PackedBatch, processor, config, *, agg: str, n_tokens: float,
     return HostRow(b, pos[1:], prefix, weights,
                    np.flatnonzero(b.loss_mask > 0).astype(np.int32),
                    imgs["pixel_values"].astype(np.float32) if imgs else None,
-                   vision_aux(config.vision_config, grid) if imgs else {}, index)
+                   vision_aux(config.vision_config, grid) if imgs else {}, index,
+                   None if routing is None else _replayed(b, routing))
+
+
+def _replayed(b: PackedBatch, shape: tuple[int, int]) -> np.ndarray:
+    """(t, L, K) int16: the micro-batch's routing to replay, all -1 for a filler."""
+    routed = replayed_routing(b)
+    if routed is None:
+        return np.full((b.num_tokens,) + tuple(shape), -1, np.int16)
+    if routed.shape != (b.num_tokens,) + tuple(shape):
+        raise ValueError(f"the micro-batch's routed experts are {routed.shape}; the model "
+                         f"routes its {b.num_tokens} tokens over (layers, top_k) = {shape}")
+    return routed
 
 
 def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_targets: int,
-             n_patches: int, min_window: int = 0, min_prefix_window: int = 0) -> dict:
+             n_patches: int, min_window: int = 0, min_prefix_window: int = 0,
+             routing: tuple[int, int] | None = None) -> dict:
     """The padded (B = n_rows, T = length) arrays of `rows` (module docstring); rows past
-    len(rows) are all padding. n_patches = 0: no image arrays (no row may have an image)."""
+    len(rows) are all padding. n_patches = 0: no image arrays (no row may have an image).
+    routing: (L, K), the `routing` array of a learner that replays routing (rows made by
+    `host_row` with it), even when every row is padding: one set of keys per run."""
     if len(rows) > n_rows:
         raise ValueError(f"{len(rows)} micro-batches for {n_rows} rows")
     out = {"input_ids": np.zeros((n_rows, length), np.int32),
@@ -115,6 +136,8 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         keys.append("old_logprobs")
     for key in keys:
         out[key] = np.zeros((n_rows, length), np.float32)
+    if routing is not None:
+        out["routing"] = np.full((n_rows, length) + tuple(routing), -1, np.int16)
     for r, row in enumerate(rows):
         b, t = row.batch, row.batch.num_tokens
         if t > length or len(row.targets) > n_targets:
@@ -131,6 +154,11 @@ def assemble(rows: Sequence[HostRow], config, *, n_rows: int, length: int, n_tar
         if "old_logprobs" in out:
             out["old_logprobs"][r, :t] = b.old_logprobs
         out["targets"][r, :len(row.targets)] = row.targets
+        if routing is not None:
+            if row.routing is None:
+                raise ValueError("a replaying learner's row was made without its routing "
+                                 "(host_row's routing)")
+            out["routing"][r, :t] = row.routing
     out.update(attention_windows(out["segments"], out["prefix"], min_window=min_window,
                                  min_prefix_window=min_prefix_window))
     if n_patches:
@@ -181,21 +209,23 @@ def pad_patches(row: HostRow | None, config, n_patches: int, length: int) -> dic
 
 def device_batch(batches: Sequence[PackedBatch], processor, config, *, agg: str,
                  n_tokens: float, n_seqs: float, pad_to: int = 128,
-                 rows_multiple: int = 1) -> dict:
+                 rows_multiple: int = 1, routing: tuple[int, int] | None = None) -> dict:
     """The arrays of `batches` with sizes that follow the data: T the longest micro-batch and K
     the most trained tokens of a row, both rounded up to `pad_to`; P the most patches of a row.
     n_tokens / n_seqs: masked tokens / sequences of the global batch (for the loss weights);
-    rows_multiple: empty rows are added until the row count divides by it."""
+    rows_multiple: empty rows are added until the row count divides by it; routing: (L, K) to
+    replay the batches' routing (`assemble`)."""
     if not batches:
         raise ValueError("no micro-batches")
-    rows = [host_row(b, processor, config, agg=agg, n_tokens=n_tokens, n_seqs=n_seqs)
-            for b in batches]
+    rows = [host_row(b, processor, config, agg=agg, n_tokens=n_tokens, n_seqs=n_seqs,
+                     routing=routing) for b in batches]
     up = lambda n: max(-(-n // pad_to) * pad_to, pad_to)  # noqa: E731
     return assemble(rows, config, n_rows=-(-len(rows) // rows_multiple) * rows_multiple,
                     length=up(max(b.num_tokens for b in batches)),
                     n_targets=up(max(len(r.targets) for r in rows)),
                     n_patches=max((len(r.pixel_values) for r in rows
-                                   if r.pixel_values is not None), default=0))
+                                   if r.pixel_values is not None), default=0),
+                    routing=routing)
 
 
 def attention_windows(segments: np.ndarray, prefix: np.ndarray | None = None,

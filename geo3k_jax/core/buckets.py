@@ -162,14 +162,16 @@ def reuse(sizes: dict[str, int], compiled: Sequence[dict[str, int]],
 
 
 def step_slices(rows: Sequence[HostRow], config, *, rows_per_slice: int,
-                sizes: Sequence[dict[str, int]]) -> list[dict]:
+                sizes: Sequence[dict[str, int]], routing: tuple[int, int] | None = None
+                ) -> list[dict]:
     """The slices of a step (module docstring), slice i of shape `sizes[i]` (`slice_sizes`, or
-    `agree`d: slices past this process's rows are all padding)."""
+    `agree`d: slices past this process's rows are all padding); routing: (L, K) of a learner
+    that replays routing (`geo3k_jax.core.batch.assemble`)."""
     groups = [rows[i:i + rows_per_slice] for i in range(0, len(rows), rows_per_slice)]
     if len(groups) > len(sizes):
         raise ValueError(f"{len(groups)} slices for a step of {len(sizes)}")
     groups += [[]] * (len(sizes) - len(groups))
     return [assemble(g, config, n_rows=rows_per_slice, length=s["length"],
                      n_targets=s["targets"], n_patches=s["patches"], min_window=s["window"],
-                     min_prefix_window=s["prefix_window"])
+                     min_prefix_window=s["prefix_window"], routing=routing)
             for g, s in zip(groups, sizes)]

@@ -109,7 +109,8 @@ class JaxBackend:
         self.engine = JaxEngine(merge, self._weights, processor, config,
                                 seed=seed, compute_dtype=dtype, slots=slots, context=context,
                                 mesh=mesh, memory_fraction=memory_fraction,
-                                prefill_rows=prefill_rows, prefill_tokens=prefill_tokens)
+                                prefill_rows=prefill_rows, prefill_tokens=prefill_tokens,
+                                record_routing=learner.routing is not None)
         programs = len(self.engine.compile_set())
         if warm_up:
             n, seconds = self.engine.warm_up()

@@ -20,6 +20,8 @@ tower, same M-RoPE and DeepStack), the layers as one `jax.lax.scan`
               the decode loop, docs/tpu_engine.md.)
 
 Logits are the head's products accumulated in fp32, as `geo3k_jax.models.model.token_logprobs` does.
+With `record` (routing replay, a mixture-of-experts model) both also return the experts every
+fed token was routed to in each sparse layer, the routers' top k (`geo3k_jax.models.moe`).
 """
 
 from __future__ import annotations
@@ -79,9 +81,9 @@ def _project(layer, x, cos, sin):
 
 
 def _finish(layer, x, out):
-    """The rest of a decoder layer after its attention's output out (B, T, H * D)."""
-    x = x + layer.self_attn.o_proj(out)
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    """The rest of a decoder layer after its attention's output out (B, T, H * D): (x, the
+    router's top k (B, T, K), None for a dense layer)."""
+    return layer.residual_mlp(x + layer.self_attn.o_proj(out))
 
 
 QUERY_BLOCK = 512  # a prefill's new tokens attend this many at a time (or fewer)
@@ -145,7 +147,7 @@ def prefix_attention(q: jax.Array, k: jax.Array, v: jax.Array, read: Callable,
 
 
 def prefill(model: QwenVL, read: Callable, lengths: jax.Array, blocks: jax.Array,
-            batch: dict):
+            batch: dict, record: bool = False):
     """Run work rows of new tokens over their cached tokens.
 
     read(layer, j) -> (keys, values) each (Hkv, R, K, D): layer `layer`'s cached positions
@@ -155,7 +157,8 @@ def prefill(model: QwenVL, read: Callable, lengths: jax.Array, blocks: jax.Array
     count (R,) real new tokens a row (>= 1), and the image arrays of `geo3k_jax.core.batch`
     (pixel_values, vision, visual_index: positions among the new tokens) when a new token is
     an image token. Returns (logits (R, V) fp32 of each row's last real new token, (keys,
-    values) each (Hkv, layers, R, T, D) of the new tokens, to go at positions lengths[r]..)."""
+    values) each (Hkv, layers, R, T, D) of the new tokens, to go at positions lengths[r]..),
+    with `record` and the new tokens' experts (R, T, layers, K) int32."""
     lm = model.model.language_model
     x, after, cos, sin = _inputs(model, batch)
 
@@ -163,21 +166,25 @@ def prefill(model: QwenVL, read: Callable, lengths: jax.Array, blocks: jax.Array
         q, k, v = _project(layer, x, cos, sin)
         out = prefix_attention(q, k, v, lambda j: read(i, j), lengths, blocks,
                                layer.self_attn.head_dim ** -0.5)
-        return _finish(layer, x, out), (k, v)
+        x, top = _finish(layer, x, out)
+        return x, (k, v, top if record else None)
 
-    x, (keys, values) = lm.layers.scan(step, x, after=after, outputs=True)
+    x, (keys, values, tops) = lm.layers.scan(step, x, after=after, outputs=True)
     rows = tuple(a.transpose(3, 0, 1, 2, 4) for a in (keys, values))  # (layers, R, T, Hkv, D)
-    return _last_logits(model, x, batch["count"]), rows
+    logits = _last_logits(model, x, batch["count"])
+    return (logits, rows, tops.transpose(1, 2, 0, 3)) if record else (logits, rows)
 
 
-def decode(model: QwenVL, cache: tuple, at: jax.Array, batch: dict, attend: Callable):
+def decode(model: QwenVL, cache: tuple, at: jax.Array, batch: dict, attend: Callable,
+           record: bool = False):
     """One new token a slot over the cache, written at its position.
 
     cache: (keys, values) each (Hkv, layers, S, L, D); at (S,): where slot s's token goes
     (past L: nowhere, a slot not decoding); batch: input_ids (S, 1), positions (S, 3, 1) its
     M-RoPE position; attend(q (S, H, D), keys, values, layer, at, scale) -> (S, H * D): the
     attention of each slot's token to its positions <= at (`geo3k_jax.kernels.ragged`), over the
-    cache with this layer's new keys written. Returns (logits (S, V) fp32, the cache)."""
+    cache with this layer's new keys written. Returns (logits (S, V) fp32, the cache), with
+    `record` and the tokens' experts (S, layers, K) int32."""
     lm = model.model.language_model
     x, _, cos, sin = _inputs(model, batch)
     slots = jnp.arange(at.shape[0])
@@ -195,7 +202,11 @@ def decode(model: QwenVL, cache: tuple, at: jax.Array, batch: dict, attend: Call
         q, k, v = _project(layer, x, cos, sin)
         keys, values = write(keys, i, k), write(values, i, v)
         out = attend(q[:, 0], keys, values, i, at, layer.self_attn.head_dim ** -0.5)
-        return _finish(layer, x, out[:, None]), keys, values
+        x, top = _finish(layer, x, out[:, None])
+        return ((x, keys, values), top[:, 0]) if record else (x, keys, values)
 
-    x, keys, values = lm.layers.scan(step, (x,) + tuple(cache))
-    return _last_logits(model, x, jnp.ones_like(at)), (keys, values)
+    out = lm.layers.scan(step, (x,) + tuple(cache), outputs=record)
+    (x, keys, values), tops = out if record else (out, None)
+    logits = _last_logits(model, x, jnp.ones_like(at))
+    return (logits, (keys, values), tops.transpose(1, 0, 2)) if record else (logits,
+                                                                              (keys, values))

@@ -52,6 +52,13 @@ alone (`compile_set`): a prefill's new tokens are a rung of `token_rungs` and it
 how far it reads the cache (the longest row's cached tokens), whether a request samples from a
 nucleus and how many requests it serves are values, not shapes. So a run compiles a bounded
 set, `warm_up` all of it at start (`engine.warm_up`); `compiles` counts the traces.
+
+Built to record its routing (`record_routing`, a mixture-of-experts model: routing replay),
+the prefill and the decode also return the experts each fed token was routed to in every
+sparse layer, and each completion carries them (`common.engine.Completion.routed_experts`):
+the rows of the tokens a request kept in its slot's cache are those recorded when they were
+computed (a parked slot keeps them with its keys), then the prefill's, then one a decode step.
+Built without, the compiled programs are the ones they always were.
 """
 
 from __future__ import annotations
@@ -82,6 +89,7 @@ from geo3k_jax.kernels.ragged import (PAGE, TABLE_UNIT, kernel_attention, page_t
                               paged_attention)
 from geo3k_jax.core.sharding import make_mesh
 from geo3k_jax.core.vision_grid import vision_aux
+from geo3k_jax.models.moe import routing_shape
 
 LENGTH_UNIT = 128  # the cache's capacity is a multiple of this
 NEW_TOKENS_UNIT = 32  # a prefill's new tokens (a whole prompt, or a turn's feedback) are this
@@ -181,6 +189,7 @@ class _Job:
     hold: bool = False  # submitted alone: its session's next turn may follow at once
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    routing: list = dataclasses.field(default_factory=list)  # (n, L, K) pieces, fed positions
 
 
 @dataclasses.dataclass
@@ -196,6 +205,7 @@ class _Slot:
     held_until: int = 0  # the engine's decode steps until which it waits for a next turn
     epoch: int = 0  # the `clear_cache` epoch its keys were computed in
     job: _Job | None = None  # the request decoding in it
+    routing: np.ndarray | None = None  # (len(ids), L, K): the experts of its tokens, recorded
 
 
 class JaxEngine:
@@ -213,13 +223,19 @@ class JaxEngine:
     (`prefill_ladder`; 0: the slots, the context): at most `prefill_rows` work rows of at most
     `prefill_tokens` new tokens each, and a request with more new tokens (a long prompt, a
     session evicted from its slot and prefilled whole) goes in a prefill of its own; a
-    prefill of several rows runs `prefill_rows` of them (padding: one shape)."""
+    prefill of several rows runs `prefill_rows` of them (padding: one shape); record_routing:
+    each completion carries its routed experts (module docstring; a mixture-of-experts
+    model)."""
 
     def __init__(self, merge: Callable, params: Callable[[], dict], processor, config, *,
                  seed: int = 0, compute_dtype=None, slots: int = 8, context: int = 1024,
                  mesh=None, share_prefill: bool = True, keep_cache: bool = True,
                  memory_fraction: float = 0.9, memory: int | None = None,
-                 prefill_rows: int = 0, prefill_tokens: int = 0):
+                 prefill_rows: int = 0, prefill_tokens: int = 0, record_routing: bool = False):
+        if record_routing and routing_shape(config) is None:
+            raise ValueError("record_routing: the model has no sparse (mixture-of-experts) "
+                             "layer to record the routing of")
+        self.record = record_routing
         self.merge, self.params, self.processor, self.config = merge, params, processor, config
         self.compute_dtype, self.share_prefill = compute_dtype, share_prefill
         if prefill_rows < 0 or prefill_tokens < 0:
@@ -616,9 +632,10 @@ class JaxEngine:
         if self._cache is None:
             self._cache = self._allocate()
         args = self._prefill_args(arrays, expand, jobs, [j.seed for j in jobs])
-        tok, lp, rows = self._prefill(self.params(), self._cache, *args)
+        tok, lp, rows, tops = self._prefill(self.params(), self._cache, *args)
         self._cache = self._insert(self._cache, rows, dest, args[3], lengths)
         tok, lp = np.asarray(tok), np.asarray(lp)
+        tops = None if tops is None else np.asarray(tops)  # (W, T, L, K) the new tokens
         self.prefilled += real
         self.prefill_steps += int(batch["count"].max())
         st = self._state
@@ -626,6 +643,9 @@ class JaxEngine:
             r, w = job.request, expand[b]
             job.first_pos = int(first_pos[w])
             slot = self._slots[s]
+            if tops is not None:  # the kept tokens' rows (recorded then), the new tokens'
+                job.routing = ([slot.routing[:kept]] if kept else []) + [
+                    tops[w, :batch["count"][w]]]
             slot.ids, slot.images, slot.session = tuple(r.input_ids), images, r.session
             slot.epoch = epoch
             st["tok"][s], st["pos"][s] = tok[b], first_pos[w]
@@ -655,12 +675,15 @@ class JaxEngine:
             self._tick += 1
             slot.job, slot.used = None, self._tick
             slot.held_until = self.decode_steps + RESERVE_STEPS * job.hold
+            routed = np.concatenate(job.routing) if self.record else None  # fed positions
             if slot.epoch == self._epoch and self.keep_cache:
                 slot.ids = tuple(r.input_ids) + tuple(job.tokens[:-1])
                 slot.next_pos = job.first_pos + len(job.tokens) - 1
+                slot.routing = routed
             else:
-                slot.ids, slot.session = (), ""
-        job.future.set_result(Completion(job.tokens, job.logprobs, reason))
+                slot.ids, slot.session, slot.routing = (), "", None
+        job.future.set_result(Completion(job.tokens, job.logprobs, reason,
+                                         routed_experts=routed))
 
     # ---- decoding ----------------------------------------------------------------------
     def _decode_chunk(self) -> None:
@@ -669,12 +692,15 @@ class JaxEngine:
         st = self._state
         table = None if self.kernel else page_table(
             st["length"], st["live"], DECODE_CHUNK, self.capacity, self._data_shards)
-        tokens, logps, steps, self._cache = self._decode(
+        tokens, logps, steps, self._cache, routes = self._decode(
             self.params(), self._cache, self._decode_arrays(st), table, self.key)
         tokens, logps, steps = np.asarray(tokens), np.asarray(logps), int(steps)
+        routes = None if routes is None else np.asarray(routes)  # (S, DECODE_CHUNK, L, K)
         self.decode_steps += steps
         for s in np.flatnonzero(st["live"]):
             for i in range(steps):
+                if routes is not None:  # the token fed at step i, before the one it sampled
+                    self._slots[s].job.routing.append(routes[s, i:i + 1])
                 st["pos"][s] += 1
                 st["length"][s] += 1
                 st["tok"][s] = tokens[s, i]
@@ -698,17 +724,19 @@ class JaxEngine:
         """Work row w continues slot source[w]'s first lengths[w] tokens (or starts empty:
         lengths 0) with its new tokens; request b (work row index[b]) samples its first token.
         Returns (tokens (N,), log-probs (N,), the work rows' new keys and values, each
-        (Hkv, layers, W, T, D))."""
+        (Hkv, layers, W, T, D), and their experts (W, T, L, K) int16 when recording, else
+        None)."""
         self._traced()
         model = self._model(params)
         lengths, batch = self._by_slot((lengths, batch))
         blocks = -(-jnp.max(lengths) // self.block)  # the longest row's cached blocks
-        logits, rows = prefill(model, self._reader(cache, source), lengths, blocks, batch)
+        logits, rows, *tops = prefill(model, self._reader(cache, source), lengths, blocks,
+                                      batch, record=self.record)
         rows = self._by_slot(rows, axis=2)
         keys = row_keys(key, seeds, jnp.zeros_like(seeds))
         tokens, logp = sample_rows(logits[index], *sampling, keys, self.banned,
                                    jnp.any(sampling[1] < 1))
-        return tokens, logp, rows
+        return tokens, logp, rows, tops[0].astype(jnp.int16) if tops else None
 
     def _reader(self, cache, source):
         """`geo3k_jax.engine.decode.prefill`'s read(layer, j): block j of every work row's slot
@@ -777,7 +805,8 @@ class JaxEngine:
         nothing; attention reads each live slot's pages: through the Pallas kernel, or
         `table`'s ((shards, N), `geo3k_jax.kernels.ragged.page_table`, covering DECODE_CHUNK more
         tokens a live slot; None with the kernel). Returns (tokens, log-probs
-        (S, DECODE_CHUNK), steps run, the cache)."""
+        (S, DECODE_CHUNK), steps run, the cache, the fed tokens' experts (S, DECODE_CHUNK, L,
+        K) int16 when recording, else None)."""
         self._traced()
         model = self._model(params)
         st = self._by_slot(st)  # each device decodes its own slots
@@ -787,16 +816,18 @@ class JaxEngine:
         attend = self._paged(table)
 
         def go(s):
-            i, _, _, pos, length, live, _, finished, _, _ = s
+            i, _, _, pos, length, live, _, finished, _, _, _ = s
             return ((i < DECODE_CHUNK) & live.any() & ~finished.any()
                     & jnp.all(~live | (length < self.capacity)))
 
         def body(s):
-            i, cache, tok, pos, length, live, count, finished, toks, lps = s
+            i, cache, tok, pos, length, live, count, finished, toks, lps, routes = s
             batch = {"input_ids": tok[:, None],
                      "positions": jnp.broadcast_to(pos[:, None, None], (n, 3, 1))}
             at = jnp.where(live, length, self.capacity)  # past the cache: dropped
-            logits, cache = decode(model, cache, at, batch, attend)
+            logits, cache, *tops = decode(model, cache, at, batch, attend, record=self.record)
+            if tops:
+                routes = routes.at[:, i].set(tops[0].astype(routes.dtype))
             new, lp = sample_rows(logits, *sampling, row_keys(key, st["seed"], count),
                                   self.banned, nucleus)
             step = live.astype(jnp.int32)
@@ -804,13 +835,16 @@ class JaxEngine:
             stop = (new[:, None] == st["stops"]).any(axis=1) | (count >= st["budget"])
             return (i + 1, cache, jnp.where(live, new, tok), pos + step, length + step,
                     live & ~stop, count, finished | (live & stop), toks.at[:, i].set(new),
-                    lps.at[:, i].set(lp))
+                    lps.at[:, i].set(lp), routes)
 
+        routes = None
+        if self.record:
+            routes = jnp.full((n, DECODE_CHUNK) + routing_shape(self.config), -1, jnp.int16)
         state = (jnp.int32(0), cache, st["tok"], st["pos"], st["length"], st["live"],
                  st["count"], jnp.zeros(n, bool), jnp.zeros((n, DECODE_CHUNK), jnp.int32),
-                 jnp.zeros((n, DECODE_CHUNK), jnp.float32))
-        i, cache, *_, toks, lps = jax.lax.while_loop(go, body, state)
-        return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings)
+                 jnp.zeros((n, DECODE_CHUNK), jnp.float32), routes)
+        i, cache, *_, toks, lps, routes = jax.lax.while_loop(go, body, state)
+        return toks, lps, i, jax.lax.with_sharding_constraint(cache, self._shardings), routes
 
     def _paged(self, table):
         """The decode step's attention (`geo3k_jax.engine.decode.decode`'s `attend`): each device

@@ -17,6 +17,14 @@ array} dict
 (`geo3k_jax.models.model.split_params`), the optimizer state mirrors it, both placed by the mesh's
 partition rules; a slice's rows are split over the data-parallel axes.
 
+Routing replay (`loss.routing_replay`, a mixture-of-experts model): each slice carries the
+engine's experts per token and sparse layer (`geo3k_jax.core.batch`'s `routing`) and the
+forward (the KL reference's too) routes every token to them, so its log-probs are the engine's
+routing's; `logp_diff_*` are then the replayed mismatch against the rollout's log-probs. A
+no-gradient forward of the step's first slice routing freely reports what replay removed:
+`logp_diff_mean_free`, `logp_diff_max_free`, and `routing_replay_mismatch`, the share of
+(token, sparse layer) routings whose free top-k set differs from the replayed one.
+
 Mixed precision (`compute_dtype=bfloat16`): fp32 parameters and optimizer state, the forward
 and backward in bf16 (parameters cast inside the loss), the LM head accumulated in fp32,
 log-probs and the loss in fp32 — the JAX counterpart of torch autocast.
@@ -43,7 +51,8 @@ from common.learner import Collectives, Deferred, SingleProcess, is_vision
 from common.schedule import horizon, lr_table
 from geo3k_jax.core.batch import host_row
 from geo3k_jax.core.buckets import Ladder, agree, fit, reuse, slice_sizes, step_slices
-from geo3k_jax.models.model import token_logprobs
+from geo3k_jax.models.model import head_logprobs, token_logprobs
+from geo3k_jax.models.moe import routing_shape
 from geo3k_jax.core.sharding import BATCH_AXES, batch_shardings, param_shardings
 
 DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}  # jax.compute_dtype -> the compute dtype
@@ -128,6 +137,23 @@ def loss_from_logprobs(logp, old_logp, batch: dict, loss_cfg: LossConfig, ref_lo
     return loss, sums
 
 
+def free_routing_metrics(logp, tops, batch: dict) -> dict:
+    """What routing replay removed, from a forward routing freely: logp_diff_mean_free and
+    logp_diff_max_free (|logp - rollout log-prob| over the trained tokens: mean, max) and
+    routing_replay_mismatch, the share of recorded (token, sparse layer) routings, prompt
+    tokens included, whose free top-k set differs from the replayed one. logp (B, T); tops
+    (L, B, T, K) the free top k; batch["routing"] (B, T, L, K) the replayed experts (-1: not
+    recorded)."""
+    mask = batch["loss_mask"]
+    diff = jnp.abs(logp - batch["rollout_logprobs"]) * mask
+    replay = jnp.moveaxis(batch["routing"], 2, 0).astype(jnp.int32)  # (L, B, T, K)
+    recorded = jnp.all(replay >= 0, axis=-1)
+    differs = jnp.any(jnp.sort(tops, axis=-1) != jnp.sort(replay, axis=-1), axis=-1) & recorded
+    return {"logp_diff_mean_free": jnp.sum(diff) / jnp.maximum(jnp.sum(mask), 1.0),
+            "logp_diff_max_free": jnp.max(diff),
+            "routing_replay_mismatch": jnp.sum(differs) / jnp.maximum(jnp.sum(recorded), 1)}
+
+
 class Learner:
     """`common.learner.Learner` in JAX. `merge` and `params` come from
     `geo3k_jax.models.model.split_params`; `processor` and `config` (the transformers config) turn
@@ -158,6 +184,15 @@ class Learner:
             raise ValueError("loss.router_aux_coef > 0: the JAX learner has no router "
                              "load-balancing loss (the torch learner has, geo3k_torch.router); "
                              "set it to 0 or train with geo3k_torch")
+        # (L, K) of the routing replayed, None: routing freely
+        self.routing = None
+        if loss_cfg.routing_replay:
+            self.routing = None if config is None else routing_shape(config)
+            if self.routing is None:
+                raise ValueError(
+                    "loss.routing_replay replays a mixture-of-experts model's routing; this "
+                    f"model ({getattr(config, 'model_type', 'no config')}) has no sparse "
+                    "layer: set loss.routing_replay=False")
         self.merge, self.loss_cfg, self.cfg = merge, loss_cfg, train_cfg
         self.temperature, self.compute_dtype, self.mesh = temperature, compute_dtype, mesh
         self.processor, self.config, self.comm, self.model_dir = processor, config, comm, model_dir
@@ -311,7 +346,8 @@ class Learner:
         """Accumulate over `batches` (this process's share), then one optimizer step.
         n_tokens / n_seqs: masked tokens / sequences of the global batch. Returns loss,
         grad_norm, lr, skipped, and token means of entropy, clip_frac, approx_kl, kl,
-        tis_mean, logp_diff_mean, plus logp_diff_max and compiles (of this learner, so far)."""
+        tis_mean, logp_diff_mean, plus logp_diff_max and compiles (of this learner, so far);
+        with routing replay, the free routing's (`free_routing_metrics`)."""
         return self.train_slices(self._slices(batches, n_tokens, n_seqs))
 
     def train_slices(self, slices: Sequence[dict]) -> Deferred:
@@ -323,6 +359,10 @@ class Learner:
             raise ValueError("a step needs at least one slice (a process with no micro-batch "
                              "runs a filler: common.step.even_out)")
         self.onload()
+        free = {}
+        if self.routing is not None:  # before the step: the weights the rollout sampled from
+            fn, shardings = self._compiled("free", slices[0])
+            free = fn(self.params, self._global(slices[0], shardings))
         acc, sums = self._program("zeros")(), None  # the gradient accumulator (fp32, sharded)
         for sl in slices:
             grad_fn, shardings = self._compiled("grad", sl)
@@ -330,7 +370,7 @@ class Learner:
             sums = new if sums is None else _add_sums(sums, new)
         self.params, self.opt_state, metrics = self._program("apply")(
             self.params, self.opt_state, acc, sums)
-        return Deferred(metrics, {"compiles": float(self.compiles)})
+        return Deferred(metrics, free, {"compiles": float(self.compiles)})
 
     def logprobs(self, batches: Sequence[PackedBatch]) -> list[np.ndarray]:
         """(T,) log-probs of each micro-batch's masked tokens at the current weights (0 off the
@@ -354,7 +394,8 @@ class Learner:
         if self.processor is None or self.config is None:
             raise ValueError("the JAX learner needs its processor and config for micro-batches")
         rows = [host_row(b, self.processor, self.config, agg=self.loss_cfg.agg,
-                         n_tokens=n_tokens, n_seqs=n_seqs) for b in batches]
+                         n_tokens=n_tokens, n_seqs=n_seqs, routing=self.routing)
+                for b in batches]
         row_len = self.row_len or self.cfg.micro_batch_tokens
         local = self.rows_per_slice // max(self.comm.world, 1) or 1
         sizes = agree(slice_sizes(rows, self.config, rows_per_slice=local, row_len=row_len,
@@ -367,7 +408,8 @@ class Learner:
             if shape not in self._shapes:
                 self._shapes.append(shape)
             shapes.append(shape)
-        return step_slices(rows, self.config, rows_per_slice=local, sizes=shapes)
+        return step_slices(rows, self.config, rows_per_slice=local, sizes=shapes,
+                           routing=self.routing)
 
     def _global(self, sl: dict, shardings) -> dict:
         """A slice as the compiled functions take it: with a mesh, this process's rows become
@@ -410,8 +452,8 @@ class Learner:
         return self._steps[kind]
 
     def _compiled(self, kind: str, sl: dict):
-        """The jitted `kind` function ("grad" or "logprobs") for slices with these keys, and
-        their shardings (fixed per key set; jit compiles once per shape)."""
+        """The jitted `kind` function ("grad", "logprobs" or "free": `_free`) for slices with
+        these keys, and their shardings (fixed per key set; jit compiles once per shape)."""
         key = (kind,) + tuple(sorted(sl))
         if key not in self._steps:
             kw, sl_sh = {}, None
@@ -423,7 +465,7 @@ class Learner:
                     in_shardings=(self.param_sh, sl_sh))
             if kind == "grad":  # the accumulator's buffers become the output's
                 kw["donate_argnums"] = (1,)
-            fn = self._slice_grad if kind == "grad" else self._logprobs
+            fn = {"grad": self._slice_grad, "logprobs": self._logprobs, "free": self._free}[kind]
             self._steps[key] = (jax.jit(fn, **kw), sl_sh)
         return self._steps[key]
 
@@ -432,6 +474,17 @@ class Learner:
         cast = params if self.compute_dtype is None else jax.tree.map(
             lambda a: a.astype(self.compute_dtype), params)
         return token_logprobs(self.merge(cast), sl, self.temperature, chunk=self.chunk)
+
+    def _free(self, params, sl):
+        """`free_routing_metrics` of a slice, its replayed routing left out of the forward."""
+        self.compiles += 1
+        cast = params if self.compute_dtype is None else jax.tree.map(
+            lambda a: a.astype(self.compute_dtype), params)
+        model = self.merge(cast)
+        free = {k: v for k, v in sl.items() if k != "routing"}
+        hidden, tops = model.hidden_states(free, record=True)
+        logp = head_logprobs(model, hidden, free, self.temperature, chunk=self.chunk)
+        return free_routing_metrics(logp, tops, sl)
 
     def _slice_grad(self, params, acc, sl, ref_params):
         """(acc + the slice's gradient, the slice's metric sums and loss): acc is donated, so

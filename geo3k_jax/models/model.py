@@ -52,10 +52,12 @@ class QwenVL(nnx.Module):
             dtype=dtype, rngs=rngs)
         self.image_token_id = int(config.image_token_id)
 
-    def hidden_states(self, batch: dict, remat: bool = False) -> jax.Array:
-        """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.core.batch`).
-        remat: recompute each decoder layer's and vision block's activations in the backward
-        pass."""
+    def hidden_states(self, batch: dict, remat: bool = False, record: bool = False):
+        """Final normed hidden states (B, T, hidden) of a batch (see `geo3k_jax.core.batch`),
+        its sparse layers routing each token as batch["routing"] (B, T, L, K) says when the
+        batch has one (-1: freely). remat: recompute each decoder layer's and vision block's
+        activations in the backward pass. record: returns (hidden states, the routers' own top
+        k (L, B, T, K) int32)."""
         lm = self.model.language_model
         embeds = lm.embed_tokens(batch["input_ids"])  # (B, T, hidden)
         deepstack, index = [], None
@@ -70,7 +72,8 @@ class QwenVL(nnx.Module):
             embeds = scatter_rows(embeds, index, image_embeds.astype(embeds.dtype), "set")
         windows = {k: batch[k] for k in WINDOW_AXES}
         return lm(embeds, batch["positions"], batch["segments"], windows, index, deepstack,
-                  remat=remat, prefix=batch.get("prefix"))
+                  remat=remat, prefix=batch.get("prefix"), routing=batch.get("routing"),
+                  record=record)
 
     def head_weight(self) -> jax.Array:
         """The LM head as (vocab, hidden): lm_head, or the tied embedding table."""
@@ -99,7 +102,13 @@ def token_logprobs(model: QwenVL, batch: dict, temperature: float = 1.0,
     products accumulated in fp32. Returns (B, T) log-probs, 0 away from the targets; with
     `with_entropy`, also (B, T) entropies of the same next-token distributions (no gradient).
     """
-    hidden = model.hidden_states(batch, remat=remat)  # (B, T, D)
+    return head_logprobs(model, model.hidden_states(batch, remat=remat), batch, temperature,
+                         with_entropy, chunk)
+
+
+def head_logprobs(model: QwenVL, hidden: jax.Array, batch: dict, temperature: float = 1.0,
+                  with_entropy: bool = False, chunk: int = 0):
+    """`token_logprobs` from the final hidden states (B, T, D) of `batch`."""
     targets = batch["targets"]  # (B, K) positions; padding entries are 0
     prev = jnp.take_along_axis(hidden, jnp.maximum(targets - 1, 0)[..., None], axis=1)
     ids = jnp.take_along_axis(batch["input_ids"], targets, axis=1)  # (B, K)

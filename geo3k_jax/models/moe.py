@@ -28,6 +28,14 @@ the block runs under `shard_map` over the batch axes instead: each device routes
 own rows' tokens and multiplies them by the experts gathered whole (sharding the experts over
 `expert` divides their memory at rest, not the compute; routing tokens to the devices holding
 their experts, an all-to-all, is not done).
+
+Routing replay (`loss.routing_replay`, Rollout Routing Replay): the block may be given each
+token's experts (N, k) to use instead of its own top k, as the engine routed it; a token whose
+row holds a -1 (not recorded) routes freely. The weights are the softmax probabilities at the
+given experts renormalised, as the free path's, so the router still learns through them; given
+the router's own choice, replay computes the same numbers as the free path, bit for bit. The
+block also returns the router's own top k, what the engine records and what the learner
+compares with the replayed experts.
 """
 
 from __future__ import annotations
@@ -55,12 +63,29 @@ def sparse_layers(cfg) -> list[bool]:
             and (i + 1) % cfg.decoder_sparse_step == 0 for i in range(cfg.num_hidden_layers)]
 
 
-def route(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Top-k routing of router logits (N, E): (weights (N, k) in the logits' dtype, summing to
-    1 per token; expert indices (N, k) int32), the softmax in fp32."""
+def routing_shape(config) -> tuple[int, int] | None:
+    """(sparse layers L, experts a token K) of a transformers Qwen-VL config: the last axes of
+    the routing an engine records and a learner replays; None for a dense model."""
+    if config.model_type != "qwen3_vl_moe":
+        return None
+    layers = sum(sparse_layers(config.text_config))
+    return (layers, int(config.text_config.num_experts_per_tok)) if layers else None
+
+
+def route(logits: jax.Array, k: int, replay: jax.Array | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Top-k routing of router logits (N, E), the softmax in fp32: (weights (N, k) in the
+    logits' dtype, summing to 1 per token; the experts used (N, k) int32; the router's own top
+    k (N, k) int32). replay: (N, k) experts to use instead of the top k (a row with a -1: the
+    top k); the weights are the probabilities at the experts used, renormalised."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, index = jax.lax.top_k(probs, k)
-    return (top / top.sum(-1, keepdims=True)).astype(logits.dtype), index
+    chosen, top = jax.lax.top_k(probs, k)
+    index = top
+    if replay is not None:  # gathered: for the top k, top_k's values and gradient exactly
+        index = jnp.where(jnp.all(replay >= 0, axis=-1, keepdims=True),
+                          replay.astype(jnp.int32), top)
+        chosen = jnp.take_along_axis(probs, index, axis=-1)
+    return (chosen / chosen.sum(-1, keepdims=True)).astype(logits.dtype), index, top
 
 
 class Experts(nnx.Module):
@@ -76,10 +101,11 @@ class Experts(nnx.Module):
 
 
 def routed(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, k: int,
-           act) -> jax.Array:
+           act, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The block on tokens x (N, hidden) with router (E, hidden), gate_up (E, 2I, hidden) and
-    down (E, hidden, I): each token's top-k experts' outputs, weighted, summed; (N, hidden)."""
-    weights, index = route(jnp.einsum("nh,eh->ne", x, router), k)  # (N, k) each
+    down (E, hidden, I): each token's top-k experts' outputs (or replay's, `route`), weighted,
+    summed, (N, hidden); and the router's own top k (N, k) int32."""
+    weights, index, top = route(jnp.einsum("nh,eh->ne", x, router), k, replay)  # (N, k) each
     flat = index.reshape(-1)  # (N k,) assignment j is token j // k's
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // k
@@ -88,12 +114,12 @@ def routed(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array,
     gate, up = jnp.split(h, 2, axis=-1)  # (N k, I) each
     y = jax.lax.ragged_dot_general(act(gate) * up, down, sizes, _GROUPED)  # (N k, hidden)
     y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[token].add(y)
+    return jnp.zeros_like(x).at[token].add(y), top
 
 
 class SparseMoeBlock(nnx.Module):
-    """Router and experts (transformers' `mlp` of a sparse layer). x (..., hidden) -> (...,
-    hidden)."""
+    """Router and experts (transformers' `mlp` of a sparse layer). x (B, T, hidden) -> (the
+    output (B, T, hidden), the router's own top k (B, T, k) int32)."""
 
     def __init__(self, cfg, *, dtype, rngs: nnx.Rngs, attention: Attention = Attention()):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
@@ -102,17 +128,21 @@ class SparseMoeBlock(nnx.Module):
         self.top_k = cfg.num_experts_per_tok
         self.attention = attention  # its mesh: the one the rows are split over (None: none)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x (B, T, hidden): B rows, split over the mesh's batch axes when they divide B."""
-        def block(x, router, gate_up, down):
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        """x (B, T, hidden): B rows, split over the mesh's batch axes when they divide B;
+        replay (B, T, k): the experts each token goes to (a row with a -1: its own top k)."""
+        def block(x, router, gate_up, down, *replay):
             flat = x.reshape(-1, x.shape[-1])  # (N, hidden): this device's rows' tokens
-            return routed(flat, router, gate_up, down, self.top_k,
-                          self.experts.act).reshape(x.shape)
+            again = replay[0].reshape(-1, self.top_k) if replay else None
+            y, top = routed(flat, router, gate_up, down, self.top_k, self.experts.act, again)
+            return y.reshape(x.shape), top.reshape(x.shape[:-1] + (self.top_k,))
         args = (x, self.gate.weight[...], self.experts.gate_up_proj[...],
-                self.experts.down_proj[...])
+                self.experts.down_proj[...]) + (() if replay is None else (replay,))
         mesh = self.attention.mesh
         rows = None if mesh is None else row_axes(mesh, x.shape[0])
         if rows is None:
             return block(*args)
-        return jax.shard_map(block, mesh=mesh, in_specs=(P(rows), P(), P(), P()),
-                             out_specs=P(rows), check_vma=False)(*args)
+        return jax.shard_map(block, mesh=mesh, in_specs=(P(rows), P(), P(), P())
+                             + (P(rows),) * (replay is not None),
+                             out_specs=(P(rows), P(rows)), check_vma=False)(*args)

@@ -119,9 +119,20 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps,
                                                 dtype=dtype)
 
-    def __call__(self, x, cos, sin, attend):
+    def __call__(self, x, cos, sin, attend, replay=None):
+        """Returns (x, the router's own top k (B, T, K), None for a dense MLP); replay
+        (B, T, K): a sparse block's experts per token (`geo3k_jax.models.moe`)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.residual_mlp(x, replay)
+
+    def residual_mlp(self, x, replay=None):
+        """x + its MLP, and the router's own top k (None: dense); see `__call__`."""
+        if not isinstance(self.mlp, SparseMoeBlock):
+            if replay is not None:
+                raise ValueError("routing replay on a dense MLP")
+            return x + self.mlp(self.post_attention_layernorm(x)), None
+        y, top = self.mlp(self.post_attention_layernorm(x), replay)
+        return x + y, top
 
 
 class DecoderStack(LayerStack):
@@ -133,12 +144,16 @@ class DecoderStack(LayerStack):
     def __init__(self, n: int, make):
         super().__init__(n, make, self.PARTS)
 
-    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool | str,
-            after=None) -> jax.Array:
+    def run(self, x: jax.Array, cos, sin, attend, *, remat: bool | str, after=None,
+            routing: jax.Array | None = None, record: bool = False):
         """x (B, T, hidden) through every layer in order (`DecoderLayer`'s inputs); `remat` and
-        `after(i, x)` as `scan`'s."""
-        return self.scan(lambda layer, i, h: layer(h, cos, sin, attend), x, remat=remat,
-                         after=after)
+        `after(i, x)` as `scan`'s. routing (B, T, L, K): the experts sparse layer i routes each
+        token to are routing[:, :, i] (-1: its own top k). record: returns (x, the routers' own
+        top k (L, B, T, K) int32), else x."""
+        def step(layer, i, h):
+            h, top = layer(h, cos, sin, attend, None if routing is None else routing[:, :, i])
+            return (h, top) if record else h
+        return self.scan(step, x, remat=remat, after=after, outputs=record)
 
 
 def deepstack_after(deepstack, index: jax.Array, dtype):
@@ -184,15 +199,17 @@ class TextModel(nnx.Module):
     def __call__(self, embeds: jax.Array, positions: jax.Array, segments: jax.Array,
                  windows: dict, visual_index: jax.Array | None = None,
                  deepstack: list[jax.Array] = (), remat: bool = False,
-                 prefix: jax.Array | None = None) -> jax.Array:
+                 prefix: jax.Array | None = None, routing: jax.Array | None = None,
+                 record: bool = False):
         """embeds: (B, T, hidden); positions: (B, 3, T); segments: (B, T); attention windows:
         attn_starts, prefix_starts (B, T / block), key_offsets (W,), prefix_offsets (Wp,)
         (`geo3k_jax.core.batch.attention_windows`). DeepStack:
         feature k (B, N, hidden) is added after layer k at the row positions visual_index
         (B, N) (positions >= T are dropped). remat: each layer's activations are recomputed in
         the backward pass (memory of one layer instead of all). prefix: (B, T) the shared prefix
-        segment each token's segment continues (`geo3k_jax.core.batch`; None: none). Returns normed
-        hidden states (B, T, hidden)."""
+        segment each token's segment continues (`geo3k_jax.core.batch`; None: none). routing,
+        record: the experts replayed and the routing returned (`DecoderStack.run`). Returns
+        normed hidden states (B, T, hidden), with `record` and the routers' top k."""
         cos, sin = self.rope(positions)
         if self.attention.splash:
             def attend(q, k, v, scale):
@@ -205,4 +222,6 @@ class TextModel(nnx.Module):
             def attend(q, k, v, scale):
                 return windowed_attention(q, k, v, windows, mask, scale)
         deep = deepstack_after(deepstack, visual_index, embeds.dtype)
-        return self.norm(self.layers.run(embeds, cos, sin, attend, remat=remat, after=deep))
+        out = self.layers.run(embeds, cos, sin, attend, remat=remat, after=deep,
+                              routing=routing, record=record)
+        return (self.norm(out[0]), out[1]) if record else self.norm(out)

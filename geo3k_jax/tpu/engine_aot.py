@@ -53,7 +53,8 @@ def abstract_engine(cfg, learner, config, memory: int, topology: str = ""):
                        slots=cfg.engine.slots, context=cfg.rollout.max_context_tokens,
                        mesh=mesh, memory=memory, memory_fraction=1.0,
                        prefill_rows=cfg.engine.prefill_rows,
-                       prefill_tokens=cfg.engine.prefill_tokens)
+                       prefill_tokens=cfg.engine.prefill_tokens,
+                       record_routing=learner.routing is not None)
     return engine, params
 
 
