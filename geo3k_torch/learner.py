@@ -13,9 +13,9 @@ anchor recipe), the learner's own log-probs at the current weights, detached; th
 the engine's rollout log-probs is reported (mean and max over trained tokens). A MoE model's
 routing (`geo3k_torch.router`) adds its load-balancing loss (`loss.router_aux_coef` > 0) and
 reports its router entropy and per-expert load. With `loss.routing_replay` every forward of the
-policy (the trained one, its recomputation, the old log-probs) routes each token to the experts
-the engine routed it to (`common.batching.replayed_routing`), so logp_diff_* measure the
-replayed mismatch; a no-grad forward of each step's first micro-batch routes freely for
+policy (the trained one, its recomputation, the old log-probs) and of the KL reference routes
+each token to the experts the engine routed it to (`common.batching.replayed_routing`), so
+logp_diff_* measure the replayed mismatch; a no-grad forward of each step's first micro-batch routes freely for
 logp_diff_*_free, and routing_replay_mismatch is the share of the trained tokens' (token, layer)
 routings whose free top-k would differ from the replayed one.
 
@@ -194,7 +194,9 @@ class Learner:
         gradient in the forward pass (`geo3k_torch.head`), else autograd through the log-probs."""
         ref = None
         if self.loss_cfg.kl_coef:
-            with torch.no_grad():
+            replaying = (Routing.of(self.ref_model).replaying(mb.routed)
+                         if self.loss_cfg.routing_replay else contextlib.nullcontext())
+            with torch.no_grad(), replaying:  # the reference routes as the policy does
                 ref = self._forward(self.ref_model, mb, False)
         recording = self.routing.recording() if self.routing else contextlib.nullcontext()
         with recording as routed:  # a MoE model's router logits, [] until the block exits

@@ -21,7 +21,7 @@ from common.batching import pack
 from common.grpo import LossConfig
 from geo3k_torch.model import load_model, packed_inputs, token_logprobs
 from geo3k_torch.router import Routing, replayed_choice
-from tests.test_learners import LOSS, step, tiny_setup, torch_learner
+from tests.test_learners import LOSS, step, tiny_setup, torch_learner, train_config
 from tests.tiny_models import qwen3_vl, qwen3_vl_moe
 
 TIE = 0.005  # near ties a flipping engine breaks the other way (probabilities)
@@ -119,6 +119,20 @@ def test_replaying_learner_matches_the_engine_where_free_routing_does_not(tiny, 
     free_rows = free_choice(tiny, batches)
     differ = (np.sort(rows, -1) != np.sort(free_rows, -1)).any(-1)
     assert 0 < m["routing_replay_mismatch"] == pytest.approx(differ.mean(), abs=1e-7)
+
+
+def test_the_kl_reference_replays_the_same_experts(tiny, rollouts):
+    """A reference with the policy's weights: routed as the policy is (the engine's experts),
+    its log-probs are the policy's and the KL term is 0; routing freely it would differ where
+    the engine flipped."""
+    from geo3k_torch.learner import Learner
+
+    batches, _ = rollouts
+    loss = dataclasses.replace(REPLAY, kl_coef=0.1)
+    learner = Learner(load_model(tiny["path"]), tiny["processor"], loss, train_config(), 1.0,
+                      ref_model=load_model(tiny["path"]), model_dir=tiny["path"])
+    m = learner.train_step(batches, tiny["n_tokens"], tiny["n_seqs"])
+    assert m["kl"] == 0.0
 
 
 def free_choice(tiny, batches) -> np.ndarray:

@@ -140,14 +140,14 @@ def loss_from_logprobs(logp, old_logp, batch: dict, loss_cfg: LossConfig, ref_lo
 def free_routing_metrics(logp, tops, batch: dict) -> dict:
     """What routing replay removed, from a forward routing freely: logp_diff_mean_free and
     logp_diff_max_free (|logp - rollout log-prob| over the trained tokens: mean, max) and
-    routing_replay_mismatch, the share of recorded (token, sparse layer) routings, prompt
-    tokens included, whose free top-k set differs from the replayed one. logp (B, T); tops
+    routing_replay_mismatch, the share of the trained tokens' recorded (token, sparse layer)
+    routings whose free top-k set differs from the replayed one (as the torch learner counts). logp (B, T); tops
     (L, B, T, K) the free top k; batch["routing"] (B, T, L, K) the replayed experts (-1: not
     recorded)."""
     mask = batch["loss_mask"]
     diff = jnp.abs(logp - batch["rollout_logprobs"]) * mask
     replay = jnp.moveaxis(batch["routing"], 2, 0).astype(jnp.int32)  # (L, B, T, K)
-    recorded = jnp.all(replay >= 0, axis=-1)
+    recorded = jnp.all(replay >= 0, axis=-1) & (mask > 0)[None]
     differs = jnp.any(jnp.sort(tops, axis=-1) != jnp.sort(replay, axis=-1), axis=-1) & recorded
     return {"logp_diff_mean_free": jnp.sum(diff) / jnp.maximum(jnp.sum(mask), 1.0),
             "logp_diff_max_free": jnp.max(diff),
