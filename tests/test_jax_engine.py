@@ -55,12 +55,13 @@ class Tiny:
     params: dict
     shared: JaxEngine
 
-    def engine(self, seed=0) -> JaxEngine:
+    def engine(self, seed=0, params: dict | None = None) -> JaxEngine:
         """The module's engine (compiled once per shape) reseeded and emptied as a fresh one
-        would be."""
+        would be, sampling from `params` (default: the module's)."""
         self.shared.clear_cache()
         reseed(self.shared, seed)
-        self.shared.params = lambda: self.params
+        weights = self.params if params is None else params
+        self.shared.params = lambda: weights
         return self.shared
 
 

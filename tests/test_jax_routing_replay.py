@@ -17,6 +17,7 @@ from geo3k_jax.core.batch import assemble, host_row
 from geo3k_jax.engine.engine import JaxEngine
 from geo3k_jax.learner.learner import Learner
 from tests.jax_learner_setup import train_config
+from tests.test_jax_engine import Tiny
 from tests.tiny_models import ImageOnlyProcessor, qwen3_vl_moe
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -70,24 +71,6 @@ def test_a_dense_model_refuses_routing_replay():
 
 # ---- the engine and the learner (each compiles the engine: slow) -----------------------------
 
-@dataclasses.dataclass
-class Tiny:
-    hf: torch.nn.Module
-    processor: object
-    merge: object
-    params: dict
-    shared: JaxEngine
-
-    def engine(self, params: dict, seed: int = 4) -> JaxEngine:
-        """The module's recording engine (compiled once) sampling from `params`, emptied and
-        reseeded as a fresh one would be."""
-        from tests.test_jax_engine import reseed
-        self.shared.clear_cache()
-        reseed(self.shared, seed)
-        self.shared.params = lambda: params
-        return self.shared
-
-
 @pytest.fixture(scope="module")
 def tiny():
     from tests.test_jax_model import jax_copy
@@ -124,7 +107,7 @@ def test_engine_records_the_experts_transformers_routes_to(tiny):
     layer, the rows of cached positions included. A row off by one, or the cached rows of the
     wrong turn, would differ on most positions (4 experts, 2 a token: 6 sets)."""
     from tests.test_jax_engine import episodes
-    engine = tiny.engine(tiny.params)
+    engine = tiny.engine(4)
     evicted, prefilled = engine.evictions, engine.prefilled
     turns = episodes(engine, tiny.processor, 2, turns=2, temperature=0.7)
     whole = sum(len(r.input_ids) for reqs, _ in turns for r in reqs)
@@ -165,7 +148,7 @@ def episode_sequences(turns) -> list[TrainSequence]:
 def episodes_of(tiny, params: dict, temperature: float):
     """tests/test_jax_engine's two-turn episodes of 3 sessions, sampled from `params`."""
     from tests.test_jax_engine import episodes
-    return episodes(tiny.engine(params), tiny.processor, 2, turns=2, temperature=temperature)
+    return episodes(tiny.engine(4, params), tiny.processor, 2, turns=2, temperature=temperature)
 
 
 @pytest.mark.slow
