@@ -1,6 +1,6 @@
 """Check a GPU machine in one command: what runs, how fast, where the time goes.
 
-    python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: about 7 minutes
+    python scripts/gpu_check.py --out runs/gpu_check          # one H100 or H200: at most ~9 minutes
     python scripts/gpu_check.py --tiny --out /tmp/gpu_check   # every section's code on a CPU
     python scripts/gpu_check.py --out runs/gpu_check --sections=e2e_torch --budget_s=150
     python scripts/gpu_check.py --out runs/gpu_check --sections=learner_jax,e2e_jax,engine_jax \
@@ -8,9 +8,9 @@
 
 Nothing is downloaded: the end-to-end runs use the quick CPU run's tiny checkpoint and synthetic
 set, the other sections a random-initialised model with Qwen3-VL-2B's published shapes
-(configs/models/qwen3_vl_2b.json). Sections (`scripts/gpu_sections.py`), each in a process of its
-own, in this order; the default call runs learner_torch to whole_step, the others when named
-(--tiny: all of them):
+(configs/models/qwen3_vl_2b.json; learner_moe: Qwen3-VL-30B-A3B's with fewer layers). Sections
+(`scripts/gpu_sections.py`), each in a process of its own, in this order; the default call runs
+learner_torch to learner_moe, the others when named (--tiny: all of them):
 
     e2e_torch      configs/cpu.py for 3 steps on CUDA: torch learner, its local engine
     learner_torch  learner steps of 2 and 4 micro-batches of 32k tokens, bf16, per configuration
@@ -27,6 +27,10 @@ own, in this order; the default call runs learner_torch to whole_step, the other
     whole_step     GRPO steps of 8 prompts x 8 episodes, learner and local engine on one GPU:
                    rollout, update and sync seconds; tokens per GPU-second as the learner
                    computed them (a group's shared prompt once) and as EasyR1 counts them
+    learner_moe    the recipe's learner steps (as learner_torch's first rows) of a MoE model:
+                   Qwen3-VL-30B-A3B's shapes with 3 of its 48 decoder layers (what fits one
+                   80 GB card: `gpu_sections.MOE_SHAPES`), experts through grouped_mm: tokens/s
+                   and MFU on the weights a token meets (router and top 8 experts)
     learner_jax, e2e_jax, engine_jax   the JAX learner's steps (as learner_torch's), end to end,
                    and its engine (cold, they compiled for 148, 323 and 208 s on an H200)
 
@@ -74,14 +78,17 @@ PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A1
 # compiled, at 32k tokens a micro-batch: about 30 s each at the measured MFU, besides building
 # the shapes checkpoint and the compiles), engine_torch's fast engine (its own first calls
 # capture and compile), profile_torch's unprofiled steps by phase and its profiles of one step
-# each, without and with shapes.
+# each, without and with shapes, learner_moe (writing and loading 6 GB of random bf16 weights,
+# then 5 steps of 1 to 3 s).
 CAPS_S = {"e2e_torch": 130, "learner_torch": 180, "engine_torch": 75, "profile_torch": 115,
-          "whole_step": 60, "learner_jax": 150, "e2e_jax": 420, "engine_jax": 300}
+          "whole_step": 60, "learner_moe": 90, "learner_jax": 150, "e2e_jax": 420,
+          "engine_jax": 300}
 # The check of one short-lived machine: e2e_torch (minutes of a tiny model) runs when named.
-DEFAULT_SECTIONS = ("learner_torch", "engine_torch", "profile_torch", "whole_step")
-# The default sections' caps: the check stops by itself within this and `STOP_S`, so that its
-# files come back from a call of 10 minutes that also starts the machine and installs wheels.
-BUDGET_S = 430.0
+DEFAULT_SECTIONS = ("learner_torch", "engine_torch", "profile_torch", "whole_step",
+                    "learner_moe")
+# The default sections' caps: the check stops by itself within this and `STOP_S` (8.8 minutes),
+# so that its files come back from a command of at most 10 minutes that also installs wheels.
+BUDGET_S = 520.0
 STOP_S = 10.0  # a section past its time is killed (its process group); this long to be gone
 MIN_SECTION_S = 20.0  # less time left than this: the section is not started
 VERSIONED = ("torch", "transformers", "jax", "jaxlib", "flax", "optax")

@@ -10,6 +10,9 @@ of its own (a CUDA error or an out-of-memory cannot take the other sections down
                               memory; torch per configuration of `LEARNER_PLAN` at 32k tokens
                               a micro-batch (the recipe, the fused head, compiled), JAX at 16k
                               and 32k
+    learner_moe               the recipe's torch learner steps of a MoE model, Qwen3-VL-30B-A3B's
+                              shapes with 3 of its decoder layers (`MOE_SHAPES`), experts through
+                              grouped_mm: tokens/s, MFU on the weights a token meets
     engine_torch / engine_jax  the in-process engines sampling 64 episodes x 512 tokens from the
                               same model (torch again at 256): tokens/s and peak memory; torch
                               also with its decode fast paths on (`FAST_ENGINE`, fast_*)
@@ -76,6 +79,7 @@ class Settings:
     device: str = "cuda"
     peak_tflops: float | None = None  # the accelerator's dense bf16 peak (None: no MFU)
     shapes: str = "qwen3_vl_2b"
+    text_layers: int | None = None  # the shapes checkpoint's decoder layers (None: the published)
     e2e_steps: int = 3
     # The learner's step is host-bound, with a fixed cost per micro-batch (docs/gpu_check.md):
     # 16k (the recipe's) and 32k. 8k ran on 2026-11-27 and -28.
@@ -108,17 +112,30 @@ class Settings:
 
 
 # ---- the checkpoint ---------------------------------------------------------------------------
+def shapes_config(s: Settings, directory):
+    """`s.shapes`' published config as transformers reads it (written to `directory`), with
+    `s.text_layers` decoder layers if set."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(write_config_dir(s.shapes, directory))
+    if s.text_layers:
+        config.text_config.num_hidden_layers = s.text_layers
+    return config
+
+
 def shapes_checkpoint(s: Settings) -> str:
-    """A checkpoint directory of `s.shapes` with random bf16 weights (built once per --out);
-    with `s.tiny`, `geo3k_torch.tiny`'s own small checkpoint of the same architecture."""
+    """A checkpoint directory of `s.shapes` with random bf16 weights (built once per --out),
+    `s.text_layers` decoder layers if set; with `s.tiny`, `geo3k_torch.tiny`'s own small
+    checkpoint of the same architecture (its own layers)."""
     import shutil
 
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
     from geo3k_torch.tiny import build_tiny_checkpoint
 
-    d = Path(s.out) / "checkpoints" / (s.shapes + ("-tiny" if s.tiny else ""))
+    layers = f"-{s.text_layers}-layers" if s.text_layers and not s.tiny else ""
+    d = Path(s.out) / "checkpoints" / (s.shapes + layers + ("-tiny" if s.tiny else ""))
     if (d / "config.json").exists():
         return str(d)
     shapes = model_shapes(s.shapes)
@@ -133,7 +150,7 @@ def shapes_checkpoint(s: Settings) -> str:
             raise ValueError(f"the Qwen tokenizer's ids {[tiny[k] for k in ids]} differ from "
                              f"{s.shapes}'s {[shapes[k] for k in ids]} ({ids})")
         (tmp / "model.safetensors").unlink()
-        config = AutoConfig.from_pretrained(write_config_dir(s.shapes, tmp))
+        config = shapes_config(s, tmp)
         with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
             model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(tmp)
@@ -505,6 +522,56 @@ def learner_torch(s: Settings):
     finally:
         if run is not None:
             _close(run)
+
+
+# learner_moe's model: Qwen3-VL-30B-A3B's shapes (every decoder layer a sparse block of 128
+# experts of 768, top 8; 32 query and 4 KV heads of 128; the published vision tower, 27 blocks of
+# 1152) with 3 of its 48 decoder layers, so that one 80 GB H100 trains it. The recipe's one-GPU
+# learner holds per parameter (`geo3k_torch.precision.MasterWeights`) the fp32 master 4 B, its
+# bf16 copy 2, the fp32 gradient accumulator 4 and AdamW's two moments 8, and the local engine
+# its bf16 copy 2: 20 B. A decoder layer has 623,120,640 parameters (experts 603,979,776,
+# attention 18,874,368, router 262,144; counted on the meta device): 11.6 GiB; the rest (vision
+# tower 538.6 M, embedding and LM head 311.2 M each) 1.161 B: 21.6 GiB. Of the card's ~78 GiB,
+# about 20 are kept for activations and workspaces at 32k-token micro-batches under full
+# checkpointing (an estimate: the 2B's measured 41.4 GiB peak at 16k, less its 35.7 GiB of
+# weights and optimizer state, leaves 5.7; a MoE layer recomputed at 32k tokens routes 262k
+# (token, expert) pairs, about 1 GiB a bf16 tensor of the hidden size): (78 - 21.6 - 20) / 11.6
+# = 3.1, so 3 layers (56.5 GiB before activations; 4 would leave 10 GiB). The tower's three
+# DeepStack features still each reach a layer (they feed layers 0-2). MFU counts the weights a
+# token meets (`train_flops` via `common.flops`: attention, the router and the top 8 experts):
+# 56.9 M a layer, 171 M for the 3, beside the LM head's 311 M per trained token, so the layers
+# are under half of the row's model FLOPs and its MFU is not the 48-layer model's.
+MOE_SHAPES = ("qwen3_vl_30b_a3b", 3)
+MOE_LABEL = "moe, MFU on active weights"
+
+
+def learner_moe(s: Settings):
+    """Learner steps of a MoE model: `MOE_SHAPES` (on a CPU, the tiny MoE of
+    `geo3k_torch.tiny`), trained as the recipe trains (`learner_plan`'s first configuration),
+    with its experts as `geo3k_torch.model.experts_implementation` runs them (grouped_mm where
+    torch's grouped matmul runs: `experts_kernel`). Its `s.micro_batches_per_step` rows
+    (`_learner_rows`) give tokens/s and MFU on the weights a token meets, not on all experts
+    (`train_flops`), and name the shapes, decoder layers, experts and top k."""
+    shapes, layers = MOE_SHAPES
+    moe = dataclasses.replace(s, shapes=shapes, text_layers=layers)
+    _, recipe = learner_plan(moe)[0]
+    budget = recipe["micro_batch_tokens"]
+    cfg = _config(moe, budget)
+    cfg.train.update(recipe)
+    run = _build("torch", moe, "learner_moe", cfg)
+    try:
+        learner = run.learner
+        config = learner.model.config
+        text = config.text_config
+        row = {"framework": "torch", "config": MOE_LABEL, "kernel": learner_kernel(learner.device),
+               "shapes": shapes + (" (tiny)" if s.tiny else ""),
+               "layers": text.num_hidden_layers, "experts": text.num_experts,
+               "top_k": text.num_experts_per_tok, "experts_kernel": text._experts_implementation,
+               **{k: cfg.train[k] for k in RECORDED}, "micro_batch_tokens": budget}
+        reset, peak = _torch_memory(learner.device)
+        yield from _learner_rows(learner, config, run.processor, moe, budget, row, reset, peak)
+    finally:
+        _close(run)
 
 
 def learner_jax(s: Settings):
@@ -898,6 +965,7 @@ def whole_step(s: Settings):
 
 
 SECTIONS = {f.__name__: f for f in (e2e_torch, learner_torch, engine_torch,  # run in this order
-                                    profile_torch, whole_step, learner_jax, e2e_jax, engine_jax)}
+                                    profile_torch, whole_step, learner_moe, learner_jax, e2e_jax,
+                                    engine_jax)}
 JAX_SECTIONS = ("e2e_jax", "learner_jax", "engine_jax")
 PLANS = {"learner_torch": learner_plan}  # a section's planned configurations (labels first)
