@@ -53,9 +53,7 @@ import dataclasses
 import datetime
 import json
 import os
-import resource
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 import gpu_profile  # noqa: E402
 import gpu_sections  # noqa: E402
-from check_runner import record_rows, tail, versions  # noqa: E402
+from check_runner import STOP_S, record_rows, run_section, versions  # noqa: E402
 
 # Dense bf16 tensor-core peaks (NVIDIA data sheets), matched in order against the device name.
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
@@ -89,7 +87,6 @@ DEFAULT_SECTIONS = ("learner_torch", "engine_torch", "profile_torch", "whole_ste
 # The default sections' caps: the check stops by itself within this and `STOP_S` (8.8 minutes),
 # so that its files come back from a command of at most 10 minutes that also installs wheels.
 BUDGET_S = 520.0
-STOP_S = 10.0  # a section past its time is killed (its process group); this long to be gone
 MIN_SECTION_S = 20.0  # less time left than this: the section is not started
 VERSIONED = ("torch", "transformers", "jax", "jaxlib", "flax", "optax")
 
@@ -121,9 +118,8 @@ def run_here(name: str, s: gpu_sections.Settings, path: Path, device: str) -> No
 
 def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: float,
               device: str) -> dict:
-    """Section `name` in a fresh process on `device` (its name), at most `timeout` seconds."""
-    path, log = out / "sections" / f"{name}.json", out / "sections" / f"{name}.log"
-    path.unlink(missing_ok=True)
+    """Section `name` in a fresh process on `device` (its name), at most `timeout` seconds,
+    killed with everything it started (`check_runner.run_section`)."""
     env = dict(os.environ)
     if tiny:
         env["JAX_PLATFORMS"] = "cpu"
@@ -131,45 +127,8 @@ def run_child(name: str, out: Path, tiny: bool, peak: float | None, timeout: flo
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     cmd = [sys.executable, __file__, f"--section={name}", f"--out={out}",
            f"--peak_tflops={peak or 0.0}", f"--device_name={device}"] + (["--tiny"] if tiny else [])
-    start, cpu = time.perf_counter(), _children_cpu_s()
-    with open(log, "w") as f:  # a session of its own: its group is killed with it
-        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
-        try:
-            rc = child.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:  # (also when the check itself is stopped: `_interrupted`)
-            _stop(child)  # and anything it started that outlived it (compile workers, engines)
-    result = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    result["seconds"] = time.perf_counter() - start
-    result["cpu_s"] = _children_cpu_s() - cpu  # on a busy host, wall time says little
-    if rc is None:
-        result.update(status="timeout", error=f"stopped after {timeout:.0f} s\n" + tail(log))
-    elif result.get("status") not in ("ok", "failed"):  # it died before writing its end
-        result.update(status="failed",
-                      error=f"the process exited with status {rc}\n" + tail(log))
-    return result
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """Kill `child`'s process group and wait at most `STOP_S` for `child` (a process stuck in a
-    driver call may take longer: it is left, and the check goes on)."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone already
-        pass
-    try:
-        child.wait(timeout=STOP_S)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
+    sections = out / "sections"
+    return run_section(cmd, sections / f"{name}.json", sections / f"{name}.log", timeout, env)
 
 
 # ---- the report -------------------------------------------------------------------------------

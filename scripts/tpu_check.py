@@ -39,7 +39,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's
 
 import gpu_profile  # noqa: E402  (its markdown table)
 import tpu_sections  # noqa: E402
-from check_runner import record_rows, tail, versions  # noqa: E402
+from check_runner import record_rows, run_section, versions  # noqa: E402
 
 # The seconds a section is sure of (it may also use what the sections before it left unused).
 # No TPU has run them: sized from the compiles on a 2-core CPU host (docs/tpu.md: the 2B
@@ -88,30 +87,10 @@ def child_command(args: argparse.Namespace, section: str, out: Path) -> list[str
 
 def run_child(cmd: list[str], path: Path, log: Path, timeout: float, tiny: bool) -> dict:
     """`cmd` (a section) in a fresh process group, at most `timeout` seconds; then every
-    process of the group is killed (a pass it started would hold the chips)."""
-    path.unlink(missing_ok=True)
+    process of the group is killed (a pass it started would hold the chips:
+    `check_runner.run_section`)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu") if tiny else None
-    start = time.perf_counter()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # its passes too, finished or not
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    result = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    result["seconds"] = time.perf_counter() - start
-    if rc is None:
-        result.update(status="timeout", error=f"stopped after {timeout:.0f} s\n" + tail(log))
-    elif result.get("status") not in ("ok", "failed"):  # it died before writing its end
-        result.update(status="failed",
-                      error=f"the process exited with status {rc}\n" + tail(log))
-    return result
+    return run_section(cmd, path, log, timeout, env)
 
 
 def probe(tiny: bool) -> dict:

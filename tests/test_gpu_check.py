@@ -3,7 +3,6 @@ reported with its traceback (and the rows before it), the profile's pure parts (
 ops, the step-cost fit, the host-sync counter) give the literal numbers, and `--tiny` runs every
 section on the CPU with finite, positive numbers."""
 
-import importlib
 import json
 import math
 import subprocess
@@ -20,30 +19,12 @@ import transformers
 
 from common.flops import image_flops, matmul_params, row_flops
 from configs.models import write_config_dir
+from tests.script_module import SCRIPTS, script_fixture
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
-
-
-def _module(name):
-    if str(SCRIPTS) not in sys.path:  # gpu_check imports gpu_sections as a sibling
-        sys.path.insert(0, str(SCRIPTS))
-    return importlib.import_module(name)
-
-
-@pytest.fixture(scope="module")
-def sections():
-    return _module("gpu_sections")
-
-
-@pytest.fixture(scope="module")
-def check():
-    return _module("gpu_check")
-
-
-@pytest.fixture(scope="module")
-def profile():
-    return _module("gpu_profile")
+ROOT = SCRIPTS.parent
+sections = script_fixture("gpu_sections")
+check = script_fixture("gpu_check")
+profile = script_fixture("gpu_profile")
 
 
 def _linear_weights(module) -> int:

@@ -4,7 +4,6 @@ with the processes it started, a config override is typed and a missing key is r
 failing section is recorded with the rows before it, and `--tiny` runs every section on the
 CPU."""
 
-import importlib
 import json
 import math
 import os
@@ -15,24 +14,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "scripts"
+from tests.script_module import SCRIPTS, script_fixture
 
-
-def _module(name):
-    if str(SCRIPTS) not in sys.path:  # tpu_check imports tpu_sections as a sibling
-        sys.path.insert(0, str(SCRIPTS))
-    return importlib.import_module(name)
-
-
-@pytest.fixture(scope="module")
-def sections():
-    return _module("tpu_sections")
-
-
-@pytest.fixture(scope="module")
-def check():
-    return _module("tpu_check")
+ROOT = SCRIPTS.parent
+sections = script_fixture("tpu_sections")
+check = script_fixture("tpu_check")
 
 
 def test_roofline_is_the_slower_of_compute_and_memory(sections):
