@@ -524,23 +524,23 @@ def learner_torch(s: Settings):
             _close(run)
 
 
-# learner_moe's model: Qwen3-VL-30B-A3B's shapes (every decoder layer a sparse block of 128
-# experts of 768, top 8; 32 query and 4 KV heads of 128; the published vision tower, 27 blocks of
-# 1152) with 3 of its 48 decoder layers, so that one 80 GB H100 trains it. The recipe's one-GPU
-# learner holds per parameter (`geo3k_torch.precision.MasterWeights`) the fp32 master 4 B, its
-# bf16 copy 2, the fp32 gradient accumulator 4 and AdamW's two moments 8, and the local engine
-# its bf16 copy 2: 20 B. A decoder layer has 623,120,640 parameters (experts 603,979,776,
-# attention 18,874,368, router 262,144; counted on the meta device): 11.6 GiB; the rest (vision
-# tower 538.6 M, embedding and LM head 311.2 M each) 1.161 B: 21.6 GiB. Of the card's ~78 GiB,
-# about 20 are kept for activations and workspaces at 32k-token micro-batches under full
-# checkpointing (an estimate: the 2B's measured 41.4 GiB peak at 16k, less its 35.7 GiB of
-# weights and optimizer state, leaves 5.7; a MoE layer recomputed at 32k tokens routes 262k
-# (token, expert) pairs, about 1 GiB a bf16 tensor of the hidden size): (78 - 21.6 - 20) / 11.6
-# = 3.1, so 3 layers (56.5 GiB before activations; 4 would leave 10 GiB). The tower's three
-# DeepStack features still each reach a layer (they feed layers 0-2). MFU counts the weights a
-# token meets (`train_flops` via `common.flops`: attention, the router and the top 8 experts):
-# 56.9 M a layer, 171 M for the 3, beside the LM head's 311 M per trained token, so the layers
-# are under half of the row's model FLOPs and its MFU is not the 48-layer model's.
+# learner_moe's model: Qwen3-VL-30B-A3B's shapes (every decoder layer a sparse block of 128 experts
+# of 768, top 8; 32 query and 4 KV heads of 128; the published vision tower, 27 blocks of 1152) with
+# 3 of its 48 decoder layers, so that one 80 GB H100 trains it. The recipe's one-GPU learner holds
+# per parameter (`geo3k_torch.precision.MasterWeights`) the fp32 master 4 B, its bf16 copy 2, the
+# fp32 gradient accumulator 4 and AdamW's two moments 8, and the local engine its bf16 copy 2: 20 B.
+# A decoder layer has 623,120,640 parameters (experts 603,979,776, attention 18,874,368, router
+# 262,144; counted on the meta device): 11.6 GiB; the rest (vision tower 538.6 M, embedding and LM
+# head 311.2 M each) 1.161 B: 21.6 GiB. Of the card's ~78 GiB, about 20 are kept for activations and
+# workspaces at 32k-token micro-batches under full checkpointing (an estimate: the 2B's measured
+# 41.4 GiB peak at 16k, less its 35.7 GiB of weights and optimizer state under FSDP2's 18 B a
+# parameter, leaves 5.7; a MoE layer recomputed at 32k tokens routes 262k (token, expert) pairs,
+# about 1 GiB a bf16 tensor of the hidden size): (78 - 21.6 - 20) / 11.6 = 3.1, so 3 layers (56.5
+# GiB before activations; 4 would leave 10 GiB). The tower's three DeepStack features still each
+# reach a layer (they feed layers 0-2). MFU counts the weights a token meets (`train_flops` via
+# `common.flops`: attention, the router and the top 8 experts): 56.9 M a layer, 171 M for the 3,
+# beside the LM head's 311 M per trained token, so the layers are under half of the row's model
+# FLOPs and its MFU is not the 48-layer model's.
 MOE_SHAPES = ("qwen3_vl_30b_a3b", 3)
 MOE_LABEL = "moe, MFU on active weights"
 
