@@ -365,6 +365,24 @@ def test_a_tensor_group_of_a_multi_host_mesh_lies_within_one_host():
     assert make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices).shape["fsdp"] == 16
 
 
+@pytest.mark.parametrize("topology,fsdp", [("v5p-16", 1), ("v6e-32", 4), ("v6e-64", 8)])
+def test_the_moe_recipes_mesh_lays_a_tensor_group_on_each_host(topology, fsdp):
+    """configs/tpu_moe.py's mesh (expert 2, tensor 4, fsdp the rest) on the slices docs/tpu.md
+    compiles it for: every tensor group is one host's 4 chips (each host's engine holds a
+    quarter of the bf16 weights a chip) and host 0's engine gets one whole group."""
+    from configs import tpu_moe
+    from geo3k_jax import aot
+    from geo3k_jax.engine.backend import host_mesh
+    from geo3k_jax.core.sharding import make_mesh
+
+    devices = aot.topology_devices(topology)
+    mesh = make_mesh(dict(tpu_moe.get_config().jax.mesh), devices)
+    assert mesh.shape == {"data": 1, "fsdp": fsdp, "expert": 2, "tensor": 4}
+    groups = mesh.devices.reshape(-1, 4)
+    assert all(len({d.process_index for d in g}) == 1 for g in groups)
+    assert host_mesh(mesh).devices.shape == (1, 1, 1, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("topology", ["v5p-8", "v6e-8", "v6e-16"])
