@@ -89,6 +89,27 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
     assert grad["roofline_s"] >= grad["model_flops"] / peak_flops
 
 
+def test_a_moes_roofline_counts_its_active_weights():
+    """The TPU compiler counts a ragged dot's weight gradient as every expert over every row
+    (16x the work of a 16-group one), so a MoE's gradient takes the model's FLOPs (its active
+    experts, `common.flops`) even where the compiler's count is larger; a dense model's takes
+    the larger (the compiler's misses scanned layers and Pallas kernels)."""
+    from types import SimpleNamespace
+
+    from geo3k_jax.tpu.compiled import CHIPS, report
+
+    memory = SimpleNamespace(argument_size_in_bytes=1, output_size_in_bytes=1,
+                             alias_size_in_bytes=0, temp_size_in_bytes=1,
+                             generated_code_size_in_bytes=1)
+    compiled = SimpleNamespace(memory_analysis=lambda: memory,
+                               cost_analysis=lambda: {"flops": 918e12, "bytes accessed": 1e9})
+    chip = CHIPS["TPU v6 lite"]  # 918 TFLOP/s
+    dense = report("grad", compiled, chip, 0, 1.0, model_flops=459e12)
+    moe = report("grad", compiled, chip, 0, 1.0, model_flops=459e12, model_flops_only=True)
+    assert (dense["roofline_s"], moe["roofline_s"]) == (1.0, 0.5)
+    assert moe["flops"] == 918e12 and moe["bound"] == "flops"  # the compiler's count is kept
+
+
 def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
     from geo3k_jax import aot
     from geo3k_jax.tpu import engine_aot
