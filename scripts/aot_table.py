@@ -8,6 +8,7 @@ the compiler reported, per chip.
     python scripts/aot_table.py --cells=qwen3_vl_8b@v5p-16   # other cells
     python scripts/aot_table.py --cells=qwen3_vl_2b@v6e-8@48 # with 48 engine slots a host
     python scripts/aot_table.py --cells=qwen3_vl_8b@v6e-16@32@jax.mesh.tensor=4  # and settings
+    python scripts/aot_table.py --config=configs/tpu_moe.py --cells=qwen3_vl_30b_a3b@v5p-16
 
 Each compile runs in its own process (`--json` into --out); a report already there is kept, so an
 interrupted table resumes where it stopped. docs/aot holds the reports the docs' table shows.
@@ -25,6 +26,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 GiB = 2 ** 30
+DEFAULT_CONFIG = "configs/tpu.py"
 
 
 def cell(text: str) -> tuple[str, str, int, tuple[str, ...]]:
@@ -52,8 +54,9 @@ def temporaries(message: str) -> str:
 
 
 def where(r: dict) -> str:
-    """The slice, with the settings its cell overrode."""
-    return r["topology"] + "".join(f", {s}" for s in r.get("settings", ()))
+    """The slice, with the config (if not `DEFAULT_CONFIG`) and the settings its cell overrode."""
+    return r["topology"] + "".join(f", {s}" for s in [r.get("config")] + r.get("settings", [])
+                                   if s)
 
 
 def row(r: dict) -> str:
@@ -99,9 +102,12 @@ def main(_):
                             f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"]
                            + ([f"--config.engine.slots={slots}"] if slots else [])
                            + [f"--config.{s}" for s in settings], check=False)
-            if path.exists() and settings:
-                path.write_text(json.dumps(dict(json.loads(path.read_text()),
-                                                settings=list(settings)), indent=1))
+            extra = dict(settings=list(settings)) if settings else {}
+            if FLAGS.config != DEFAULT_CONFIG:
+                extra["config"] = FLAGS.config
+            if path.exists() and extra:
+                path.write_text(json.dumps(dict(json.loads(path.read_text()), **extra),
+                                           indent=1))
     print("| model | slice | learner's costliest program GiB | engine's costliest program GiB "
           "| phases GiB (rollout, weight copy, train) | peak / HBM GiB | fits | engine slots "
           "(asked / fit) | compile s |")
@@ -138,7 +144,8 @@ def define_flags() -> None:
                       "model@slice pairs (configs/models names, TPU slices), compiled in this "
                       "order; model@slice@slots sets engine.slots, a further @key=value any "
                       "setting of the config")
-    flags.DEFINE_string("config", "configs/tpu.py", "the run's config")
+    flags.DEFINE_string("config", DEFAULT_CONFIG, "the run's config (a report names it "
+                        "when it is another)")
     flags.DEFINE_bool("table_only", False,
                       "print the table of the reports in --out, compile nothing")
     flags.DEFINE_bool("rebudget", False, "the reports' budgets worked out again from their "

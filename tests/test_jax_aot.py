@@ -312,6 +312,9 @@ def test_the_table_row_reads_a_report():
                             "temporaries) | | | **no** | 128 / ? | 500 |")
     r["settings"] = ["jax.mesh.tensor=4"]  # a cell's own settings, beside its slice
     assert table.row(r).startswith("| qwen3_vl_2b | v5p-8, jax.mesh.tensor=4 | grad 30.0 |")
+    r["config"] = "configs/tpu_moe.py"  # compiled with another --config: named first
+    assert table.row(r).startswith("| qwen3_vl_2b | v5p-8, configs/tpu_moe.py, jax.mesh.tensor=4 "
+                                   "| grad 30.0 |")
 
 
 def test_a_table_cell_may_set_the_engine_slots():
