@@ -5,6 +5,7 @@ the compiler reported, per chip.
     python scripts/aot_table.py --out=docs/aot               # every cell (tens of minutes each)
     python scripts/aot_table.py --out=docs/aot --table_only  # the table of the reports kept
     python scripts/aot_table.py --table_only --rebudget      # their budgets by today's rules
+    python scripts/aot_table.py --table_only --rebudget --offload=moments  # and the moments
     python scripts/aot_table.py --cells=qwen3_vl_8b@v5p-16   # other cells
     python scripts/aot_table.py --cells=qwen3_vl_2b@v6e-8@48 # with 48 engine slots a host
     python scripts/aot_table.py --cells=qwen3_vl_8b@v6e-16@32@jax.mesh.tensor=4  # and settings
@@ -116,18 +117,21 @@ def main(_):
         path = out / report_name(*c)
         if path.exists():
             r = json.loads(path.read_text())
-            print(row(rebudget(r) if FLAGS.rebudget else r))
+            print(row(rebudget(r, FLAGS.offload) if FLAGS.rebudget else r))
 
 
-def rebudget(r: dict) -> dict:
+def rebudget(r: dict, offload: str = "none") -> dict:
     """`r` with its budget worked out again from its programs by `geo3k_jax.aot.budget` as a
     run of configs/tpu.py has it now (`jax.free_engine` on, rollouts and training taking
-    turns): the compiled programs do not depend on it, only the phases' sums do."""
+    turns), with `offload` (`jax.offload`) the learner's state kept in host memory during
+    rollouts: the compiled programs do not depend on either, only the phases' sums do."""
     from geo3k_jax.aot import budget
     if any("refused" in p for p in r["programs"] + r.get("engine", {}).get("programs", [])):
         return r
-    b = budget(r, r.get("engine"), r["budget"]["hbm"], False, free=True)
-    return dict(r, budget=b, fits=b["fits"])
+    b = budget(r, r.get("engine"), r["budget"]["hbm"], False, free=True, offload=offload)
+    settings = r.get("settings", []) + ([f"jax.offload={offload} (rebudget)"]
+                                        if offload != "none" else [])
+    return dict(r, budget=b, fits=b["fits"], settings=settings)
 
 
 def define_flags() -> None:
@@ -148,6 +152,8 @@ def define_flags() -> None:
                         "when it is another)")
     flags.DEFINE_bool("table_only", False,
                       "print the table of the reports in --out, compile nothing")
+    flags.DEFINE_enum("offload", "none", ["none", "moments", "all"], "with --rebudget: the "
+                      "learner's state kept in host memory during rollouts (jax.offload)")
     flags.DEFINE_bool("rebudget", False, "the reports' budgets worked out again from their "
                       "programs as configs/tpu.py has them now (jax.free_engine on)")
 

@@ -300,6 +300,12 @@ def test_the_table_row_reads_a_report():
     assert table.row(table.rebudget(r)) == (
         "| qwen3_vl_2b | v5p-8 | grad 30.0 | prefill 27.0 (weights 4.0, cache 20.0) | rollout "
         "37.0, weight copy 14.0, train 30.0 | 37.0 / 95.74 | yes | 128 / 500 | 1420 |")
+    # --offload=moments: the learner's 4 GiB of moments in host memory during rollouts
+    moved = table.rebudget(dict(r, parts={"params": 6 * GiB, "moments": 4 * GiB,
+                                          "reference": 0}), "moments")
+    assert table.row(moved).startswith(
+        "| qwen3_vl_2b | v5p-8, jax.offload=moments (rebudget) | grad 30.0 | prefill 27.0 "
+        "(weights 4.0, cache 20.0) | rollout 33.0, weight copy 14.0, train 30.0 |")
     r["programs"] = [dict(program="grad", refused="RESOURCE_EXHAUSTED: 40G", fits=False,
                           compile_s=300.0)] + learner[1:]
     assert "refused: grad (RESOURCE_EXHAUSTED: 40G)" in table.row(r) and "**no**" in table.row(r)
