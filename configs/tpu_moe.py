@@ -15,8 +15,11 @@ cache; the learner's stacked experts are split over expert x fsdp x tensor (ever
 other parameters over fsdp x tensor (the expert axis is a data axis for them). Per chip the
 learner's state is 16 bytes a parameter over the chips (fp32 parameters, two Adam moments, the
 fp32 gradient accumulator during the gradient): 31.07 B parameters need at least 8 v5p chips
-(v5p-8's 4 hold 115.7 GiB each, more than 95.74) and 32 v6e chips. The budget compiled for this
-config is in docs/tpu.md.
+(v5p-8's 4 would hold 115.7 GiB each, more than 95.74) and 32 v6e chips. Compiled for v5p-16
+(docs/tpu.md): 94.2 of 95.74 GiB a chip at the gradient program (32.2 of it temporaries at one
+16,384-token row a tensor group), 82.1 during rollouts at these 64 slots (about 136 would fit).
+On v6e it needs rows of 8,448 tokens and `jax.offload=moments` (v6e-32: 30.4 of 31.25 GiB at
+16 slots a host; the engine's decode alone takes 26.4).
 """
 
 from configs import tpu
