@@ -18,8 +18,8 @@ fp32 gradient accumulator during the gradient): 31.07 B parameters need at least
 (v5p-8's 4 would hold 115.7 GiB each, more than 95.74) and 32 v6e chips. Compiled for v5p-16
 (docs/tpu.md): 94.2 of 95.74 GiB a chip at the gradient program (32.2 of it temporaries at one
 16,384-token row a tensor group), 82.1 during rollouts at these 64 slots (about 136 would fit).
-On v6e it needs rows of 8,448 tokens and `jax.offload=moments` (v6e-32: 30.4 of 31.25 GiB at
-16 slots a host; the engine's decode alone takes 26.4).
+On v6e it needs rows of 8,448 tokens and `jax.offload=moments` (16 slots a host: v6e-64 28.4
+of 31.25 GiB a chip, v6e-32 30.4; the engine's decode alone takes 26.4).
 """
 
 from configs import tpu
