@@ -204,6 +204,9 @@ def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dic
     model_flops = {"grad": learner.rows_per_slice * row_flops(
         config, shape["length"], shape["targets"], shape["patches"], shape["window"])
         / len(devices), "apply": 0.0}
+    # a MoE's FLOPs are its active weights' (`common.flops`); the compiler counts its ragged
+    # dots' weight gradients over every expert (`geo3k_jax.tpu.compiled.report`)
+    moe = bool(getattr(config.text_config, "num_experts", 0))
     programs = []
     for name in ("grad", "apply"):
         t0 = time.perf_counter()
@@ -214,7 +217,7 @@ def compile_learner(learner, cfg, config, chip: Chip, topology: str = "") -> dic
                              "compile_s": time.perf_counter() - t0})
             continue
         programs.append(report(name, compiled, chip, resident[name], time.perf_counter() - t0,
-                               model_flops[name]))
+                               model_flops[name], model_flops_only=moe))
     return {"topology": topology, "chip": chip.name, "devices": len(devices),
             "parts": learner_parts(learner),
             "attention": resolve_attention(cfg.jax.attention, devices[0].platform).kind,

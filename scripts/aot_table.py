@@ -5,9 +5,11 @@ the compiler reported, per chip.
     python scripts/aot_table.py --out=docs/aot               # every cell (tens of minutes each)
     python scripts/aot_table.py --out=docs/aot --table_only  # the table of the reports kept
     python scripts/aot_table.py --table_only --rebudget      # their budgets by today's rules
+    python scripts/aot_table.py --table_only --rebudget --offload=moments  # and the moments
     python scripts/aot_table.py --cells=qwen3_vl_8b@v5p-16   # other cells
     python scripts/aot_table.py --cells=qwen3_vl_2b@v6e-8@48 # with 48 engine slots a host
     python scripts/aot_table.py --cells=qwen3_vl_8b@v6e-16@32@jax.mesh.tensor=4  # and settings
+    python scripts/aot_table.py --config=configs/tpu_moe.py --cells=qwen3_vl_30b_a3b@v5p-16
 
 Each compile runs in its own process (`--json` into --out); a report already there is kept, so an
 interrupted table resumes where it stopped. docs/aot holds the reports the docs' table shows.
@@ -25,6 +27,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 GiB = 2 ** 30
+DEFAULT_CONFIG = "configs/tpu.py"
 
 
 def cell(text: str) -> tuple[str, str, int, tuple[str, ...]]:
@@ -52,8 +55,9 @@ def temporaries(message: str) -> str:
 
 
 def where(r: dict) -> str:
-    """The slice, with the settings its cell overrode."""
-    return r["topology"] + "".join(f", {s}" for s in r.get("settings", ()))
+    """The slice, with the config (if not `DEFAULT_CONFIG`) and the settings its cell overrode."""
+    return r["topology"] + "".join(f", {s}" for s in [r.get("config")] + r.get("settings", [])
+                                   if s)
 
 
 def row(r: dict) -> str:
@@ -99,9 +103,12 @@ def main(_):
                             f"--topology={topology}", f"--shapes={shapes}", f"--json={path}"]
                            + ([f"--config.engine.slots={slots}"] if slots else [])
                            + [f"--config.{s}" for s in settings], check=False)
-            if path.exists() and settings:
-                path.write_text(json.dumps(dict(json.loads(path.read_text()),
-                                                settings=list(settings)), indent=1))
+            extra = dict(settings=list(settings)) if settings else {}
+            if FLAGS.config != DEFAULT_CONFIG:
+                extra["config"] = FLAGS.config
+            if path.exists() and extra:
+                path.write_text(json.dumps(dict(json.loads(path.read_text()), **extra),
+                                           indent=1))
     print("| model | slice | learner's costliest program GiB | engine's costliest program GiB "
           "| phases GiB (rollout, weight copy, train) | peak / HBM GiB | fits | engine slots "
           "(asked / fit) | compile s |")
@@ -110,18 +117,21 @@ def main(_):
         path = out / report_name(*c)
         if path.exists():
             r = json.loads(path.read_text())
-            print(row(rebudget(r) if FLAGS.rebudget else r))
+            print(row(rebudget(r, FLAGS.offload) if FLAGS.rebudget else r))
 
 
-def rebudget(r: dict) -> dict:
+def rebudget(r: dict, offload: str = "none") -> dict:
     """`r` with its budget worked out again from its programs by `geo3k_jax.aot.budget` as a
     run of configs/tpu.py has it now (`jax.free_engine` on, rollouts and training taking
-    turns): the compiled programs do not depend on it, only the phases' sums do."""
+    turns), with `offload` (`jax.offload`) the learner's state kept in host memory during
+    rollouts: the compiled programs do not depend on either, only the phases' sums do."""
     from geo3k_jax.aot import budget
     if any("refused" in p for p in r["programs"] + r.get("engine", {}).get("programs", [])):
         return r
-    b = budget(r, r.get("engine"), r["budget"]["hbm"], False, free=True)
-    return dict(r, budget=b, fits=b["fits"])
+    b = budget(r, r.get("engine"), r["budget"]["hbm"], False, free=True, offload=offload)
+    settings = r.get("settings", []) + ([f"jax.offload={offload} (rebudget)"]
+                                        if offload != "none" else [])
+    return dict(r, budget=b, fits=b["fits"], settings=settings)
 
 
 def define_flags() -> None:
@@ -138,9 +148,12 @@ def define_flags() -> None:
                       "model@slice pairs (configs/models names, TPU slices), compiled in this "
                       "order; model@slice@slots sets engine.slots, a further @key=value any "
                       "setting of the config")
-    flags.DEFINE_string("config", "configs/tpu.py", "the run's config")
+    flags.DEFINE_string("config", DEFAULT_CONFIG, "the run's config (a report names it "
+                        "when it is another)")
     flags.DEFINE_bool("table_only", False,
                       "print the table of the reports in --out, compile nothing")
+    flags.DEFINE_enum("offload", "none", ["none", "moments", "all"], "with --rebudget: the "
+                      "learner's state kept in host memory during rollouts (jax.offload)")
     flags.DEFINE_bool("rebudget", False, "the reports' budgets worked out again from their "
                       "programs as configs/tpu.py has them now (jax.free_engine on)")
 

@@ -11,14 +11,14 @@ from common.grpo import LossConfig
 from common.rollout import RolloutConfig
 from common.reward import RewardConfig
 from configs import (base, cpu, cpu_perception, h100, h100_areal, h100_moe, h100_single_turn,
-                     sft, to_dataclass, tpu)
+                     sft, to_dataclass, tpu, tpu_moe)
 
 SECTIONS = {"env": EnvConfig, "reward": RewardConfig, "rollout": RolloutConfig,
             "loss": LossConfig}
 
 
 @pytest.mark.parametrize("module", [base, cpu, cpu_perception, h100, tpu, h100_single_turn,
-                                    h100_areal, h100_moe, sft])
+                                    h100_areal, h100_moe, sft, tpu_moe])
 def test_sections_build_their_dataclasses(module):
     cfg = module.get_config()
     for name, cls in SECTIONS.items():
@@ -90,6 +90,29 @@ def test_moe_recipe_memory_figures_are_the_models(tmp_path):
 
 
 @pytest.mark.slow
+def test_tpu_moe_recipe_is_the_tpu_recipe_with_the_30b_on_its_mesh():
+    """configs/tpu_moe.py: tpu.py's task, loss, advantage and training with the 30B-A3B; its
+    mesh splits the published model evenly (128 experts over `expert`, the 4 KV heads of the
+    engine's cache over a host's 4-chip tensor group: one a chip); its `cpu` form is the tiny
+    MoE on whatever devices the host has."""
+    from configs.models import model_shapes
+
+    cfg, anchor = tpu_moe.get_config(), tpu.get_config()
+    for section in ("rollout", "env", "loss", "reward", "advantage", "train"):
+        assert cfg[section].to_dict() == anchor[section].to_dict(), section
+    assert cfg.model.path == "Qwen/Qwen3-VL-30B-A3B-Instruct" and cfg.loss.router_aux_coef == 0
+    mesh = cfg.jax.mesh
+    assert (mesh.data, mesh.fsdp, mesh.expert, mesh.tensor) == (1, -1, 2, 4)
+    text = model_shapes("qwen3_vl_30b_a3b")["text_config"]
+    assert text["num_experts"] % mesh.expert == 0
+    assert text["num_key_value_heads"] == mesh.tensor
+    small = tpu_moe.get_config("cpu")
+    assert small.model.path == "" and small.model.tiny_arch == "qwen3_vl_moe"
+    assert (small.jax.mesh.expert, small.jax.mesh.tensor) == (1, 1)
+    with pytest.raises(ValueError, match="no argument or 'cpu'"):
+        tpu_moe.get_config("v6e")
+
+
 def test_tpu_recipe_without_a_tpu_stops_with_a_clear_message(tmp_path):
     for extra in ([], ["--config.jax.distributed=False"]):  # as shipped, and on one host
         proc = subprocess.run([sys.executable, "-m", "geo3k_jax.train", "--config=configs/tpu.py",

@@ -93,6 +93,27 @@ def test_the_tiny_step_compiles_for_v5p_8_and_fits(tiny_v5p):
     assert grad["roofline_s"] >= grad["model_flops"] / peak_flops
 
 
+def test_a_moes_roofline_counts_its_active_weights():
+    """The TPU compiler counts a ragged dot's weight gradient as every expert over every row
+    (16x the work of a 16-group one), so a MoE's gradient takes the model's FLOPs (its active
+    experts, `common.flops`) even where the compiler's count is larger; a dense model's takes
+    the larger (the compiler's misses scanned layers and Pallas kernels)."""
+    from types import SimpleNamespace
+
+    from geo3k_jax.tpu.compiled import CHIPS, report
+
+    memory = SimpleNamespace(argument_size_in_bytes=1, output_size_in_bytes=1,
+                             alias_size_in_bytes=0, temp_size_in_bytes=1,
+                             generated_code_size_in_bytes=1)
+    compiled = SimpleNamespace(memory_analysis=lambda: memory,
+                               cost_analysis=lambda: {"flops": 918e12, "bytes accessed": 1e9})
+    chip = CHIPS["TPU v6 lite"]  # 918 TFLOP/s
+    dense = report("grad", compiled, chip, 0, 1.0, model_flops=459e12)
+    moe = report("grad", compiled, chip, 0, 1.0, model_flops=459e12, model_flops_only=True)
+    assert (dense["roofline_s"], moe["roofline_s"]) == (1.0, 0.5)
+    assert moe["flops"] == 918e12 and moe["bound"] == "flops"  # the compiler's count is kept
+
+
 def test_a_step_that_does_not_fit_exits_1(monkeypatch, capsys):
     from geo3k_jax import aot
     from geo3k_jax.tpu import engine_aot
@@ -283,6 +304,12 @@ def test_the_table_row_reads_a_report():
     assert table.row(table.rebudget(r)) == (
         "| qwen3_vl_2b | v5p-8 | grad 30.0 | prefill 27.0 (weights 4.0, cache 20.0) | rollout "
         "37.0, weight copy 14.0, train 30.0 | 37.0 / 95.74 | yes | 128 / 500 | 1420 |")
+    # --offload=moments: the learner's 4 GiB of moments in host memory during rollouts
+    moved = table.rebudget(dict(r, parts={"params": 6 * GiB, "moments": 4 * GiB,
+                                          "reference": 0}), "moments")
+    assert table.row(moved).startswith(
+        "| qwen3_vl_2b | v5p-8, jax.offload=moments (rebudget) | grad 30.0 | prefill 27.0 "
+        "(weights 4.0, cache 20.0) | rollout 33.0, weight copy 14.0, train 30.0 |")
     r["programs"] = [dict(program="grad", refused="RESOURCE_EXHAUSTED: 40G", fits=False,
                           compile_s=300.0)] + learner[1:]
     assert "refused: grad (RESOURCE_EXHAUSTED: 40G)" in table.row(r) and "**no**" in table.row(r)
@@ -295,6 +322,9 @@ def test_the_table_row_reads_a_report():
                             "temporaries) | | | **no** | 128 / ? | 500 |")
     r["settings"] = ["jax.mesh.tensor=4"]  # a cell's own settings, beside its slice
     assert table.row(r).startswith("| qwen3_vl_2b | v5p-8, jax.mesh.tensor=4 | grad 30.0 |")
+    r["config"] = "configs/tpu_moe.py"  # compiled with another --config: named first
+    assert table.row(r).startswith("| qwen3_vl_2b | v5p-8, configs/tpu_moe.py, jax.mesh.tensor=4 "
+                                   "| grad 30.0 |")
 
 
 def test_a_table_cell_may_set_the_engine_slots():
@@ -367,6 +397,24 @@ def test_a_tensor_group_of_a_multi_host_mesh_lies_within_one_host():
         make_mesh({"data": 1, "fsdp": 2, "tensor": 8}, devices)
     # without a tensor axis the mesh is jax.make_mesh's, along the links
     assert make_mesh({"data": 1, "fsdp": -1, "tensor": 1}, devices).shape["fsdp"] == 16
+
+
+@pytest.mark.parametrize("topology,fsdp", [("v5p-16", 1), ("v6e-32", 4), ("v6e-64", 8)])
+def test_the_moe_recipes_mesh_lays_a_tensor_group_on_each_host(topology, fsdp):
+    """configs/tpu_moe.py's mesh (expert 2, tensor 4, fsdp the rest) on the slices docs/tpu.md
+    compiles it for: every tensor group is one host's 4 chips (each host's engine holds a
+    quarter of the bf16 weights a chip) and host 0's engine gets one whole group."""
+    from configs import tpu_moe
+    from geo3k_jax import aot
+    from geo3k_jax.engine.backend import host_mesh
+    from geo3k_jax.core.sharding import make_mesh
+
+    devices = aot.topology_devices(topology)
+    mesh = make_mesh(dict(tpu_moe.get_config().jax.mesh), devices)
+    assert mesh.shape == {"data": 1, "fsdp": fsdp, "expert": 2, "tensor": 4}
+    groups = mesh.devices.reshape(-1, 4)
+    assert all(len({d.process_index for d in g}) == 1 for g in groups)
+    assert host_mesh(mesh).devices.shape == (1, 1, 1, 4)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from flax import nnx
 from transformers import Qwen3VLMoeConfig
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
-from geo3k_jax.models.moe import SparseMoeBlock, sparse_layers
+from geo3k_jax.models.moe import SparseMoeBlock, route, routed, sparse_layers
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -134,6 +134,32 @@ def test_replayed_experts_weigh_by_their_probabilities_and_minus_one_routes_free
         got, want = np.asarray(got[...]), np.asarray(want)
         assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     assert np.abs(np.asarray(grads[1])).max() > 1e-3
+
+
+def test_a_tokens_experts_are_added_in_its_top_k_order():
+    """k = 3: the float32 sum of a token's three weighted expert outputs depends on the order,
+    and transformers adds them in top-k order (heaviest first: its grouped experts sum a
+    (tokens, k, hidden) view over k). Experts whose every output is +-2^(12 e) (gate = up = 1,
+    an identity activation) make each weighted output exact, so the additions are the only
+    roundings: the block equals the top-k-order sum bit for bit. Adding in expert order, as the
+    scatter-add this block had did, gives other bits on 32 of these 512 outputs."""
+    rng = np.random.default_rng(0)
+    n, hidden, experts, k = 64, 8, 4, 3
+    x = rng.standard_normal((n, hidden)).astype(np.float32)
+    x[:, -1] = 1.0
+    router = rng.standard_normal((experts, hidden)).astype(np.float32)
+    gate_up = np.zeros((experts, 2, hidden), np.float32)
+    gate_up[:, :, -1] = 1.0  # the gate and the up projection read the constant 1
+    signs = rng.choice([-1.0, 1.0], (experts, hidden, 1))
+    down = (signs * 2.0 ** (12 * np.arange(experts))[:, None, None]).astype(np.float32)
+    got = np.asarray(jax.jit(routed, static_argnums=(4, 5))(x, router, gate_up, down, k,
+                                                            lambda g: g)[0])
+    weights, index = (np.asarray(a) for a in jax.jit(
+        lambda x, r: route(jnp.einsum("nh,eh->ne", x, r), k)[:2])(x, router))
+    want = np.zeros((n, hidden), np.float32)
+    for j in range(k):  # rank j of every token: its j-th heaviest expert
+        want = want + down[index[:, j], :, 0] * weights[:, j:j + 1]
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("kw,want", [

@@ -9,7 +9,8 @@ transformers' `Qwen3VLMoeTextSparseMoeBlock`, under its parameter names and layo
 Each token's router logits are softmaxed over the E experts in fp32, the top k kept and
 renormalised to sum to 1 (transformers' `Qwen3VLMoeTextTopKRouter` always renormalises; its
 config has no `norm_topk_prob`), cast back to the logits' dtype; the block's output is the
-weighted sum of the k experts' gated SiLU MLPs.
+weighted sum of the k experts' gated SiLU MLPs, added in the token's top-k order (highest
+weight first), as transformers' grouped experts add them.
 
 The experts run as two grouped matmuls (`jax.lax.ragged_dot_general`) over the N x k
 (token, expert) assignments sorted by expert: each expert multiplies only the tokens routed
@@ -99,7 +100,6 @@ class Experts(nnx.Module):
         self.act = activation(act)
 
 
-
 def routed(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array, k: int,
            act, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The block on tokens x (N, hidden) with router (E, hidden), gate_up (E, 2I, hidden) and
@@ -114,7 +114,11 @@ def routed(x: jax.Array, router: jax.Array, gate_up: jax.Array, down: jax.Array,
     gate, up = jnp.split(h, 2, axis=-1)  # (N k, I) each
     y = jax.lax.ragged_dot_general(act(gate) * up, down, sizes, _GROUPED)  # (N k, hidden)
     y = y * weights.reshape(-1)[order][:, None]
-    return jnp.zeros_like(x).at[token].add(y), top
+    # back to (token, rank) order and summed over the k ranks in that order, as transformers
+    # adds them (a scatter-add would add a token's outputs in expert order: the same sum for
+    # k = 2, another float32 rounding for k > 2)
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
+    return y[back].reshape(x.shape[0], k, x.shape[1]).sum(axis=1), top
 
 
 class SparseMoeBlock(nnx.Module):

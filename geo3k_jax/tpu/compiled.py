@@ -29,7 +29,8 @@ CHIPS = {  # by the device_kind libtpu reports
 
 
 def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
-           model_flops: float = 0.0, model_bytes: float = 0.0) -> dict:
+           model_flops: float = 0.0, model_bytes: float = 0.0, model_flops_only: bool = False
+           ) -> dict:
     """One program's per-device figures. resident: bytes of the learner's state that stay in
     HBM while it runs without being its arguments (the optimizer state, during a gradient).
     model_flops: the program's model FLOPs per device (`common.flops`): the compiler's own count
@@ -37,7 +38,10 @@ def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
     the larger of the two (its bytes accessed are undercounted the same way: the roofline stays
     a lower bound). model_bytes: the bytes the program must read and write per device by the
     model's count (the engine's weights and the KV it reads), taken where larger than the
-    compiler's bytes accessed."""
+    compiler's bytes accessed. model_flops_only: the roofline takes the model's FLOPs alone (a
+    MoE's gradient: the TPU compiler counts a ragged dot's weight gradient as every group over
+    every row, E times its work — 16x on a 16-group ragged dot — where `common.flops` counts the
+    active experts)."""
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -51,9 +55,10 @@ def report(name: str, compiled, chip: Chip, resident: int, seconds: float,
                    + resident)
     out["hbm"] = chip.hbm
     out["fits"] = out["peak"] <= chip.hbm
-    out["roofline_s"] = max(max(out["flops"], model_flops) / chip.peak_flops,
+    flops = model_flops if model_flops_only else max(out["flops"], model_flops)
+    out["roofline_s"] = max(flops / chip.peak_flops,
                             max(out["bytes_accessed"], model_bytes) / chip.hbm_bandwidth)
-    out["bound"] = ("flops" if max(out["flops"], model_flops) / chip.peak_flops
+    out["bound"] = ("flops" if flops / chip.peak_flops
                     >= max(out["bytes_accessed"], model_bytes) / chip.hbm_bandwidth
                     else "memory")
     return out
