@@ -4,6 +4,7 @@ libtpu compiles for the chips of a topology without any TPU; the tiny model's st
 compile for v5p-8, fit, and report the bytes the compiler gives it.
 """
 
+import contextlib
 import functools
 import importlib.util
 
@@ -15,11 +16,26 @@ pytest.importorskip("libtpu", reason="the TPU compiler: pip install libtpu==0.0.
                     "(requirements-test.txt)")
 
 
+@contextlib.contextmanager
+def as_a_run_compiles():
+    """Inside, JAX compiles as a run does: optimised (tests/conftest.py turns most
+    optimisations off, so the figures would be the unoptimised program's), at the default
+    matmul precision (other test modules ask for "highest", which the TPU kernels refuse for
+    bf16 operands)."""
+    import jax
+
+    optimise = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        with jax.default_matmul_precision(None):
+            yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", optimise)
+
+
 def tiny_step(arch: str, routing_replay: bool = False, **mesh) -> dict:
     """`aot.compile_step`'s report of the tiny `arch`'s step on a v5p-8 (configs/tpu.py, 256-token
     rows, `mesh` over the defaults, `loss.routing_replay`)."""
-    import jax
-
     from configs import tpu
     from geo3k_jax import aot
 
@@ -28,16 +44,8 @@ def tiny_step(arch: str, routing_replay: bool = False, **mesh) -> dict:
     cfg.jax.slice.update(targets=128, patches=64, window=256, prefix_window=64)
     cfg.jax.mesh.update(mesh)
     cfg.loss.routing_replay = routing_replay
-    # as a run compiles it: the figures are the optimised program's (tests/conftest.py turns
-    # most optimisations off), and the matmul precision the default (other test modules ask for
-    # "highest", which the TPU kernels refuse for bf16 operands)
-    optimise = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
-        with jax.default_matmul_precision(None):
-            return aot.compile_step(cfg, "v5p-8", config(arch)[0])
-    finally:
-        jax.config.update("jax_disable_most_optimizations", optimise)
+    with as_a_run_compiles():
+        return aot.compile_step(cfg, "v5p-8", config(arch)[0])
 
 
 @pytest.fixture(scope="module")
@@ -259,21 +267,14 @@ def test_a_run_that_does_not_fit_its_devices_refuses_to_start(capsys):
 def test_the_tiny_run_compiles_for_v5p_8_with_its_engine():
     """geo3k_jax.aot's whole budget for a TPU slice: the tiny model's learner and engine compile
     for v5p-8 (4 chips, one host) with the runtime (splash) attention and fit together."""
-    import jax
-
     from geo3k_jax import aot
 
     cfg = _tiny_tpu_config()
     devices = aot.topology_devices("v5p-8")
     hf = config("qwen3_vl")[0]
-    optimise = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
-        with jax.default_matmul_precision(None):
-            r = aot.compile_run(cfg, aot.abstract_learner(cfg, hf, devices), hf,
-                                aot.tpu_chip(devices), "v5p-8")
-    finally:
-        jax.config.update("jax_disable_most_optimizations", optimise)
+    with as_a_run_compiles():
+        r = aot.compile_run(cfg, aot.abstract_learner(cfg, hf, devices), hf,
+                            aot.tpu_chip(devices), "v5p-8")
     e = r["engine"]
     assert r["attention"] == "splash" and e["devices"] == 4 and e["data_shards"] == 4
     assert all("refused" not in p for p in r["programs"] + e["programs"]), r
@@ -431,7 +432,6 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     GiB a chip, split 1.0). The tiny model with Qwen-VL's head dim of 128, the kernel's tile."""
     import re
 
-    import jax
     from transformers import Qwen3VLConfig
 
     from geo3k_jax import aot
@@ -446,18 +446,13 @@ def test_the_decode_compiles_the_pallas_kernel_for_tpu(topology):
     cfg.engine.slots, cfg.rollout.max_context_tokens = 64, 8192
     cfg.engine.prefill_rows, cfg.engine.prefill_tokens = 8, 2048
     devices = aot.topology_devices(topology)
-    optimise = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
-        with jax.default_matmul_precision(None):
-            engine, params = abstract_engine(cfg, aot.abstract_learner(cfg, hf, devices), hf,
-                                             memory=2 ** 40, topology=topology)
-            programs = engine_programs(engine, params)
-            compiled = programs["decode"]().compile()
-            temps = {name: programs[name]().compile().memory_analysis().temp_size_in_bytes
-                     for name in ("insert", "prefill")}
-    finally:
-        jax.config.update("jax_disable_most_optimizations", optimise)
+    with as_a_run_compiles():
+        engine, params = abstract_engine(cfg, aot.abstract_learner(cfg, hf, devices), hf,
+                                         memory=2 ** 40, topology=topology)
+        programs = engine_programs(engine, params)
+        compiled = programs["decode"]().compile()
+        temps = {name: programs[name]().compile().memory_analysis().temp_size_in_bytes
+                 for name in ("insert", "prefill")}
     assert engine.kernel and engine.attention.splash and not engine.attention.interpret
     text = compiled.as_text()
     assert "tpu_custom_call" in text and "paged_attention" in text
@@ -497,8 +492,6 @@ def test_the_tiny_moe_engine_recording_its_routing_compiles_for_v5p_8():
     """With `loss.routing_replay` the engine beside the learner records its routing (each fed
     token's experts out of the prefill and the decode loop): its prefill and decode compile for
     v5p-8 with the experts over fsdp 2 x expert 2, and fit."""
-    import jax
-
     from geo3k_jax import aot
     from geo3k_jax.tpu.engine_aot import abstract_engine, compile_engine
 
@@ -507,15 +500,10 @@ def test_the_tiny_moe_engine_recording_its_routing_compiles_for_v5p_8():
     cfg.jax.mesh.update(fsdp=2, expert=2)
     devices = aot.topology_devices("v5p-8")
     hf = config("qwen3_vl_moe")[0]
-    optimise = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    try:
-        with jax.default_matmul_precision(None):
-            learner = aot.abstract_learner(cfg, hf, devices)
-            assert abstract_engine(cfg, learner, hf, memory=2 ** 62)[0].record
-            r = compile_engine(cfg, learner, hf, aot.tpu_chip(devices), ["prefill", "decode"],
-                               "v5p-8")
-    finally:
-        jax.config.update("jax_disable_most_optimizations", optimise)
+    with as_a_run_compiles():
+        learner = aot.abstract_learner(cfg, hf, devices)
+        assert abstract_engine(cfg, learner, hf, memory=2 ** 62)[0].record
+        r = compile_engine(cfg, learner, hf, aot.tpu_chip(devices), ["prefill", "decode"],
+                           "v5p-8")
     assert [(p["program"], p["fits"]) for p in r["programs"]] == [("prefill", True),
                                                                    ("decode", True)], r
