@@ -76,7 +76,7 @@ def shard_experts(model, ep: int, **fsdp_kw) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    from geo3k_torch.model import experts_implementation
+    from geo3k_torch.experts import experts_implementation
 
     world = dist.get_world_size()
     check(model, world, ep)

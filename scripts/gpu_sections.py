@@ -548,7 +548,7 @@ MOE_LABEL = "moe, MFU on active weights"
 def learner_moe(s: Settings):
     """Learner steps of a MoE model: `MOE_SHAPES` (on a CPU, the tiny MoE of
     `geo3k_torch.tiny`), trained as the recipe trains (`learner_plan`'s first configuration),
-    with its experts as `geo3k_torch.model.experts_implementation` runs them (grouped_mm where
+    with its experts as `geo3k_torch.experts.experts_implementation` runs them (grouped_mm where
     torch's grouped matmul runs: `experts_kernel`). Its `s.micro_batches_per_step` rows
     (`_learner_rows`) give tokens/s and MFU on the weights a token meets, not on all experts
     (`train_flops`), and name the shapes, decoder layers, experts and top k."""

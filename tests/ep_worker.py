@@ -38,7 +38,8 @@ from geo3k_torch import checkpoint, distributed
 from geo3k_torch.backend import copy_weights
 from geo3k_torch.expert_parallel import shard_experts
 from geo3k_torch.learner import Learner
-from geo3k_torch.model import load_model, load_sharded, use_grouped_experts
+from geo3k_torch.experts import use_grouped_experts
+from geo3k_torch.model import load_model, load_sharded
 from geo3k_torch.weight_sync import TorchWeights
 from tests.fsdp_worker import global_batch
 from tests.tiny_models import ImageOnlyProcessor, qwen3_vl_moe
