@@ -348,6 +348,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.jax.check.image_sizes = "40-200"  # pixel range of each image's width and height
     c.jax.check.micro_batch_tokens = 0  # packing budget; 0 = half the sequences' total
     c.jax.check.seed = 0  # the check's problems and weights
+    # auto | on | off: both sides' float32 log-probs also measured against transformers in
+    # float64 (auto: float32 checks of checkpoints of at most 1 GiB; geo3k_jax.check.numerics)
+    c.jax.check.float64_reference = "auto"
 
     c.lock()
     return c

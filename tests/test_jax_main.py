@@ -177,3 +177,123 @@ def test_the_tpu_configuration_passes_against_torch_in_float32(ckpt):
     assert not failed, failed
     # bf16 compute is not float32: the log-probs move by more than float32's bound
     assert next(r for r in rows if r.quantity == "log-probs").abs_err > 1e-4
+
+
+@pytest.mark.parametrize("ckpt", ["qwen2_5_vl", "qwen3_vl_moe"], indirect=True)
+def test_float64_reference_is_the_float32_function_in_float64(ckpt):
+    """The reference's log-probs are torch's float32 ones to float32's rounding, at the same
+    tokens, and not torch's float32 computation itself (some token differs)."""
+    import torch
+
+    from geo3k_jax.check.numerics import float64_logprobs
+    from geo3k_torch.model import load_model, packed_inputs, token_logprobs
+
+    arch, path = ckpt
+    processor = load_processor(path)
+    batches, _, _ = check_batches(processor, prompts=2, samples=2, images=[1, 2],
+                                  image_sizes=(40, 120), micro_batch_tokens=0, seed=3)
+    exact = float64_logprobs(str(path), processor, batches, temperature=0.7)
+    model = load_model(str(path))
+    with torch.no_grad():
+        f32 = [token_logprobs(model, packed_inputs(b, processor, model.config),
+                              torch.from_numpy(np.flatnonzero(b.loss_mask)), 0.7).numpy()
+               for b in batches]
+    assert [len(a) for a in exact] == [int(b.loss_mask.sum()) for b in batches]
+    diff = np.abs(np.concatenate(exact) - np.concatenate(f32))
+    assert diff.max() <= 1e-5 and diff.max() > 0
+    assert np.concatenate(exact).dtype == np.float64
+
+
+def test_a_norm_of_another_formula_has_no_float64_reference():
+    """`norms_as_written` replaces transformers' Qwen RMSNorm by the same formula in float64,
+    and refuses one it does not know (Gemma's 1 + weight) rather than change it."""
+    import torch
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
+
+    from geo3k_jax.check.numerics import norms_as_written
+
+    class OffsetRMSNorm(Qwen3VLTextRMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 2 / self.weight * (1 + self.weight) / 2
+
+    norm = Qwen3VLTextRMSNorm(16).double()
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    before = norm(x)  # transformers computes in float32 whatever the input
+    assert norms_as_written(torch.nn.Sequential(norm)) == 1
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight
+    torch.testing.assert_close(norm(x), exact, rtol=1e-15, atol=1e-15)
+    assert 0 < (before - exact).abs().max() < 1e-6
+    with pytest.raises(NotImplementedError, match="OffsetRMSNorm"):
+        norms_as_written(torch.nn.Sequential(OffsetRMSNorm(16)))
+
+
+def test_the_log_prob_row_passes_on_torch_rounding_only_when_jax_is_nearer_float64():
+    from geo3k_jax.check.numerics import Row, blame_torch_rounding
+
+    def pairwise(jax_to_f64, torch_to_f64):
+        row = Row("log-probs", 1.1e-5, 0.0, "abs", 1e-5)
+        blame_torch_rounding(row, Row("log-probs, JAX vs float64", jax_to_f64, 0.0, "abs", 1e-5),
+                             Row("log-probs, torch vs float64", torch_to_f64, 0.0, "abs", np.inf))
+        return row
+
+    assert Row("log-probs", 9e-6, 0.0, "abs", 1e-5).result == "pass"
+    assert pairwise(4.8e-6, 6.9e-6).result == "pass (torch's float32 rounding)"
+    assert not pairwise(6.9e-6, 4.8e-6).passed  # JAX farther from float64 than torch
+    assert not pairwise(1.2e-5, 2e-5).passed  # JAX itself outside the bound
+    assert Row("x", np.nan, np.nan, "abs", np.inf).result == "FAIL"
+    assert Row("x", 3.0, 1.0, "abs", np.inf).passed  # a shown-only row
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_vl"], indirect=True)
+def test_float64_reference_setting(ckpt):
+    from geo3k_jax.check.numerics import wants_float64_reference
+
+    arch, path = ckpt
+    cfg = config(path, arch)
+    assert wants_float64_reference(cfg, str(path))  # auto: a small float32 check
+    cfg.jax.check.dtype = "bfloat16"
+    assert not wants_float64_reference(cfg, str(path))
+    cfg.jax.check.float64_reference = "on"
+    assert wants_float64_reference(cfg, str(path))
+    cfg.jax.check.float64_reference = "off"
+    assert not wants_float64_reference(cfg, str(path))
+    cfg.jax.check.float64_reference = "yes"
+    with pytest.raises(ValueError, match="jax.check.float64_reference"):
+        wants_float64_reference(cfg, str(path))
+
+
+def test_weights_after_adamw_pass_on_gradient_noise_only():
+    """`step_beyond_gradients`: two first AdamW steps (the JAX optimizer, its clip included)
+    from the same weights, on gradients that differ by float32 noise where they are near zero,
+    differ by a large share of lr there and by nothing beyond what the noise explains; a step
+    with another learning rate is not explained."""
+    from ml_collections import ConfigDict
+
+    from configs import base
+    from geo3k_jax.check.numerics import Row, adamw_on, blame_gradient_noise, step_beyond_gradients
+
+    train = ConfigDict(base.get_config().train.to_dict())
+    train.lr = lr = 1e-3
+    rng = np.random.default_rng(0)
+    before = {"w": rng.normal(scale=0.02, size=(64, 32)).astype(np.float32)}
+    g = rng.normal(scale=1e-3, size=(64, 32))
+    g[:8] = rng.normal(scale=1e-9, size=(8, 32))  # near zero: float32 noise decides the step
+    g_th = {"w": g.astype(np.float32)}
+    g_jx = {"w": (g + rng.normal(scale=2e-9, size=g.shape)
+                  * (np.abs(g) < 1e-7)).astype(np.float32)}
+    after_th, after_jx = adamw_on(g_th, before, train), adamw_on(g_jx, before, train)
+    moved = np.abs(after_th["w"] - after_jx["w"]).max()
+    assert moved > 0.1 * lr  # the row's own bound is exceeded
+    beyond = step_beyond_gradients(after_jx, after_th, g_jx, g_th, lr, train.eps)
+    row = Row("params after AdamW", float(moved), 0.0, "abs", 0.1 * lr)
+    blame_gradient_noise(row, beyond, 1e-6)
+    assert beyond <= 1e-6 and row.result == "pass (near-zero gradients' float32 noise)"
+    train.lr = 1.5 * lr  # the same gradients, another learning rate: nothing explains it
+    wrong = adamw_on(g_jx, before, train)
+    beyond = step_beyond_gradients(wrong, after_th, g_jx, g_th, lr, train.eps)
+    row = Row("params after AdamW", float(np.abs(wrong["w"] - after_th["w"]).max()), 0.0, "abs",
+              0.1 * lr)
+    blame_gradient_noise(row, beyond, 1e-6)
+    assert beyond > 0.1 * lr and row.result == "FAIL"
