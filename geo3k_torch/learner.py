@@ -247,11 +247,12 @@ class Learner:
         accumulation as the policy loss; 0 when `loss.router_aux_coef` is 0), its routing
         metrics added to `sums`."""
         k = len(mb.targets)
-        sums |= routing_sums(logits, mb.targets, self.routing.top_k)
+        rows = mb.routed if self.loss_cfg.routing_replay else None  # where the tokens went
+        sums |= routing_sums(logits, mb.targets, self.routing.top_k, rows)
         if not k:  # a filler that trains nothing
             sums["router_aux_loss"] = torch.zeros((), device=mb.targets.device)
             return sums["router_aux_loss"]
-        aux = balance_loss(logits, mb.targets, self.routing.top_k)
+        aux = balance_loss(logits, mb.targets, self.routing.top_k, rows)
         sums["router_aux_loss"] = aux.detach() * k  # a token sum, as the other metrics
         if not self.loss_cfg.router_aux_coef:
             return torch.zeros((), device=aux.device)

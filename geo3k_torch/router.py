@@ -18,7 +18,8 @@ and reads them at the trained tokens (the loss mask's K positions):
 `balance_loss` is Switch Transformer's auxiliary loss as transformers computes it
 (`load_balancing_loss_func`: E x sum_e f_e P_e, f_e the top-k assignments to expert e per token
 and P_e its mean router probability; k when balanced) for each layer over the trained tokens,
-averaged over the layers; the learner weights each micro-batch's by its trained tokens. (transformers' own call pools the layers' fractions first,
+averaged over the layers (under replay, f_e and the load metrics count the replayed experts,
+where the tokens went); the learner weights each micro-batch's by its trained tokens. (transformers' own call pools the layers' fractions first,
 which lets one layer's imbalance cancel another's.) `load_metrics` turns the step's counts into
 scalars: E x the largest and smallest fraction of a layer's assignments an expert took (1 and 1
 when balanced; 0 for an expert no trained token reached) and their coefficient of variation over
@@ -146,27 +147,42 @@ def replay_mismatch(logits: list[torch.Tensor], rows: torch.Tensor, targets: tor
             "replayed_routings": known.sum().float()}
 
 
-def balance_loss(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The load-balancing loss over the tokens at row positions `targets` (K,): transformers'
-    `load_balancing_loss_func` of each layer's (K, E) logits, averaged over the L layers. 0-d
-    fp32."""
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+def chosen_experts(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts each sparse layer sent the tokens at `targets` (K,) to: (L, K, top_k) int64,
+    the router's own top-k of its (T, E) logits, or under replay the replayed rows (T, L, top_k;
+    a row of -1 routed freely)."""
+    free = torch.stack([layer[targets].topk(top_k, dim=-1).indices for layer in logits])
+    if rows is None:
+        return free
+    replayed = rows[targets].transpose(0, 1).long()
+    return torch.where(replayed[..., :1] >= 0, replayed, free)
 
-    per_layer = [load_balancing_loss_func((x[targets].float(),), x.shape[-1], top_k)
-                 for x in logits]
-    return torch.stack(per_layer).mean()
+
+def balance_loss(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The load-balancing loss over the tokens at row positions `targets` (K,), as transformers'
+    `load_balancing_loss_func` computes it for one layer (E x sum_e f_e P_e), of each layer's
+    (K, E) logits, averaged over the L layers; f_e counts the experts the tokens went to
+    (`chosen_experts`: the replayed ones under replay, where transformers' would count the
+    router's own top-k). 0-d fp32, its gradient through P to the routers."""
+    probs = torch.softmax(torch.stack([x[targets].float() for x in logits]), dim=-1)  # (L, K, E)
+    chosen = chosen_experts(logits, targets, top_k, rows)
+    f = torch.zeros_like(probs).scatter_(-1, chosen, 1.0).mean(1)  # (L, E)
+    return (probs.shape[-1] * (f * probs.mean(1)).sum(-1)).mean()
 
 
 @torch.no_grad()
-def routing_sums(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int
-                 ) -> dict[str, torch.Tensor]:
+def routing_sums(logits: list[torch.Tensor], targets: torch.Tensor, top_k: int,
+                 rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """At the trained tokens `targets` (K,): `router_entropy`, the sum over tokens of the router
     distribution's entropy (nats) averaged over the L layers (0-d), and `router_counts`, how
-    many of the tokens each layer routed to each expert (L, E) fp32."""
+    many of the tokens each layer sent to each expert (L, E) fp32 (`chosen_experts`: the
+    replayed experts under replay)."""
     x = torch.stack([layer[targets].float() for layer in logits])  # (L, K, E)
     logp = torch.log_softmax(x, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1).mean(0).sum()
-    chosen = torch.zeros_like(x).scatter_(-1, x.topk(top_k, dim=-1).indices, 1.0)
+    chosen = torch.zeros_like(x).scatter_(-1, chosen_experts(logits, targets, top_k, rows), 1.0)
     return {"router_entropy": entropy, "router_counts": chosen.sum(1)}
 
 

@@ -326,3 +326,44 @@ def test_grpo_steps_through_the_loop_replay_the_local_engines_routing(tmp_path):
         print({k: v for k, v in r.items() if "diff" in k or "replay" in k})
         assert np.isfinite(r["train/loss"]) and r["train/logp_diff_max"] <= 1e-4
         assert r["train/logp_diff_max_free"] >= 0 and 0 <= r["train/routing_replay_mismatch"] <= 1
+
+
+def _switch(probs: np.ndarray, chosen: np.ndarray) -> float:
+    """One layer's load-balancing loss: probs (K, E), chosen (K, k) experts."""
+    f = np.bincount(chosen.ravel(), minlength=probs.shape[1]) / len(probs)
+    return float(probs.shape[1] * (f * probs.mean(0)).sum())
+
+
+def test_the_balance_loss_and_load_metrics_count_the_replayed_experts(tiny, rollouts):
+    """Under replay the load-balancing loss's assignment fractions and the load metrics count the
+    experts the tokens went to (the engine's rows), not the learner's own top-k, which differ
+    here; the router probabilities are those of the replayed forward."""
+    batches, flips = rollouts
+    assert flips > 0
+    loss = dataclasses.replace(REPLAY, router_aux_coef=0.5)
+    m = torch_learner(tiny, loss=loss).train_step(batches, tiny["n_tokens"], tiny["n_seqs"])
+    model = load_model(tiny["path"])
+    aux = {"replayed": 0.0, "free": 0.0}
+    counts = {"replayed": np.zeros((2, 4)), "free": np.zeros((2, 4))}
+    for b in batches:  # the router logits of the replayed forward (layer 2's follow layer 1's)
+        with torch.no_grad(), Routing.of(model).replaying(torch.from_numpy(b.routed_experts)):
+            out = model.model(**packed_inputs(b, tiny["processor"], model.config),
+                              output_router_logits=True)
+        t = np.flatnonzero(b.loss_mask)
+        per_layer = {"replayed": [], "free": []}
+        for layer, x in enumerate(out.router_logits):
+            x = x.double().numpy()[t]
+            p = np.exp(x - x.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            for name, chosen in (("replayed", b.routed_experts[t, layer].astype(np.int64)),
+                                 ("free", np.argsort(-p, -1)[:, :2])):
+                per_layer[name].append(_switch(p, chosen))
+                counts[name][layer] += np.bincount(chosen.ravel(), minlength=4)
+        for name in aux:
+            aux[name] += np.mean(per_layer[name]) * len(t) / tiny["n_tokens"]
+    assert abs(aux["replayed"] - aux["free"]) > 1e-3
+    assert m["router_aux_loss"] == pytest.approx(aux["replayed"], rel=1e-5)
+    share = 4 * counts["replayed"] / counts["replayed"].sum(-1, keepdims=True)
+    assert not np.array_equal(counts["replayed"], counts["free"])
+    assert (m["router_load_max"], m["router_load_min"]) == pytest.approx(
+        (share.max(), share.min()))
