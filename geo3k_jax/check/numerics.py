@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -206,7 +207,6 @@ def wants_float64_reference(cfg, model_dir) -> bool:
         raise ValueError(f"jax.check.float64_reference must be auto, on or off, got {mode!r}")
     if mode != "auto":
         return mode == "on"
-    from pathlib import Path
     size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     return cfg.jax.check.dtype == "float32" and 0 < size <= 2 ** 30
 
