@@ -36,6 +36,7 @@ RANGES = {
     "reward.turn_discount": "(0, 1]",
     "reward.format_bonus": "(-inf, inf)",
     "reward.repeat_penalty": "[0, inf)",
+    "reward.progress_bonus": "[0, inf)",
     "rollout.n_samples": "[1, inf)",
     "rollout.max_response_tokens": "[1, inf)",
     "rollout.max_context_tokens": "[1, inf)",

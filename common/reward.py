@@ -13,8 +13,12 @@ environment the same source):
 reward = max over turns t of correct(answer_t) * turn_discount ** (t - 1)
          + format_bonus * (at least one well-formed tool call)
          - repeat_penalty * (turns that gave an answer the environment had already rejected)
+         + progress_bonus * (solved on a turn after a miss)
 
-(AReaL's rule; with a discount <= 1 the max is at the first correct turn, `correct_turn`.) A
+(AReaL's rule; with a discount <= 1 the max is at the first correct turn, `correct_turn`.) The
+progress bonus is SCoRe's (Kumar et al. 2024: a bonus for a later attempt that fixes an earlier
+wrong one): here a solve on turn t > 1, whether the missed first call was the policy's own or a
+forced one (`train.forced_miss_fraction`). A
 turn is correct when the environment graded its answer correct (`info["correct"]`): the reward
 never grades again, so the environment's verdict (which ends the episode) and the reward cannot
 disagree. Binary by default (discount 1, bonus 0): fractional rewards made equal-reward groups
@@ -43,6 +47,7 @@ class RewardConfig:
     turn_discount: float = 1.0
     format_bonus: float = 0.0
     repeat_penalty: float = 0.0  # per turn whose answer repeats a rejected one (env "repeated")
+    progress_bonus: float = 0.0  # added to a solve on a turn after a miss (SCoRe)
     fn: str = ""  # "package.module:function" replaces score_episode; empty: the built-in
 
     def __post_init__(self):
@@ -52,6 +57,8 @@ class RewardConfig:
             raise ValueError(f"turn_discount must be in (0, 1], got {self.turn_discount}")
         if not 0 <= self.repeat_penalty < math.inf:
             raise ValueError(f"repeat_penalty must be finite and >= 0, got {self.repeat_penalty}")
+        if not 0 <= self.progress_bonus < math.inf:
+            raise ValueError(f"progress_bonus must be finite and >= 0, got {self.progress_bonus}")
         if self.fn:
             load_reward_fn(self.fn)  # a bad name stops the run here, before any rollout
 
@@ -82,6 +89,8 @@ def score_episode(texts: Sequence[str], infos: Sequence[dict], answer: str,
             break
     correct = turn is not None
     reward = cfg.turn_discount ** (turn - 1) if correct else 0.0
+    if correct and turn > 1:
+        reward += cfg.progress_bonus
     if cfg.format_bonus and any(i.get("tool_score") is not None for i in infos):
         reward += cfg.format_bonus
     reward -= cfg.repeat_penalty * sum(i.get("reason") == REPEATED for i in infos)

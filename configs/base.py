@@ -98,6 +98,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.reward.format_bonus = 0.0  # added once for at least one well-formed tool call
     # Subtracted once per turn that repeats an answer the environment already rejected.
     c.reward.repeat_penalty = 0.0
+    # Added to a solve on a turn after a miss, the policy's own or a forced one (SCoRe's bonus
+    # for progress between attempts).
+    c.reward.progress_bonus = 0.0
     c.reward.fn = ""  # "package.module:function" with score_episode's signature: your own reward
 
     # Multi-turn sampling (common.rollout.RolloutConfig).

@@ -152,3 +152,15 @@ def test_each_repeat_of_a_rejected_answer_costs_the_penalty():
     for bad in (-0.1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="repeat_penalty"):
             RewardConfig(repeat_penalty=bad)
+
+
+def test_a_solve_after_a_miss_earns_the_progress_bonus():
+    cfg = RewardConfig(turn_discount=0.5, progress_bonus=0.4)
+    assert episode([call("C")], cfg).reward == 1.0  # solved first: no progress to reward
+    assert episode([call("A"), call("C")], cfg).reward == pytest.approx(0.5 + 0.4)
+    assert episode([call("A"), call("B"), call("C")], cfg).reward == pytest.approx(0.25 + 0.4)
+    assert episode([call("A"), call("B"), call("D")], cfg).reward == 0.0  # never solved
+    assert episode([call("A"), call("C")]).reward == 1.0  # off by default
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="progress_bonus"):
+            RewardConfig(progress_bonus=bad)
