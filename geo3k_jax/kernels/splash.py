@@ -50,8 +50,10 @@ PAD_ID = -7  # segment id of the padding added here (never a segment, padding's 
 
 @dataclasses.dataclass(frozen=True)
 class Attention:
-    """How the model attends: kind "windowed" or "splash"; for splash the mesh the kernel is
-    mapped over (None: one device) and whether it runs in Pallas' interpret mode (not TPU)."""
+    """How the model attends: kind "windowed" or "splash"; the mesh the model's rows are split
+    over (None: one device), whichever the kind: the splash kernels, the sparse blocks
+    (`geo3k_jax.models.moe`) and the vision tower's rows (`geo3k_jax.models.model`) are mapped
+    over it; and whether splash runs in Pallas' interpret mode (not TPU)."""
 
     kind: str = "windowed"
     mesh: jax.sharding.Mesh | None = None
@@ -63,14 +65,13 @@ class Attention:
 
 
 def resolve_attention(name: str, platform: str, mesh=None) -> Attention:
-    """The `jax.attention` setting on `platform` ("tpu", "cpu", ...): auto is splash on TPU,
-    windowed elsewhere; splash off TPU runs in interpret mode (tests, not speed)."""
+    """The `jax.attention` setting on `platform` ("tpu", "cpu", ...) over `mesh`: auto is
+    splash on TPU, windowed elsewhere; splash off TPU runs in interpret mode (tests, not
+    speed). Either kind keeps the mesh the rows are split over."""
     if name not in ATTENTIONS:
         raise ValueError(f"jax.attention must be one of {ATTENTIONS}, got {name!r}")
     kind = ("splash" if platform == "tpu" else "windowed") if name == "auto" else name
-    if kind == "windowed":
-        return Attention()
-    return Attention("splash", mesh, interpret=platform != "tpu")
+    return Attention(kind, mesh, interpret=kind == "splash" and platform != "tpu")
 
 
 def block_for(length: int) -> int:

@@ -63,11 +63,13 @@ class QwenVL(nnx.Module):
         deepstack, index = [], None
         if "pixel_values" in batch:
             # each row's images, vmapped over rows: the row axis is the data-parallel one (the
-            # splash kernel's shard_map inside maps it over the mesh's data axes)
-            spmd = BATCH_AXES if self.model.visual.attention.mesh is not None else None
+            # tower keeps each row's patches on its devices, the splash kernel's shard_map
+            # inside maps it over the mesh's data axes)
+            mesh = self.model.visual.attention.mesh
+            spmd = BATCH_AXES if mesh is not None else None
             image_embeds, deepstack = jax.vmap(
-                lambda p, v: self.model.visual(p, v, remat=remat), spmd_axis_name=spmd)(
-                batch["pixel_values"], batch["vision"])
+                lambda p, v: self.model.visual(p, v, remat=remat, row_mesh=mesh),
+                spmd_axis_name=spmd)(batch["pixel_values"], batch["vision"])
             index = batch["visual_index"]  # (B, N) positions of the row's image tokens
             embeds = scatter_rows(embeds, index, image_embeds.astype(embeds.dtype), "set")
         windows = {k: batch[k] for k in WINDOW_AXES}

@@ -24,7 +24,7 @@ compile-only devices.
 
 The tokens of a call are sorted together, so left to XLA's sharding propagation every
 data-parallel device would gather the step's tokens and compute every assignment. With a mesh
-(`attention.mesh`: the one the splash kernel maps the rows over, `geo3k_jax.kernels.splash`)
+(`attention.mesh`: the one the model's rows are split over, `geo3k_jax.kernels.splash`)
 the block runs under `shard_map` over the batch axes instead: each device routes and sorts its
 own rows' tokens and multiplies them by the experts gathered whole (sharding the experts over
 `expert` divides their memory at rest, not the compute; routing tokens to the devices holding

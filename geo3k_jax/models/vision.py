@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from geo3k_jax.models.layers import (INIT_STD, Embedding, GatedMLP, LayerNorm, LayerStack, Linear,
                               RMSNorm, activation, apply_rotary, attention, rope_inv_freq,
@@ -50,6 +51,17 @@ def rotary_cos_sin(rope_pos: jax.Array, head_dim: int, theta: float
     freqs = freqs.reshape(rope_pos.shape[0], -1)  # (P, 2, head_dim/4) -> rows then columns
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
+
+
+def whole_on_row_devices(x: jax.Array, row_mesh: Mesh | None) -> jax.Array:
+    """One row's patch activations x (P, D), in a tower vmapped over rows that `row_mesh`'s data
+    axes split (`spmd_axis_name`), kept whole on that row's devices, as the decoder's rows are.
+    Left to XLA, the scanned blocks' carry took the weights' layout (features over fsdp, so
+    rows not over fsdp) and each device computed every row of its fsdp group. row_mesh None:
+    x unchanged."""
+    if row_mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(row_mesh, P()))
 
 
 def _rotary_dim(cfg) -> int:
@@ -204,17 +216,18 @@ class Qwen25VisionTower(nnx.Module):
         self.rotary_dim = _rotary_dim(cfg)
         self.rope_theta = float(cfg.rope_parameters["rope_theta"])
 
-    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array], remat: bool = False
-                 ) -> tuple[jax.Array, list[jax.Array]]:
+    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array], remat: bool = False,
+                 row_mesh: Mesh | None = None) -> tuple[jax.Array, list[jax.Array]]:
         """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size), [].
-        remat: each block's activations are recomputed in the backward pass."""
+        remat: each block's activations are recomputed in the backward pass. row_mesh: the
+        mesh whose data axes split the rows this call is vmapped over (`whole_on_row_devices`)."""
         x = self.patch_embed(pixel_values)[aux["window_perm"]]
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
         full = jnp.asarray([i in self.fullatt_block_indexes for i in range(len(self.blocks))])
 
         def step(block, i, h):  # the full-attention blocks' segments are frames, else windows
             segments = jnp.where(full[i], aux["segments"], aux["window_segments"])
-            return block(h, cos, sin, segments)
+            return whole_on_row_devices(block(h, cos, sin, segments), row_mesh)
         x = self.blocks.scan(step, x, remat=remat)
         return self.merger(x)[aux["merge_unperm"]], []
 
@@ -246,20 +259,24 @@ class Qwen3VisionTower(nnx.Module):
         rows = self.pos_embed(indices).astype(jnp.float32)
         return (rows * weights[:, :, None].astype(jnp.float32)).sum(axis=1)
 
-    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array], remat: bool = False
-                 ) -> tuple[jax.Array, list[jax.Array]]:
+    def __call__(self, pixel_values: jax.Array, aux: dict[str, jax.Array], remat: bool = False,
+                 row_mesh: Mesh | None = None) -> tuple[jax.Array, list[jax.Array]]:
         """(P, C*T*p*p) patches, `vision_aux` arrays -> (P / merge**2, out_hidden_size) embeds
         and the DeepStack features, each (P / merge**2, out_hidden_size). remat: each block's
-        activations are recomputed in the backward pass."""
+        activations are recomputed in the backward pass. row_mesh: the mesh whose data axes
+        split the rows this call is vmapped over (`whole_on_row_devices`)."""
         x = self.patch_embed(pixel_values)
         x = x + self.interpolated_pos_embed(aux["pos_indices"], aux["pos_weights"]).astype(x.dtype)
         cos, sin = rotary_cos_sin(aux["rope_pos"], self.rotary_dim, self.rope_theta)
+
+        def block_out(block, h):  # (P, D) -> (P, D)
+            return whole_on_row_devices(block(h, cos, sin, aux["segments"]), row_mesh)
         if not self.deepstack_visual_indexes:
             return self.merger(self.blocks.scan(
-                lambda block, i, h: block(h, cos, sin, aux["segments"]), x, remat=remat)), []
+                lambda block, i, h: block_out(block, h), x, remat=remat)), []
 
         def step(block, i, h):  # every block's output: the DeepStack mergers read some
-            h = block(h, cos, sin, aux["segments"])
+            h = block_out(block, h)
             return h, h
         x, outs = self.blocks.scan(step, x, remat=remat, outputs=True)  # outs (depth, P, D)
         return self.merger(x), [merger(outs[i]) for i, merger in
