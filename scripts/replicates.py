@@ -9,12 +9,15 @@ the config's default folders).
 
     python scripts/replicates.py run --learner=torch --replicates 0 1 2 3 4 [--cpu=0]
     python scripts/replicates.py run --learner=jax --replicates 0 1 2 3 4
+    python scripts/replicates.py run --learner=torch --replicates 2 3 4 \
+        --set reward.progress_bonus=0.25 --workdir runs/progress   # a recipe change, same builds
     python scripts/replicates.py table runs/rep          # the markdown table, from the workdirs
     python scripts/replicates.py figures docs/replicates/torch-0 \
         --curve docs/cpu_perception_curve.png --chart docs/eval_cpu_perception.png
 
 `run` trains one replicate after the other into runs/rep/<learner>-<k> (`--cpu` pins them to
-one core with taskset, so two learners can run side by side on a 2-core machine). `table` reads
+one core with taskset, so two learners can run side by side on a 2-core machine; `--set
+key=value` changes the recipe, the same on every replicate, while each keeps its own build). `table` reads
 each workdir's metrics.jsonl and config.json: the greedy evaluation at step 0 and at the last
 evaluated step, judged against the target once the run has reached its `train.steps`.
 """
@@ -29,9 +32,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 MODULES = {"torch": "geo3k_torch.main", "jax": "geo3k_jax.train"}
 SEED_BASE = {"torch": 0, "jax": 100}  # replicate k's seed: k + its learner's base
+# what makes a replicate itself: `run --set` may not change these
+REPLICATE_FIELDS = ("seed", "model.tiny_seed", "data.synthetic_seed", "model.tiny_dir",
+                    "data.synthetic_dir")
 # (header, metrics key, its standard error's key or None) of each number the table shows
 COLUMNS = (
     ("first try", "eval/greedy_first_try_accuracy", "eval/greedy_first_try_accuracy_se"),
@@ -54,20 +61,28 @@ def seed(learner: str, k: int) -> int:
     return SEED_BASE[learner] + k
 
 
-def command(learner: str, k: int, workdir: Path) -> list[str]:
-    """The command line of replicate k of `learner` (its own seed, checkpoint and data)."""
+def command(learner: str, k: int, workdir: Path, overrides: Sequence[str] = ()) -> list[str]:
+    """The command line of replicate k of `learner` (its own seed, checkpoint and data), with
+    `overrides` ("key=value", e.g. "reward.progress_bonus=0.25") as its config flags."""
     s = seed(learner, k)
     cmd = [sys.executable, "-m", MODULES[learner], "--config=configs/cpu_perception.py",
            f"--config.seed={s}", f"--config.model.tiny_seed={s}", f"--config.data.synthetic_seed={s}"]
     if s:
         cmd += [f"--config.model.tiny_dir=data/rep{s}/tiny",
                 f"--config.data.synthetic_dir=data/rep{s}/synthetic"]
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.startswith("-") or key in REPLICATE_FIELDS:
+            raise ValueError(f"--set takes key=value of a config field other than the "
+                             f"replicate's seeds and folders, got {item!r}")
+        cmd.append(f"--config.{item}")
     return cmd + [f"--workdir={workdir / f'{learner}-{k}'}"]
 
 
-def run(learner: str, replicates: list[int], workdir: Path, cpu: str | None) -> None:
+def run(learner: str, replicates: list[int], workdir: Path, cpu: str | None,
+        overrides: Sequence[str] = ()) -> None:
     for k in replicates:
-        cmd = command(learner, k, workdir)
+        cmd = command(learner, k, workdir, overrides)
         if cpu is not None:
             if not shutil.which("taskset"):
                 sys.exit("--cpu needs taskset (util-linux)")
@@ -202,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--replicates", type=int, nargs="+", required=True)
     r.add_argument("--workdir", type=Path, default=Path("runs/rep"))
     r.add_argument("--cpu", help="taskset's cpu list, e.g. 0")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config field for every replicate (repeatable), e.g. "
+                        "reward.progress_bonus=0.25")
     t = sub.add_parser("table", help="the markdown table of the replicates under a folder")
     t.add_argument("root", type=Path, nargs="?", default=Path("runs/rep"))
     f = sub.add_parser("figures", help="one run's curve and final-evaluation chart, from its rows")
@@ -212,7 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.what == "run":
         if any(k < 0 for k in args.replicates):
             parser.error("replicate indices are >= 0")
-        run(args.learner, args.replicates, args.workdir, args.cpu)
+        try:
+            command(args.learner, 0, args.workdir, args.overrides)  # a bad --set, before any run
+        except ValueError as e:
+            parser.error(str(e))
+        run(args.learner, args.replicates, args.workdir, args.cpu, args.overrides)
     else:
         try:
             print(table(args.root) if args.what == "table"

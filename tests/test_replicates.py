@@ -56,6 +56,18 @@ def test_the_learners_replicates_share_no_seed_and_seed_zero_keeps_the_default_f
     assert len(torch_seeds) == 5 and not torch_seeds & {rep.seed("jax", k) for k in range(5)}
 
 
+def test_a_recipe_change_reaches_every_replicate_but_not_its_seeds_or_folders(tmp_path, capsys):
+    cmd = rep.command("torch", 2, tmp_path, ["reward.progress_bonus=0.25", "train.steps=10"])
+    assert cmd[-3:] == ["--config.reward.progress_bonus=0.25", "--config.train.steps=10",
+                        f"--workdir={tmp_path / 'torch-2'}"]
+    for bad in ("reward.progress_bonus", "=1", "--config.seed=3", "seed=3", "model.tiny_dir=x"):
+        with pytest.raises(ValueError, match="key=value"):
+            rep.command("jax", 1, tmp_path, [bad])
+        with pytest.raises(SystemExit):  # refused before any replicate runs
+            rep.main(["run", "--learner=torch", "--replicates", "1", f"--set={bad}"])
+        assert "--set takes" in capsys.readouterr().err
+
+
 def test_target_needs_first_try_and_forced_recovery_two_errors_above_its_line():
     assert rep.meets_target(_row(200, 0.5, 0.1, forced=(0.80, 0.03), line=0.74))
     assert not rep.meets_target(_row(200, 0.49, 0.9, forced=(0.95, 0.01), line=0.7))  # first try
