@@ -17,9 +17,10 @@ the config's default folders).
 
 `run` trains one replicate after the other into runs/rep/<learner>-<k> (`--cpu` pins them to
 one core with taskset, so two learners can run side by side on a 2-core machine; `--set
-key=value` changes the recipe, the same on every replicate, while each keeps its own build). `table` reads
-each workdir's metrics.jsonl and config.json: the greedy evaluation at step 0 and at the last
-evaluated step, judged against the target once the run has reached its `train.steps`.
+key=value` changes the recipe, the same on every replicate, while each keeps its own build).
+`table` reads each workdir's metrics.jsonl and config.json: the greedy evaluation at step 0
+and at the last evaluated step, judged against the target once the run has reached its
+`train.steps`.
 """
 
 from __future__ import annotations
@@ -70,13 +71,18 @@ def command(learner: str, k: int, workdir: Path, overrides: Sequence[str] = ()) 
     if s:
         cmd += [f"--config.model.tiny_dir=data/rep{s}/tiny",
                 f"--config.data.synthetic_dir=data/rep{s}/synthetic"]
+    return cmd + config_flags(overrides) + [f"--workdir={workdir / f'{learner}-{k}'}"]
+
+
+def config_flags(overrides: Sequence[str]) -> list[str]:
+    """`--config.key=value` for each "key=value" of `run --set`. Raises ValueError on an item
+    without a key or naming a field that makes a replicate itself (`REPLICATE_FIELDS`)."""
     for item in overrides:
         key, sep, _ = item.partition("=")
         if not sep or not key or key.startswith("-") or key in REPLICATE_FIELDS:
             raise ValueError(f"--set takes key=value of a config field other than the "
                              f"replicate's seeds and folders, got {item!r}")
-        cmd.append(f"--config.{item}")
-    return cmd + [f"--workdir={workdir / f'{learner}-{k}'}"]
+    return [f"--config.{item}" for item in overrides]
 
 
 def run(learner: str, replicates: list[int], workdir: Path, cpu: str | None,
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         if any(k < 0 for k in args.replicates):
             parser.error("replicate indices are >= 0")
         try:
-            command(args.learner, 0, args.workdir, args.overrides)  # a bad --set, before any run
+            config_flags(args.overrides)  # a bad --set stops here, before any run
         except ValueError as e:
             parser.error(str(e))
         run(args.learner, args.replicates, args.workdir, args.cpu, args.overrides)
